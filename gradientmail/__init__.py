@@ -1,0 +1,69 @@
+"""GradientMail: train one model on machines of unequal speed through a shared mailbox.
+
+Nodes never talk to each other: they claim work units and exchange parameters through a
+``Mailbox`` (a local directory, S3, or any fsspec store that can create atomically).
+Heavy pieces (torch, boto3, fsspec) are imported only when their names are first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradientmail.errors import (
+    GradientMailError,
+    InvalidKeyError,
+    KeyConflictError,
+    LoaderError,
+    MailboxError,
+    MailRejectedError,
+    MissingExtraError,
+    SessionError,
+    UnsafeStoreError,
+    WrongProcessError,
+)
+from gradientmail.mailbox import (
+    LocalMailbox,
+    Mailbox,
+    MemoryMailbox,
+    open_mailbox,
+    verify_mailbox,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "S3Mailbox": "gradientmail.mailbox.s3",
+    "FsspecMailbox": "gradientmail.mailbox.filesystem",
+    "Session": "gradientmail.session",
+    "consensus": "gradientmail.session",
+    "SharedQueueDataset": "gradientmail.patterns.shared_queue",
+    "shared_queue": "gradientmail.patterns.shared_queue",
+}
+
+__all__ = [
+    "GradientMailError",
+    "InvalidKeyError",
+    "KeyConflictError",
+    "LoaderError",
+    "LocalMailbox",
+    "MailRejectedError",
+    "Mailbox",
+    "MailboxError",
+    "MemoryMailbox",
+    "MissingExtraError",
+    "SessionError",
+    "UnsafeStoreError",
+    "WrongProcessError",
+    "open_mailbox",
+    "verify_mailbox",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradientmail' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

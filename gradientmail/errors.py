@@ -1,0 +1,68 @@
+"""One small exception hierarchy, each class also a built-in where one fits.
+
+Catch ``GradientMailError`` for anything the library raises on purpose; catch the built-in
+(``ValueError``, ``OSError``, ...) when you do not care that it came from GradientMail.
+"""
+
+from __future__ import annotations
+
+
+class GradientMailError(Exception):
+    """Base class of every error GradientMail raises on purpose."""
+
+
+class InvalidKeyError(GradientMailError, ValueError):
+    """A mailbox key (or prefix, or unit identifier) is unsafe or malformed."""
+
+
+class MailboxError(GradientMailError, OSError):
+    """A mailbox operation failed after retries.
+
+    Carries the operation, the key and a description of the store so that a log line says
+    what failed where without a traceback.
+    """
+
+    def __init__(self, message: str, *, operation: str = "", key: str = "", store: str = "") -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.key = key
+        self.store = store
+
+    def __reduce__(self):  # keep fields across process boundaries (DataLoader workers)
+        return (_rebuild_mailbox_error, (type(self), str(self), self.operation, self.key, self.store))
+
+
+def _rebuild_mailbox_error(cls, message, operation, key, store):
+    return cls(message, operation=operation, key=key, store=store)
+
+
+class UnsafeStoreError(MailboxError):
+    """The store cannot create a key atomically, so two nodes could both win one claim.
+
+    Reading a claim back cannot compensate for a store that silently overwrites, so such a
+    store is refused before any work is claimed.
+    """
+
+
+class KeyConflictError(MailboxError):
+    """A key collides with another key's path on a filesystem (``a`` and ``a/b``)."""
+
+
+class WrongProcessError(GradientMailError, RuntimeError):
+    """An in-process object (a ``MemoryMailbox``) was used from another process."""
+
+
+class MissingExtraError(GradientMailError, ImportError):
+    """An optional dependency is missing; the message names the ``pip install`` that fixes it."""
+
+
+class LoaderError(GradientMailError, TypeError):
+    """A unit loader yielded something other than ``(int, Tensor)`` pairs."""
+
+
+class MailRejectedError(GradientMailError, ValueError):
+    """Parameter mail that does not match this model (names, shapes, dtypes) or is corrupt."""
+
+
+class SessionError(GradientMailError, RuntimeError):
+    """A background exchange of a ``Session`` failed; raised on the training thread."""

@@ -1,0 +1,40 @@
+"""Mailbox backends: where every node leaves and reads its mail.
+
+``S3Mailbox`` and ``FsspecMailbox`` are imported lazily so that ``import gradientmail`` does not
+pull boto3 or fsspec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradientmail.mailbox.base import Mailbox, describe, verify_mailbox
+from gradientmail.mailbox.keys import validate_key, validate_prefix
+from gradientmail.mailbox.local import LocalMailbox
+from gradientmail.mailbox.memory import MemoryMailbox
+from gradientmail.mailbox.url import open_mailbox
+
+__all__ = [
+    "FsspecMailbox",
+    "LocalMailbox",
+    "Mailbox",
+    "MemoryMailbox",
+    "S3Mailbox",
+    "describe",
+    "open_mailbox",
+    "validate_key",
+    "validate_prefix",
+    "verify_mailbox",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "S3Mailbox":
+        from gradientmail.mailbox.s3 import S3Mailbox
+
+        return S3Mailbox
+    if name == "FsspecMailbox":
+        from gradientmail.mailbox.filesystem import FsspecMailbox
+
+        return FsspecMailbox
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,53 @@
+"""Key validation shared by every backend.
+
+Keys are relative, ``/``-separated paths such as ``units/000003-1.json``. Validation happens
+before anything is written so that no key can escape the mailbox root or run prefix, and so that
+a key means the same thing on a filesystem as in an object store.
+"""
+
+from __future__ import annotations
+
+from gradientmail.errors import InvalidKeyError
+
+MAX_KEY_BYTES = 512
+"""Bound on a key's UTF-8 length; leaves room for an S3 run prefix within S3's 1,024 bytes."""
+
+
+def _problem(text: str, *, allow_trailing_slash: bool) -> str | None:
+    if not isinstance(text, str):
+        return f"must be a str, not {type(text).__name__}"
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        return f"is longer than {MAX_KEY_BYTES} bytes"
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        return "contains a control character"
+    if "\\" in text:
+        return "contains a backslash (use '/' to separate segments)"
+    if text.startswith("/"):
+        return "starts with '/' (keys are relative to the mailbox root)"
+    body = text[:-1] if allow_trailing_slash and text.endswith("/") else text
+    if not body:
+        return None if allow_trailing_slash else "is empty"
+    for segment in body.split("/"):
+        if not segment:
+            return "has an empty segment ('//' or a trailing '/')"
+        if segment.startswith("."):
+            # Covers '.' and '..' (escaping the root) and hidden names, which backends reserve
+            # for temporary files that must never show up in list().
+            return f"has a segment starting with '.' ({segment!r})"
+    return None
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` unchanged, or raise ``InvalidKeyError`` saying what is wrong with it."""
+    problem = _problem(key, allow_trailing_slash=False)
+    if problem:
+        raise InvalidKeyError(f"invalid mailbox key {key!r}: it {problem}")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Like ``validate_key`` but allows ``""`` and a trailing ``/`` (``list`` prefixes)."""
+    problem = _problem(prefix, allow_trailing_slash=True)
+    if problem:
+        raise InvalidKeyError(f"invalid mailbox prefix {prefix!r}: it {problem}")
+    return prefix

@@ -1,0 +1,140 @@
+"""``LocalMailbox``: a directory on a local or shared POSIX filesystem, the embedded default.
+
+Atomicity: a value is first written whole to a hidden temporary file in the target directory,
+then published with ``os.link`` (create) or ``os.replace`` (overwrite). ``link`` fails if the
+name exists, so exactly one racing creator wins, and a reader sees either no file or the whole
+value; ``O_EXCL`` alone would expose an empty file between create and write. Both calls are
+atomic on local filesystems and on NFSv3+; temporary files start with ``.`` and never show up
+in ``list``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from gradientmail.errors import KeyConflictError, MailboxError
+from gradientmail.mailbox.base import verify_mailbox
+from gradientmail.mailbox.keys import validate_key, validate_prefix
+
+
+class LocalMailbox:
+    """A mailbox in the directory ``path`` (created unless ``create=False``)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.path = Path(path).expanduser().absolute()
+        if create:
+            self.path.mkdir(parents=True, exist_ok=True)
+        elif not self.path.is_dir():
+            raise FileNotFoundError(f"no mailbox directory at {self.path}")
+
+    @property
+    def url(self) -> str:
+        return self.path.as_uri()
+
+    def __repr__(self) -> str:
+        return f"LocalMailbox({str(self.path)!r})"
+
+    def __reduce__(self):
+        return (LocalMailbox, (str(self.path),))
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _target(self, key: str) -> Path:
+        return self.path.joinpath(*validate_key(key).split("/"))
+
+    def _write_temp(self, target: Path, data: bytes, key: str) -> Path:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"mailbox values are bytes, not {type(data).__name__} (key {key!r})")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise KeyConflictError(
+                f"{self.url}: cannot store {key!r}: a parent of it is an existing key",
+                operation="write", key=key, store=self.url,
+            ) from exc
+        temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        with open(temp, "xb") as handle:
+            handle.write(data)
+        return temp
+
+    # -- the five primitives ---------------------------------------------------------------
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        target = self._target(key)
+        temp = self._write_temp(target, data, key)
+        try:
+            os.link(temp, target)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise MailboxError(
+                f"{self.url}: put_if_absent({key!r}) failed: {exc}",
+                operation="put_if_absent", key=key, store=self.url,
+            ) from exc
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def put(self, key: str, data: bytes) -> None:
+        target = self._target(key)
+        temp = self._write_temp(target, data, key)
+        try:
+            os.replace(temp, target)
+        except IsADirectoryError as exc:
+            temp.unlink(missing_ok=True)
+            raise KeyConflictError(
+                f"{self.url}: cannot store {key!r}: other keys live under it",
+                operation="put", key=key, store=self.url,
+            ) from exc
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            with open(self._target(key), "rb") as handle:
+                return handle.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._target(key))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except IsADirectoryError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.EISDIR:
+                raise
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        validate_prefix(prefix)
+        # Only the directory named by the prefix's complete segments needs walking.
+        directory, _, _ = prefix.rpartition("/")
+        base = self.path.joinpath(*directory.split("/")) if directory else self.path
+        keys = sorted(
+            key for key in self._walk(base, directory)
+            if key.startswith(prefix) and (start_after is None or key > start_after)
+        )
+        yield from keys
+
+    def _walk(self, base: Path, relative: str) -> Iterator[str]:
+        try:
+            entries = list(os.scandir(base))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            key = f"{relative}/{entry.name}" if relative else entry.name
+            if entry.is_dir(follow_symlinks=False):
+                yield from self._walk(Path(entry.path), key)
+            else:
+                yield key
+
+    def verify(self) -> None:
+        """Check that conditional creation works here (see ``verify_mailbox``)."""
+        verify_mailbox(self)

@@ -1,0 +1,166 @@
+"""Mailbox wrappers for measuring and testing: request counts, latency, injected faults.
+
+Each wraps any object that follows the ``Mailbox`` protocol and is itself one, which is the
+point of the protocol: code that takes a mailbox never needs to know it is wrapped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from gradientmail.mailbox.base import Mailbox, describe
+
+LIST_PAGE = 1000
+"""Keys per list page, as in S3's ``ListObjectsV2``: one page counts as one request."""
+
+
+class _Wrapper:
+    def __init__(self, inner: Mailbox) -> None:
+        self.inner = inner
+
+    @property
+    def url(self) -> str:
+        return describe(self.inner)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.inner.put_if_absent(key, data)
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        return self.inner.list(prefix, start_after)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+class CountingMailbox(_Wrapper):
+    """Counts requests by operation as an object store would bill them.
+
+    A ``list`` is charged one request per started page of ``LIST_PAGE`` keys, and only for the
+    pages the caller actually consumed (listings are lazy). Counts are per process.
+    """
+
+    def __init__(self, inner: Mailbox) -> None:
+        super().__init__(inner)
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __reduce__(self):
+        return (CountingMailbox, (self.inner,))
+
+    def _count(self, operation: str) -> None:
+        with self._lock:
+            self.counts[operation] += 1
+
+    @property
+    def requests(self) -> int:
+        """Total requests so far."""
+        return sum(self.counts.values())
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self._count("put_if_absent")
+        return self.inner.put_if_absent(key, data)
+
+    def get(self, key: str) -> bytes | None:
+        self._count("get")
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._count("put")
+        self.inner.put(key, data)
+
+    def delete(self, key: str) -> None:
+        self._count("delete")
+        self.inner.delete(key)
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        self._count("list")  # the first page is requested even when it comes back empty
+        for seen, key in enumerate(self.inner.list(prefix, start_after), start=1):
+            yield key
+            if seen % LIST_PAGE == 0:
+                self._count("list")
+
+
+class DelayedMailbox(_Wrapper):
+    """Adds ``latency`` seconds to every request (and to every list page), like a far store."""
+
+    def __init__(self, inner: Mailbox, latency: float) -> None:
+        super().__init__(inner)
+        if latency < 0:
+            raise ValueError(f"latency must be >= 0, not {latency}")
+        self.latency = latency
+
+    def __reduce__(self):
+        return (DelayedMailbox, (self.inner, self.latency))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        time.sleep(self.latency)
+        return self.inner.put_if_absent(key, data)
+
+    def get(self, key: str) -> bytes | None:
+        time.sleep(self.latency)
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        time.sleep(self.latency)
+        self.inner.put(key, data)
+
+    def delete(self, key: str) -> None:
+        time.sleep(self.latency)
+        self.inner.delete(key)
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        time.sleep(self.latency)
+        for seen, key in enumerate(self.inner.list(prefix, start_after), start=1):
+            yield key
+            if seen % LIST_PAGE == 0:
+                time.sleep(self.latency)
+
+
+class FaultyMailbox(_Wrapper):
+    """Raises ``fault(operation, key)``'s exception when it returns one; for tests.
+
+    ``fault`` is called before each request with the operation name and key (the prefix for
+    ``list``); return an exception instance to raise it instead of performing the request, or
+    None to let the request through.
+    """
+
+    def __init__(self, inner: Mailbox, fault: Callable[[str, str], BaseException | None]) -> None:
+        super().__init__(inner)
+        self.fault = fault
+
+    def __reduce__(self):
+        return (FaultyMailbox, (self.inner, self.fault))
+
+    def _check(self, operation: str, key: str) -> None:
+        error = self.fault(operation, key)
+        if error is not None:
+            raise error
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self._check("put_if_absent", key)
+        return self.inner.put_if_absent(key, data)
+
+    def get(self, key: str) -> bytes | None:
+        self._check("get", key)
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._check("put", key)
+        self.inner.put(key, data)
+
+    def delete(self, key: str) -> None:
+        self._check("delete", key)
+        self.inner.delete(key)
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        self._check("list", prefix)
+        return self.inner.list(prefix, start_after)

@@ -1,0 +1,1 @@
+"""Training patterns built on the mailbox (the shared queue)."""
