@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradientmail.mailbox.base import Mailbox, describe, verify_mailbox
-from gradientmail.mailbox.keys import validate_key, validate_prefix
+from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix
 from gradientmail.mailbox.local import LocalMailbox
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.url import open_mailbox
@@ -21,6 +21,7 @@ __all__ = [
     "MemoryMailbox",
     "S3Mailbox",
     "describe",
+    "is_valid_key",
     "open_mailbox",
     "validate_key",
     "validate_prefix",

@@ -45,9 +45,21 @@ def validate_key(key: str) -> str:
     return key
 
 
+def is_valid_key(key: object) -> bool:
+    """Whether ``key`` would pass ``validate_key``; backends use it to skip foreign objects."""
+    return _problem(key, allow_trailing_slash=False) is None  # type: ignore[arg-type]
+
+
 def validate_prefix(prefix: str) -> str:
     """Like ``validate_key`` but allows ``""`` and a trailing ``/`` (``list`` prefixes)."""
     problem = _problem(prefix, allow_trailing_slash=True)
     if problem:
         raise InvalidKeyError(f"invalid mailbox prefix {prefix!r}: it {problem}")
     return prefix
+
+
+def validate_value(data: bytes, key: str) -> bytes:
+    """``data`` as ``bytes``, or ``TypeError`` naming the key: mailbox values are raw bytes."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"mailbox values are bytes, not {type(data).__name__} (key {key!r})")
+    return bytes(data)

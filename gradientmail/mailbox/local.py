@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gradientmail.errors import KeyConflictError, MailboxError
 from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import validate_key, validate_prefix
+from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 
 
 class LocalMailbox:
@@ -46,8 +46,7 @@ class LocalMailbox:
         return self.path.joinpath(*validate_key(key).split("/"))
 
     def _write_temp(self, target: Path, data: bytes, key: str) -> Path:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"mailbox values are bytes, not {type(data).__name__} (key {key!r})")
+        validate_value(data, key)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as exc:
@@ -63,11 +62,21 @@ class LocalMailbox:
     # -- the five primitives ---------------------------------------------------------------
     def put_if_absent(self, key: str, data: bytes) -> bool:
         target = self._target(key)
+        if os.path.isfile(target):
+            # It exists now, so False is a truthful answer; skips writing a temporary file.
+            validate_value(data, key)
+            return False
         temp = self._write_temp(target, data, key)
         try:
             os.link(temp, target)
             return True
         except FileExistsError:
+            if target.is_dir() and not target.is_symlink():
+                # "False" would claim the key exists while get() returns None.
+                raise KeyConflictError(
+                    f"{self.url}: cannot store {key!r}: other keys live under it",
+                    operation="put_if_absent", key=key, store=self.url,
+                ) from None
             return False
         except OSError as exc:
             raise MailboxError(

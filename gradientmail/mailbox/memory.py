@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from gradientmail.errors import WrongProcessError
 from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import validate_key, validate_prefix
+from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 
 
 class _Store:
@@ -65,7 +65,7 @@ class MemoryMailbox:
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         validate_key(key)
-        value = _as_bytes(data, key)
+        value = validate_value(data, key)
         store = self._checked_store()
         with store.lock:
             if key in store.values:
@@ -76,7 +76,7 @@ class MemoryMailbox:
 
     def put(self, key: str, data: bytes) -> None:
         validate_key(key)
-        value = _as_bytes(data, key)
+        value = validate_value(data, key)
         store = self._checked_store()
         with store.lock:
             if key not in store.values:
@@ -128,11 +128,6 @@ class MemoryMailbox:
         """Check that conditional creation works here (see ``verify_mailbox``)."""
         verify_mailbox(self)
 
-
-def _as_bytes(data: bytes, key: str) -> bytes:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"mailbox values are bytes, not {type(data).__name__} (key {key!r})")
-    return bytes(data)
 
 
 def _unpickle_memory_mailbox(name: str, pid: int) -> MemoryMailbox:
