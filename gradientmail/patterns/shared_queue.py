@@ -1,0 +1,682 @@
+"""The shared queue: nodes of unequal speed drain one set of work units through a mailbox.
+
+Every node holds the same mapping of unit identifiers to unit values. It claims units one at a
+time (``gradientmail.patterns.claims``: an atomic create of ``units/{identifier}``, read back)
+and loads the batches of each unit it owns, so a fast node simply takes more units and the run
+ends when the work ends, not when the slowest node's fixed share does.
+
+- ``SharedQueueDataset``: a ``torch.utils.data.IterableDataset`` that claims and loads; use it
+  directly or in your own ``DataLoader``.
+- ``shared_queue``: the seed's context manager, a ``DataLoader`` over that dataset with a bounded
+  prefetch buffer, clean shutdown and errors delivered in order (``workers=0``: one background
+  thread in this process).
+- ``units_claimed_by(learner_id)``: units claimed in this process (and its DataLoader workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import inspect
+import json
+import multiprocessing
+import multiprocessing.context
+import numbers
+import pickle
+import threading
+import time
+import warnings
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from gradientmail.errors import GradientMailError, LoaderError, WrongProcessError
+from gradientmail.layout import RUN_KEY
+from gradientmail.mailbox.base import Mailbox, describe, verify_mailbox
+from gradientmail.mailbox.memory import MemoryMailbox
+from gradientmail.patterns.claims import (
+    DEFAULT_LISTING,
+    Claimer,
+    validate_identifiers,
+    validate_learner_id,
+)
+
+__all__ = [
+    "InProcessMailboxError",
+    "SharedQueueDataset",
+    "UnpicklableError",
+    "shared_queue",
+    "units_claimed_by",
+]
+
+V = TypeVar("V")
+Batch = tuple[int, torch.Tensor]
+
+_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+
+class InProcessMailboxError(WrongProcessError, ValueError):
+    """A ``MemoryMailbox`` was given to worker processes, which would each get a private copy."""
+
+
+class UnpicklableError(GradientMailError, TypeError, pickle.PicklingError):
+    """``load``, the units or the mailbox cannot be sent to workers under this start method."""
+
+
+# -- units claimed per learner, across this process and its DataLoader workers ------------------
+
+_SLOTS = 256
+"""Counter slots per dataset: 0 for this process, 1 + worker id for DataLoader workers."""
+
+_COUNTERS: dict[str, list[_ClaimCounter]] = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+class _ClaimCounter:
+    """Units claimed through one dataset, in shared memory that worker processes write to.
+
+    Each worker writes only its own slot, so no lock crosses processes; a plain shared array
+    also works whatever start method the DataLoader uses (a ``multiprocessing.Value`` made for
+    one start method cannot be sent to processes of another).
+    """
+
+    def __init__(self) -> None:
+        self._slots = multiprocessing.RawArray(ctypes.c_int64, _SLOTS)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_slots": self._slots}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._slots = state["_slots"]
+        self._lock = threading.Lock()
+
+    def add(self, worker: int | None) -> None:
+        if worker is not None:
+            # A worker process is the only writer of its slot (ids beyond the slots share one:
+            # counts may then be approximate).
+            self._slots[1 + worker % (_SLOTS - 1)] += 1
+            return
+        with self._lock:  # several iterators may run in threads of this process
+            self._slots[0] += 1
+
+    def total(self) -> int:
+        return sum(self._slots)
+
+
+def _register_counter(learner_id: str) -> _ClaimCounter:
+    counter = _ClaimCounter()
+    with _COUNTERS_LOCK:
+        _COUNTERS.setdefault(learner_id, []).append(counter)
+    return counter
+
+
+def units_claimed_by(learner_id: str) -> int:
+    """Units that ``learner_id`` claimed through queues created in this process.
+
+    Counts claims made here and in the DataLoader worker processes of those queues (including
+    ``SharedQueueDataset`` in your own ``DataLoader``); 0 for a learner this process never ran.
+    A ``Session`` reports it as ``"units"`` in the learner's progress record.
+    """
+    with _COUNTERS_LOCK:
+        counters = list(_COUNTERS.get(learner_id, ()))
+    return sum(counter.total() for counter in counters)
+
+
+# -- the dataset -------------------------------------------------------------------------------
+
+
+def prepare_mailbox(mailbox: Mailbox, units: int) -> None:
+    """Refuse a store without atomic creation, then record the run (``run.json``) if new."""
+    verify_mailbox(mailbox)
+    record = {"units": units, "created": time.time()}
+    mailbox.put_if_absent(RUN_KEY, json.dumps(record).encode())
+
+
+class _Control:
+    """What ``shared_queue`` shares with its worker processes to stop them between operations.
+
+    ``stop`` ends claiming and loading; each worker holds its ``locks[worker]`` around every
+    step of its claim/load generator, so acquiring a worker's lock waits for the operation in
+    flight to finish instead of interrupting it.
+    """
+
+    def __init__(self, context: multiprocessing.context.BaseContext, workers: int) -> None:
+        self.stop = context.Event()
+        self.locks = [context.Lock() for _ in range(workers)]
+
+
+class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
+    """Claims work units from a shared mailbox and yields each claimed unit's batches.
+
+    Args:
+        units: Identifier → unit value, the same on every node. Identifiers are ``str`` usable
+            in a mailbox key (``units/{identifier}``); values are anything ``load`` accepts (and
+            picklable, for worker processes that do not fork). The library never reads them.
+        mailbox: The mailbox every node shares (``LocalMailbox``, ``S3Mailbox``, ...).
+        learner_id: This node's name, e.g. ``f"node-{rank}"``: a non-empty key segment.
+        load: ``load(value)`` yields ``(step, tensor)`` pairs for one unit, in step order.
+        order: This node's preference, a permutation of the identifiers (default: the
+            mapping's order). ``rotated_order`` makes each node prefer a different lane.
+
+    Iterating claims the first unit in ``order`` not claimed by anyone, yields its batches,
+    then claims the next, until no unclaimed unit is left. Claiming happens inside ``next()``:
+    a unit is claimed only when its first batch is asked for. Each iteration first checks that
+    the store creates atomically (``verify_mailbox``). In ``DataLoader(dataset, batch_size=None,
+    num_workers=k)`` every worker claims for itself and no two workers load one unit; note that
+    DataLoader's default collation then turns each pair into a list.
+    """
+
+    def __init__(
+        self,
+        units: Mapping[str, V],
+        *,
+        mailbox: Mailbox,
+        learner_id: str,
+        load: Callable[[V], Iterable[tuple[int, torch.Tensor]]],
+        order: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(units, Mapping):
+            raise TypeError(
+                f"units must be a mapping of identifier -> unit value, not {type(units).__name__}"
+            )
+        self.units: dict[str, V] = dict(units)
+        validate_identifiers(self.units)
+        self.learner_id = validate_learner_id(learner_id)
+        if not callable(load):
+            raise TypeError(
+                f"load must be a callable that yields (step, tensor) pairs for a unit, "
+                f"not {type(load).__name__}"
+            )
+        if not isinstance(mailbox, Mailbox):
+            raise TypeError(
+                f"mailbox must be a Mailbox (put_if_absent, get, put, list, delete), "
+                f"not {type(mailbox).__name__}"
+            )
+        self.mailbox = mailbox
+        self.load = load
+        self.order: list[str] = _checked_order(order, self.units)
+        self._counter = _register_counter(self.learner_id)
+        self._verified = False  # shared_queue verifies once in the main process
+        self._control: _Control | None = None
+        self._listing = DEFAULT_LISTING
+        self._claim_stats: Counter[str] = Counter()  # per process; the simulator reads it
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedQueueDataset({len(self.units)} units, learner_id={self.learner_id!r}, "
+            f"mailbox={describe(self.mailbox)})"
+        )
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker = info.id if info is not None else None
+        batches = self._claim_and_load(worker)
+        if self._control is None:
+            return batches
+        return _guarded(batches, self._control, worker or 0)
+
+    def _claim_and_load(self, worker: int | None) -> Iterator[Batch]:
+        if not self.units:
+            return
+        if not self._verified:
+            prepare_mailbox(self.mailbox, len(self.units))
+        claimer = Claimer(self.mailbox, self.order, self.learner_id, worker=worker, listing=self._listing)
+        try:
+            while True:
+                try:
+                    identifier = claimer.claim_next()
+                except Exception as exc:
+                    _note(exc, f"while learner {self.learner_id!r} was claiming a unit in {describe(self.mailbox)}")
+                    raise
+                if identifier is None:
+                    return
+                self._counter.add(worker)
+                yield from self._load_unit(identifier)
+        finally:
+            self._claim_stats.update(claimer.stats)
+
+    def _load_unit(self, identifier: str) -> Iterator[Batch]:
+        try:
+            batches = self.load(self.units[identifier])
+        except Exception as exc:
+            _note(exc, f"while loading unit {identifier!r}")
+            raise
+        try:
+            iterator = iter(batches)
+        except TypeError:
+            raise LoaderError(
+                f"load for unit {identifier!r} returned {_describe(batches)}, not an iterable "
+                "of (step, tensor) pairs; write load as a generator that yields them"
+            ) from None
+        try:
+            while True:
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                except Exception as exc:
+                    _note(exc, f"while loading unit {identifier!r}")
+                    raise
+                yield _checked_batch(identifier, item)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+
+def _guarded(batches: Iterator[Batch], control: _Control, worker: int) -> Iterator[Batch]:
+    """Run ``batches`` one step at a time under the worker's lock, until ``stop`` is set."""
+    lock = control.locks[worker]
+    try:
+        while True:
+            with lock:
+                if control.stop.is_set():
+                    return
+                try:
+                    item = next(batches)
+                except StopIteration:
+                    return
+                except BaseException:
+                    # This node is failing: the other workers stop claiming; batches already
+                    # buffered, then this error, still reach the consumer in order.
+                    control.stop.set()
+                    raise
+            yield item
+    finally:
+        with lock:
+            batches.close()  # the loader's own cleanup, as part of the last operation
+
+
+def _note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)
+
+
+def _describe(value: object, limit: int = 120) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real problem
+        text = "<unrepresentable>"
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _checked_batch(identifier: str, item: object) -> Batch:
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        step, tensor = item
+        if (
+            isinstance(step, numbers.Integral)
+            and not isinstance(step, bool)
+            and isinstance(tensor, torch.Tensor)
+        ):
+            return int(step), tensor
+    raise LoaderError(
+        f"load for unit {identifier!r} yielded {_describe(item)}; "
+        "it must yield (step, tensor) pairs: an int step and a torch.Tensor"
+    )
+
+
+def _checked_order(order: Sequence[str] | None, units: Mapping[str, Any]) -> list[str]:
+    if order is None:
+        return list(units)
+    if isinstance(order, (str, bytes)) or not isinstance(order, Iterable):
+        raise ValueError(
+            f"order must be a sequence of unit identifiers, not {type(order).__name__}"
+        )
+    listed = list(order)
+    strange = [entry for entry in listed if not isinstance(entry, str)]
+    if strange:
+        raise ValueError(
+            f"order must hold unit identifiers (str), found {_describe(strange[0], 60)}"
+        )
+    if len(listed) == len(units) and set(listed) == set(units):
+        return listed
+    counts = Counter(listed)
+    repeated = [entry for entry, count in counts.items() if count > 1]
+    unknown = [entry for entry in counts if entry not in units]
+    missing = [identifier for identifier in units if identifier not in counts]
+    problems = []
+    for name, entries in (("missing", missing), ("unknown", unknown), ("repeated", repeated)):
+        if entries:
+            shown = ", ".join(repr(entry) for entry in entries[:3])
+            more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+            problems.append(f"{name}: {shown}{more}")
+    raise ValueError(
+        "order must list every unit identifier exactly once (a permutation of the units' keys); "
+        + "; ".join(problems)
+    )
+
+
+# -- shared_queue ------------------------------------------------------------------------------
+
+
+def _keep(item: Batch) -> Batch:
+    """DataLoader ``collate_fn`` that keeps each ``(step, tensor)`` pair as it is."""
+    return item
+
+
+class _Batches(Iterator[Batch]):
+    """The iterator ``shared_queue`` yields; ends for good after an error or after close."""
+
+    def __init__(self) -> None:
+        self._finished = False
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._finished:
+            raise StopIteration
+        try:
+            return self._next()
+        except BaseException:
+            self._finished = True
+            raise
+
+    def _next(self) -> Batch:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _ThreadBatches(_Batches):
+    """``workers=0``: claims and loads on one background thread, ``prefetch`` batches ahead."""
+
+    def __init__(self, dataset: SharedQueueDataset[Any], prefetch: int, timeout: float | None) -> None:
+        super().__init__()
+        self._timeout = timeout
+        self._ready: deque[Any] = deque()
+        self._room = prefetch  # batches the thread may still produce before one is taken
+        self._stopping = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._produce,
+            args=(iter(dataset),),
+            name=f"gradientmail-shared-queue-{dataset.learner_id}",
+            daemon=True,  # never keeps the interpreter alive; close() joins it
+        )
+        self._thread.start()
+
+    def _produce(self, batches: Iterator[Batch]) -> None:
+        try:
+            while True:
+                with self._changed:
+                    # Wait for room *before* next(): a unit is claimed only when its first
+                    # batch has a place in the buffer.
+                    self._changed.wait_for(lambda: self._stopping or self._room > 0)
+                    if self._stopping:
+                        return
+                    self._room -= 1
+                try:
+                    item: Any = next(batches)
+                except StopIteration:
+                    item = _END
+                except BaseException as exc:  # delivered to the consumer, in order
+                    item = _Failure(exc)
+                with self._changed:
+                    self._ready.append(item)
+                    self._changed.notify_all()
+                if item is _END or isinstance(item, _Failure):
+                    return
+        finally:
+            try:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+            except Exception as exc:  # the consumer has moved on; do not lose it silently
+                warnings.warn(f"shared_queue: the loader failed while closing: {exc!r}", stacklevel=1)
+
+    def _next(self) -> Batch:
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready)
+            item = self._ready.popleft()
+            if item is not _END and not isinstance(item, _Failure):
+                self._room += 1
+                self._changed.notify_all()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        self._finished = True
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._thread.join(self._timeout)
+        if self._thread.is_alive():
+            warnings.warn(
+                f"shared_queue: the loader thread did not finish its operation within "
+                f"{self._timeout} s (shutdown_timeout); leaving it to finish in the background",
+                stacklevel=2,
+            )
+
+
+class _LoaderBatches(_Batches):
+    """``workers >= 1``: a DataLoader whose workers claim and load, ``prefetch`` batches in all."""
+
+    def __init__(
+        self,
+        dataset: SharedQueueDataset[Any],
+        *,
+        prefetch: int,
+        workers: int,
+        context: multiprocessing.context.BaseContext,
+        pin_memory: bool,
+        timeout: float | None,
+    ) -> None:
+        super().__init__()
+        self._timeout = timeout
+        self._control = _Control(context, workers)
+        dataset = copy.copy(dataset)  # the caller's dataset stays usable on its own
+        dataset._control = self._control
+        dataset._verified = True
+        options: dict[str, Any] = {
+            "batch_size": None,
+            "num_workers": workers,
+            # prefetch_factor is per worker: the total in flight stays <= prefetch.
+            "prefetch_factor": prefetch // workers,
+            "collate_fn": _keep,
+            "persistent_workers": False,
+            "pin_memory": pin_memory,
+            "multiprocessing_context": context,
+        }
+        if _HAS_IN_ORDER:
+            # Hand out each batch as soon as any worker has it: with DataLoader's default
+            # round-robin a fast worker would wait for a slow one.
+            options["in_order"] = False
+        self._iterator: Any = iter(DataLoader(dataset, **options))
+
+    def _next(self) -> Batch:
+        if self._iterator is None:
+            raise StopIteration
+        return next(self._iterator)
+
+    def close(self) -> None:
+        self._finished = True
+        iterator, self._iterator = self._iterator, None
+        if iterator is None:
+            return
+        self._control.stop.set()
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        processes = list(getattr(iterator, "_workers", ()))
+        for worker, lock in enumerate(self._control.locks):
+            process = processes[worker] if worker < len(processes) else None
+            _wait_for_operation(lock, process, deadline)
+        # Every worker is now between operations and will do no more; DataLoader's own
+        # shutdown only has to collect them (it would SIGTERM one still busy after 5 s).
+        iterator._shutdown_workers()
+        for queue in [*getattr(iterator, "_index_queues", ()), getattr(iterator, "_worker_result_queue", None)]:
+            feeder = getattr(queue, "_thread", None)
+            if feeder is not None:
+                feeder.join(1.0)
+        del iterator
+
+
+def _wait_for_operation(lock: Any, process: Any, deadline: float | None) -> None:
+    while True:
+        if lock.acquire(timeout=0.05):
+            lock.release()
+            return
+        if process is not None and not process.is_alive():
+            return  # a dead worker cannot release its lock
+        if deadline is not None and time.monotonic() >= deadline:
+            warnings.warn(
+                "shared_queue: a worker did not finish its operation within shutdown_timeout; "
+                "DataLoader will terminate it",
+                stacklevel=3,
+            )
+            return
+
+
+def _inner_mailboxes(mailbox: object) -> Iterator[object]:
+    seen = 0
+    while mailbox is not None and seen < 32:  # wrappers hold the wrapped mailbox in .inner
+        yield mailbox
+        mailbox = getattr(mailbox, "inner", None)
+        seen += 1
+
+
+def _context(value: Any) -> multiprocessing.context.BaseContext:
+    if value is None or isinstance(value, str):
+        return multiprocessing.get_context(value)
+    if isinstance(value, multiprocessing.context.BaseContext):
+        return value
+    raise TypeError(
+        f"multiprocessing_context must be None, a start method name or a context, not {value!r}"
+    )
+
+
+def _check_for_workers(dataset: SharedQueueDataset[Any], context: multiprocessing.context.BaseContext) -> None:
+    for mailbox in _inner_mailboxes(dataset.mailbox):
+        if isinstance(mailbox, MemoryMailbox):
+            raise InProcessMailboxError(
+                f"{describe(mailbox)} lives in this process, but workers > 0 starts worker "
+                "processes that would each get a private copy and claim units nobody else "
+                "sees. Use workers=0, or a LocalMailbox / S3 mailbox that every process can reach"
+            )
+    method = context.get_start_method()
+    if method == "fork":
+        return  # workers inherit everything; nothing is pickled
+    for what, value in (("load", dataset.load), ("the unit values", dataset.units), ("the mailbox", dataset.mailbox)):
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise UnpicklableError(
+                f"{what} cannot be pickled ({type(exc).__name__}: {exc}), but DataLoader workers "
+                f"started with {method!r} receive it pickled. Use workers=0, or a module-level "
+                "function (not a lambda, closure or nested function) and picklable values"
+            ) from exc
+
+
+def _positive(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, not {value}")
+    return value
+
+
+def _seconds(value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0, not {value}")
+    return seconds
+
+
+@contextlib.contextmanager
+def shared_queue(
+    units: Mapping[str, V],
+    *,
+    mailbox: Mailbox,
+    learner_id: str,
+    load: Callable[[V], Iterable[tuple[int, torch.Tensor]]],
+    prefetch: int = 8,
+    workers: int = 1,
+    order: Sequence[str] | None = None,
+    pin_memory: bool = False,
+    multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
+    shutdown_timeout: timedelta | float | None = None,
+) -> Iterator[Iterator[Batch]]:
+    """Consume a shared queue of work units: ``with shared_queue(...) as batches:``.
+
+    Yields an iterator of ``(step, tensor)``. Claiming and loading run ahead of the training
+    loop in ``workers`` DataLoader worker processes (``workers=0``: one thread in this process,
+    for notebooks, a ``MemoryMailbox`` or a loader that cannot be pickled).
+
+    Guarantees:
+        - At most ``prefetch`` batches are buffered in all (so ``prefetch >= workers``); a
+          unit is claimed only when the buffer has room for its first batch.
+        - Every unit is loaded by exactly one claimer of all nodes and workers (the claim
+          protocol in ``gradientmail.patterns.claims``); a node that finds no unclaimed unit
+          delivers what it buffered and stops.
+        - An error from ``load`` or the mailbox reaches the loop after the batches buffered
+          before it, with its type (and, from a worker process, its original message and
+          traceback) visible; the iterator then ends.
+        - Leaving the block, normally, by ``break`` or by an exception, stops prefetching, waits
+          for the loader or mailbox operation in flight (up to ``shutdown_timeout``, default
+          unbounded), and leaves no worker process or thread behind.
+        - Step order: each unit's batches arrive in its step order. With ``workers > 1`` units
+          loaded by different workers interleave (whichever batch is ready first), so steps are
+          not globally sorted; use ``step`` as a label (learning-rate schedule), not a counter.
+
+    Args:
+        units, mailbox, learner_id, load, order: as for ``SharedQueueDataset``.
+        prefetch: Batches buffered ahead of the loop, in all.
+        workers: DataLoader worker processes; 0 runs on a thread in this process.
+        pin_memory: Passed to the DataLoader (page-locked batches for faster GPU copies).
+        multiprocessing_context: Start method for workers (default: Python's default).
+        shutdown_timeout: Longest wait for an operation in flight when leaving the block.
+    """
+    prefetch = _positive("prefetch", prefetch, 1)
+    workers = _positive("workers", workers, 0)
+    if prefetch < workers:
+        raise ValueError(
+            f"prefetch={prefetch} is below workers={workers}: every worker needs room for at "
+            "least one batch, and prefetch bounds the batches buffered in all; raise prefetch "
+            "or lower workers"
+        )
+    timeout = _seconds(shutdown_timeout)
+    dataset = SharedQueueDataset(units, mailbox=mailbox, learner_id=learner_id, load=load, order=order)
+    context = None
+    if workers > 0:
+        context = _context(multiprocessing_context)
+        _check_for_workers(dataset, context)
+    if not dataset.units:
+        yield iter(())
+        return
+    prepare_mailbox(mailbox, len(dataset.units))
+    dataset._verified = True
+    batches: _Batches
+    if workers == 0:
+        batches = _ThreadBatches(dataset, prefetch, timeout)
+    else:
+        assert context is not None
+        batches = _LoaderBatches(
+            dataset, prefetch=prefetch, workers=workers, context=context,
+            pin_memory=pin_memory, timeout=timeout,
+        )
+    try:
+        yield batches
+    finally:
+        batches.close()

@@ -1,0 +1,167 @@
+"""Gantt charts of a run: one row per learner, one bar per unit, time on the x axis.
+
+``spans_from_run`` derives the bars from the mailbox alone. A claim body records when a unit was
+claimed (``claimed_at``), not when its training ended, so a bar runs from a unit's claim to the
+next claim by the same claiming thread (same learner, host, pid and worker); a learner's last
+unit ends at its progress record's ``last_seen`` (its finish time once it has finished). Claims
+are made ahead of training by the prefetch buffer, so these bars lead the training by up to
+``prefetch`` batches; ``gradientmail demo`` records exact training times in its nodes instead.
+
+matplotlib is imported only when a chart is drawn, with the Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gradientmail.errors import MissingExtraError
+from gradientmail.status import Claim, RunStatus
+
+
+@dataclass(frozen=True)
+class Span:
+    """One bar: ``learner`` worked on ``unit`` from ``start`` to ``end`` (seconds)."""
+
+    learner: str
+    unit: str
+    start: float
+    end: float
+    estimated: bool = False
+    """True when ``end`` is a guess (a last unit with no progress record to end it)."""
+
+
+def short_label(identifier: str) -> str:
+    """``000003-1.json`` (a ``unit_grid`` identifier) as ``3-1``; anything else as it is."""
+    match = re.fullmatch(r"0*(\d+)-(\d+)(?:\.json)?", identifier)
+    return f"{match[1]}-{match[2]}" if match else identifier.removesuffix(".json")
+
+
+def spans_from_run(run: RunStatus) -> list[Span]:
+    """The bars of ``run``, derived from its claims and progress records (see the module doc)."""
+    streams: dict[tuple, list[Claim]] = defaultdict(list)
+    for claim in run.claims:
+        if claim.claimed_at is not None:
+            streams[claim.stream].append(claim)
+    known: list[Span] = []
+    last: list[Claim] = []
+    for claims in streams.values():
+        claims.sort(key=lambda c: (c.claimed_at, c.identifier))
+        for claim, following in zip(claims, claims[1:], strict=False):
+            known.append(Span(claim.learner, claim.identifier, claim.claimed_at,
+                              following.claimed_at))
+        last.append(claims[-1])
+    typical = statistics.median(s.end - s.start for s in known) if known else 1.0
+    spans = list(known)
+    for claim in last:
+        row = run.learner(claim.learner)
+        end = row.last_seen if row is not None else None
+        if end is not None and end > claim.claimed_at:
+            spans.append(Span(claim.learner, claim.identifier, claim.claimed_at, end))
+        else:
+            spans.append(Span(claim.learner, claim.identifier, claim.claimed_at,
+                              claim.claimed_at + typical, estimated=True))
+    return sorted(spans, key=lambda s: (s.learner, s.start))
+
+
+def run_origin(run: RunStatus, spans: Sequence[Span]) -> float:
+    """Time zero of a chart: the run's creation, or its first claim when that is earlier."""
+    first = min((s.start for s in spans), default=0.0)
+    return run.created if run.created is not None and run.created <= first else first
+
+
+def new_figure(width: float, height: float):
+    """A matplotlib ``Figure`` drawn with Agg, without pyplot (no display, no global state)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"charts need matplotlib: pip install 'gradientmail[cli]' ({exc})"
+        ) from exc
+    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def draw_gantt(
+    spans: Iterable[Span],
+    ax: Any = None,
+    *,
+    origin: float | None = None,
+    rows: Sequence[str] | None = None,
+    title: str | None = None,
+    markers: Mapping[str, float] | None = None,
+    labels: bool | None = None,
+) -> Any:
+    """Draw ``spans`` on a matplotlib ``ax`` (a new figure's when None) and return the axes.
+
+    Args:
+        spans: the bars; time values are shifted by ``origin`` (default: the earliest start).
+        rows: learner names top to bottom (default: sorted names of ``spans``).
+        title: axes title.
+        markers: vertical dashed lines, ``{"fixed split": 24.0}``, in shifted time.
+        labels: write each unit's identifier in its bar (default: when there are at most 48).
+    """
+    spans = list(spans)
+    if ax is None:
+        names = rows or sorted({s.learner for s in spans})
+        ax = new_figure(8.0, 1.2 + 0.45 * max(1, len(names))).add_subplot()
+    if origin is None:
+        origin = min((s.start for s in spans), default=0.0)
+    names = list(rows) if rows is not None else sorted({s.learner for s in spans})
+    position = {name: index for index, name in enumerate(names)}
+    colors = [f"C{index % 10}" for index in range(len(names))]
+    if labels is None:
+        labels = len(spans) <= 48
+    extent = max((s.end - origin for s in spans), default=0.0) or 1.0
+    for span in spans:
+        if span.learner not in position:
+            continue
+        row = position[span.learner]
+        left, width = span.start - origin, max(span.end - span.start, 0.0)
+        ax.barh(row, width, left=left, height=0.7, color=colors[row], edgecolor="white",
+                linewidth=1.0, alpha=0.45 if span.estimated else 0.9,
+                hatch="//" if span.estimated else None)
+        if labels and width >= 0.035 * extent:
+            ax.text(left + width / 2, row, short_label(span.unit), ha="center",
+                    va="center", fontsize=6, color="white", clip_on=True)
+    end = max((s.end - origin for s in spans), default=0.0)
+    lines = {"makespan": end, **(markers or {})}
+    for index, (label, x) in enumerate(lines.items()):
+        ax.axvline(x, color="black" if index == 0 else f"C{(index + 3) % 10}",
+                   linestyle="--", linewidth=1.0, label=f"{label} {x:.3g}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False,
+              handlelength=1.5)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(0, max([end, *lines.values()]) * 1.04 or 1.0)
+    ax.set_xlabel("time (s)")
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def save_gantt(spans: Iterable[Span], path: str | os.PathLike[str], **options: Any) -> str:
+    """Draw ``spans`` (``draw_gantt`` options) into a PNG at ``path``; returns the path."""
+    ax = draw_gantt(spans, **options)
+    path = os.fspath(path)
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    ax.figure.savefig(path, format="png")
+    return path
+
+
+def plot_run(run: RunStatus, path: str | os.PathLike[str], *, title: str | None = None) -> str:
+    """The Gantt chart of ``run`` (from its mailbox) written to ``path`` as PNG."""
+    spans = spans_from_run(run)
+    return save_gantt(spans, path, origin=run_origin(run, spans),
+                      rows=[row.learner for row in run.learners if row.units] or None,
+                      title=title or f"{run.mailbox}: {len(spans)} units")
