@@ -347,6 +347,13 @@ def test_progress_is_written_at_each_exchange(memory_mailbox):
     assert (second["steps"], second["samples"]) == (2, 6)
 
 
+def test_entering_writes_a_first_progress_record(memory_mailbox):
+    # `gradientmail status` lists a learner from the start, not from its first exchange.
+    with session(linear(), memory_mailbox, learner="n", every_steps=1000):
+        record = json.loads(memory_mailbox.get("progress/n.json"))
+    assert (record["learner"], record["steps"], record["finished"]) == ("n", 0, False)
+
+
 def test_restarted_learner_continues_sequence_and_totals(memory_mailbox):
     model = linear(fill=3.0)
     with session(model, memory_mailbox, learner="n") as s:

@@ -308,6 +308,14 @@ class Session:
             raise
         self._samples_at_enter = self._samples
         self._mailed_samples = self._samples
+        # A first progress record, so that `gradientmail status` lists this
+        # learner from the start rather than from its first exchange.
+        progress = self._progress(finished=False)
+        try:
+            self._wait(self._worker.submit(lambda: self._put_progress(progress)), "writing progress")
+        except BaseException:
+            self._worker.close(0)
+            raise
         self._schedule()
         self._state = "active"
         return self
