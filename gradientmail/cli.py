@@ -141,6 +141,9 @@ def status_table(run) -> Any:
     else:
         units = f"units claimed {run.units_claimed} (total unknown: no run.json)"
     created = f", created {_ago(run.created, run.read_at)}" if run.created else ""
+    if run.elastic:
+        units += (f"\ndone {len(run.done)}, in progress {run.units_in_progress}, "
+                  f"released {len(run.released)}, orphaned (lease expired) {len(run.orphaned)}")
     table = Table(title=f"{run.mailbox}\n{units}{created}", title_justify="left")
     table.add_column("learner")
     table.add_column("units", justify="right")
@@ -153,6 +156,8 @@ def status_table(run) -> Any:
     for row in run.learners:
         share = f"{100.0 * row.units / run.units_claimed:.0f}%" if run.units_claimed else "-"
         state = {True: "finished", False: "running", None: "-"}[row.finished]
+        if row.lease is not None:
+            state = f"{state}, lease {row.lease}" if state != "-" else f"lease {row.lease}"
         table.add_row(row.learner, str(row.units), share, _count(row.samples),
                       _count(row.samples_per_s, 1), _count(row.steps),
                       _ago(row.last_seen, run.read_at), state)

@@ -6,7 +6,24 @@ the on-store contract: add fields freely, never rename or remove one.
 - ``run.json``: created once per run (``put_if_absent``) by the first node to start a queue:
   ``{"units": <total units>, "created": <unix time>}``. Lets the status tool show claimed/total.
 - ``units/{identifier}``: a claim (seed protocol), JSON
-  ``{"learner", "token", "host", "pid", "worker", "claimed_at"}``. Permanent for the run.
+  ``{"learner", "token", "host", "pid", "worker", "claimed_at"}``. Permanent for the run unless
+  the queue runs with ``resume=`` or ``lease=`` (``gradientmail.patterns.elastic``): then a claim
+  may be replaced with ``replace_if`` (never deleted). A takeover writes the same fields plus
+  ``"incarnation"``, ``"state": "active"``, ``"step"`` (the last step consumed before it, or
+  null) and ``"taken_from"`` (the previous owner); a node leaving cleanly rewrites its unfinished
+  claims with ``"state": "released"`` and ``"step"``, and any node may take those over.
+- ``work/{learner_id}/{identifier}``: (elastic queues) a unit this learner claimed and has not
+  finished, JSON ``{"learner", "token", "incarnation", "step", "done", "updated"}``: ``token``
+  is the claim's, ``step`` the last step its training loop consumed (null: none yet). Written at
+  claim time, rewritten as batches are consumed, deleted once the unit is done or released, so
+  listing ``work/{learner_id}/`` finds a restarted node's unfinished units cheaply.
+- ``done/{identifier}``: (elastic queues) the unit's last batch was consumed, JSON
+  ``{"learner", "token", "at"}``. Created once, never removed.
+- ``leases/{learner_id}.json``: (``lease=``) a node's heartbeat, JSON ``{"learner",
+  "incarnation", "beat", "consumed", "time", "lease_s", "state"}``; ``beat`` changes only when
+  batches were consumed since the previous beat. Peers judge it expired when it has not changed
+  for ``lease_s`` on their own clock (``time`` is informative only). ``state`` is ``"running"``
+  or ``"stopped"`` (left the queue).
 - ``progress/{learner_id}.json``: a node's totals, overwritten by its Session, JSON
   ``{"learner", "steps", "samples", "samples_per_s", "units", "started", "last_seen", "finished"}``.
 - ``session/{learner_id}/...``: parameter mail (safetensors), see ``gradientmail.session``.
@@ -18,6 +35,9 @@ RUN_KEY = "run.json"
 CLAIMS_PREFIX = "units/"
 PROGRESS_PREFIX = "progress/"
 SESSION_PREFIX = "session/"
+WORK_PREFIX = "work/"
+DONE_PREFIX = "done/"
+LEASES_PREFIX = "leases/"
 
 
 def claim_key(identifier: str) -> str:
@@ -30,3 +50,19 @@ def progress_key(learner_id: str) -> str:
 
 def session_prefix(learner_id: str) -> str:
     return f"{SESSION_PREFIX}{learner_id}/"
+
+
+def work_prefix(learner_id: str) -> str:
+    return f"{WORK_PREFIX}{learner_id}/"
+
+
+def work_key(learner_id: str, identifier: str) -> str:
+    return f"{WORK_PREFIX}{learner_id}/{identifier}"
+
+
+def done_key(identifier: str) -> str:
+    return f"{DONE_PREFIX}{identifier}"
+
+
+def lease_key(learner_id: str) -> str:
+    return f"{LEASES_PREFIX}{learner_id}.json"

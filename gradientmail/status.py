@@ -8,6 +8,14 @@ Cost: one listing of ``units/`` and ``progress/``, one GET per progress record, 
 claim body (claims are permanent, so a ``RunReader`` fetches each body once and only new claims
 on later reads). For 800 units on S3 that is about 800 GETs the first time, issued by a thread
 pool (``threads``, 16 by default).
+
+Elastic runs (``resume=`` / ``lease=``, see ``gradientmail.patterns.elastic``) add a listing of
+``done/`` and ``leases/``, one GET per lease record, and re-read the claims of unfinished units
+on every read (a takeover or release rewrites them). Each unit is then done, in progress,
+released (left by a node that stopped; any node may continue it) or orphaned (its owner's lease
+expired). A single read judges a lease by the writer's timestamp (``time`` + ``lease_s`` against
+this machine's clock); a ``RunReader`` that reads repeatedly (``--watch``) also counts a lease
+whose record has not changed for ``lease_s`` on its own clock as expired, like the nodes do.
 """
 
 from __future__ import annotations
@@ -20,7 +28,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gradientmail.errors import GradientMailError
-from gradientmail.layout import CLAIMS_PREFIX, PROGRESS_PREFIX, RUN_KEY
+from gradientmail.layout import (
+    CLAIMS_PREFIX,
+    DONE_PREFIX,
+    LEASES_PREFIX,
+    PROGRESS_PREFIX,
+    RUN_KEY,
+)
 from gradientmail.mailbox.base import Mailbox, describe
 
 DEFAULT_THREADS = 16
@@ -44,6 +58,9 @@ class Claim:
     host: str | None = None
     pid: int | None = None
     worker: Any = None
+    state: str | None = None
+    """``"active"`` or ``"released"`` for claims of elastic runs, None for the seed's claims."""
+    incarnation: str | None = None
 
     @property
     def stream(self) -> tuple[str, str | None, int | None, Any]:
@@ -63,6 +80,12 @@ class LearnerStatus:
     started: float | None = None
     last_seen: float | None = None
     finished: bool | None = None
+    done: int | None = None
+    """Units this learner owns whose ``done/`` record exists (elastic runs only, else None)."""
+    in_progress: int | None = None
+    orphaned: int | None = None
+    lease: str | None = None
+    """``"live"``, ``"expired"`` or ``"stopped"`` (elastic runs with leases), else None."""
 
 
 @dataclass
@@ -75,10 +98,23 @@ class RunStatus:
     units_total: int | None = None
     learners: list[LearnerStatus] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)
+    """Units with a ``done/`` record (elastic runs; empty for the seed's queue)."""
+    released: list[str] = field(default_factory=list)
+    orphaned: list[str] = field(default_factory=list)
+    """Unfinished units whose owner's lease expired (any node running with leases may take them)."""
+    elastic: bool = False
 
     @property
     def units_claimed(self) -> int:
         return len(self.claims)
+
+    @property
+    def units_in_progress(self) -> int | None:
+        """Claimed units neither done, released nor orphaned (None for the seed's queue)."""
+        if not self.elastic:
+            return None
+        return len(self.claims) - len(self.done) - len(self.released) - len(self.orphaned)
 
     @property
     def empty(self) -> bool:
@@ -96,6 +132,12 @@ class RunStatus:
             "units_total": self.units_total,
             "units_claimed": self.units_claimed,
             "learners": [asdict(row) for row in self.learners],
+            "elastic": self.elastic,
+            "units_done": len(self.done) if self.elastic else None,
+            "units_in_progress": self.units_in_progress,
+            "units_released": len(self.released) if self.elastic else None,
+            "units_orphaned": len(self.orphaned) if self.elastic else None,
+            "orphaned": list(self.orphaned),
         }
 
 
@@ -134,6 +176,8 @@ def parse_claim(identifier: str, data: bytes | None) -> Claim | None:
         host=body.get("host") if isinstance(body.get("host"), str) else None,
         pid=_number(body.get("pid"), int),
         worker=body.get("worker"),
+        state=body.get("state") if isinstance(body.get("state"), str) else None,
+        incarnation=body.get("incarnation") if isinstance(body.get("incarnation"), str) else None,
     )
 
 
@@ -168,6 +212,8 @@ class RunReader:
         self.mailbox = mailbox
         self.threads = threads
         self._claims: dict[str, Claim] = {}
+        self._done: set[str] = set()
+        self._leases_seen: dict[str, tuple[bytes | None, float]] = {}
 
     def _get_all(self, keys: Iterable[str]) -> list[tuple[str, bytes | None]]:
         keys = list(keys)
@@ -180,27 +226,58 @@ class RunReader:
         read_at = time.time()
         run = _json_object(self.mailbox.get(RUN_KEY)) or {}
 
-        new = [key for key in self.mailbox.list(CLAIMS_PREFIX)
-               if key[len(CLAIMS_PREFIX):] not in self._claims]
+        listed = [key[len(CLAIMS_PREFIX):] for key in self.mailbox.list(CLAIMS_PREFIX)]
+        self._done.update(key[len(DONE_PREFIX):] for key in self.mailbox.list(DONE_PREFIX))
+        lease_keys = [key for key in self.mailbox.list(LEASES_PREFIX) if key.endswith(".json")]
+        elastic = bool(self._done or lease_keys or any(
+            claim.state is not None for claim in self._claims.values()))
+        # Seed claims are permanent; elastic claims change hands until their unit is done.
+        new = [CLAIMS_PREFIX + identifier for identifier in listed
+               if identifier not in self._claims
+               or (self._claims[identifier].state is not None and identifier not in self._done)]
         progress_keys = [key for key in self.mailbox.list(PROGRESS_PREFIX) if key.endswith(".json")]
-        fetched = self._get_all([*new, *progress_keys])
+        fetched = self._get_all([*new, *progress_keys, *lease_keys])
 
         learners: dict[str, LearnerStatus] = {}
+        leases: dict[str, bytes | None] = {}
         for key, data in fetched:
             if key.startswith(CLAIMS_PREFIX):
                 identifier = key[len(CLAIMS_PREFIX):]
                 claim = parse_claim(identifier, data)
                 if claim is not None:
                     self._claims[identifier] = claim
+            elif key.startswith(LEASES_PREFIX):
+                leases[key[len(LEASES_PREFIX):-len(".json")]] = data
             else:
                 name = key[len(PROGRESS_PREFIX):-len(".json")]
                 row = parse_progress(name, data)
                 if row is not None:
                     learners[row.learner] = row
+        elastic = elastic or any(claim.state is not None for claim in self._claims.values())
+        lease_state = {name: self._lease_state(name, data, read_at) for name, data in leases.items()}
 
         claims = sorted(self._claims.values(), key=lambda c: (c.claimed_at or 0.0, c.identifier))
+        done, released, orphaned = [], [], []
         for claim in claims:
-            learners.setdefault(claim.learner, LearnerStatus(claim.learner)).units += 1
+            row = learners.setdefault(claim.learner, LearnerStatus(claim.learner))
+            row.units += 1
+            if not elastic:
+                continue
+            for name in ("done", "in_progress", "orphaned"):
+                if getattr(row, name) is None:
+                    setattr(row, name, 0)
+            if claim.identifier in self._done:
+                done.append(claim.identifier)
+                row.done += 1
+            elif claim.state == "released":
+                released.append(claim.identifier)
+            elif claim.state is not None and lease_state.get(claim.learner) in ("expired", "stopped"):
+                orphaned.append(claim.identifier)
+                row.orphaned += 1
+            else:
+                row.in_progress += 1
+        for name, state in lease_state.items():
+            learners.setdefault(name, LearnerStatus(name)).lease = state
 
         return RunStatus(
             mailbox=describe(self.mailbox),
@@ -209,7 +286,31 @@ class RunReader:
             units_total=_number(run.get("units"), int),
             learners=[learners[name] for name in sorted(learners)],
             claims=claims,
+            done=sorted(done),
+            released=sorted(released),
+            orphaned=sorted(orphaned),
+            elastic=elastic,
         )
+
+    def _lease_state(self, learner: str, data: bytes | None, now: float) -> str | None:
+        """``live``, ``expired`` or ``stopped`` for one ``leases/{learner}.json`` record."""
+        body = _json_object(data)
+        if body is None:
+            return None
+        if body.get("state") == "stopped":
+            return "stopped"
+        lease_s = _number(body.get("lease_s"))
+        if lease_s is None:
+            return None
+        written = _number(body.get("time"))
+        if written is not None and now - written > lease_s:
+            return "expired"  # by the writer's clock against ours: fine for a display
+        mono = time.monotonic()
+        seen = self._leases_seen.get(learner)
+        if seen is None or seen[0] != data:
+            self._leases_seen[learner] = (data, mono)
+            return "live"
+        return "expired" if mono - seen[1] >= lease_s else "live"
 
 
 def read_run(mailbox: Mailbox, *, threads: int = DEFAULT_THREADS) -> RunStatus:

@@ -61,3 +61,15 @@ def reader_process(root: str, reader: int, barrier, done, results) -> None:
 
 def use_in_worker(mailbox) -> bytes | None:
     return mailbox.get("k")
+
+
+def replace_if_process(root: str, value: str, writer: int, version: str, barrier, results) -> None:
+    """One of several processes trying ``replace_if`` on ``cas/key`` with the same version.
+
+    ``value`` must be new to the key: versions name values, so writing back an old value would
+    make an old version current again (the ABA case that claims avoid with fresh tokens).
+    """
+    mailbox = LocalMailbox(root, create=False)
+    barrier.wait(timeout=60)
+    won = mailbox.replace_if("cas/key", value.encode(), version)
+    results.put((writer, won))

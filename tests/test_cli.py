@@ -24,9 +24,12 @@ from cli_helpers import (
 
 from gradientmail import LocalMailbox
 
-STATUS_KEYS = {"mailbox", "read_at", "created", "units_total", "units_claimed", "learners"}
+STATUS_KEYS = {"mailbox", "read_at", "created", "units_total", "units_claimed", "learners",
+               # added by the elastic queue (issue 7); None / [] for the seed's queue
+               "elastic", "units_done", "units_in_progress", "units_released", "units_orphaned",
+               "orphaned"}
 LEARNER_KEYS = {"learner", "units", "samples", "samples_per_s", "steps", "started", "last_seen",
-                "finished"}
+                "finished", "done", "in_progress", "orphaned", "lease"}
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from gradientmail.mailbox.wrappers import CountingMailbox, FaultyMailbox
 from gradientmail.patterns.shared_queue import (
     InProcessMailboxError,
     SharedQueueDataset,
+    prepare_mailbox,
     UnpicklableError,
     shared_queue,
     units_claimed_by,
@@ -520,5 +522,56 @@ def test_store_without_conditional_writes_is_refused_before_any_claim(workers):
         with pytest.raises(UnsafeStoreError):
             list(SharedQueueDataset(named_units(3), mailbox=mailbox, learner_id="a", load=load_item))
         assert _claimed(mailbox) == []
+    finally:
+        mailbox.clear()
+
+
+# -- the store check: full probe by the node that creates run.json ------------------------------
+
+
+def test_only_the_node_that_creates_run_json_probes_the_store(memory_mailbox):
+    units = named_units(1)
+    first, second, third = (CountingMailbox(memory_mailbox) for _ in range(3))
+    prepare_mailbox(first, len(units))
+    # run.json created, then verify_mailbox: probe created twice, read back, deleted.
+    assert dict(first.counts) == {"put_if_absent": 3, "get": 1, "delete": 1}
+    prepare_mailbox(second, len(units))
+    prepare_mailbox(third, len(units))
+    # Refused a duplicate run.json (the evidence the probe looks for), then read it back.
+    assert dict(second.counts) == dict(third.counts) == {"put_if_absent": 1, "get": 1}
+    assert json.loads(memory_mailbox.get(RUN_KEY))["units"] == 1
+    assert list(memory_mailbox.list("")) == [RUN_KEY], "no probe key left behind"
+
+
+def test_every_node_probes_a_store_that_ignores_conditions_and_is_refused():
+    mailbox = IgnoresConditions(f"unsafe-every-node-{uuid.uuid4().hex}")
+    try:
+        mailbox.put(RUN_KEY, b"{}")  # as if an earlier node had created it
+        for learner in ("a", "b", "c"):
+            counted = CountingMailbox(mailbox)
+            dataset = SharedQueueDataset(named_units(3), mailbox=counted, learner_id=learner, load=load_item)
+            with pytest.raises(UnsafeStoreError, match="second put_if_absent"):
+                list(dataset)
+            assert counted.counts["put_if_absent"] == 3, "run.json 'created' again, so the full probe ran"
+        assert _claimed(mailbox) == []
+    finally:
+        mailbox.clear()
+
+
+class RefusesEverything(MemoryMailbox):
+    """A broken store: every create reports that the key already exists, and writes nothing."""
+
+    def put_if_absent(self, key, data):
+        return False
+
+
+def test_a_store_that_refuses_every_create_is_refused():
+    mailbox = RefusesEverything(f"refuses-{uuid.uuid4().hex}")
+    try:
+        with pytest.raises(UnsafeStoreError, match="run.json.*cannot be read"):
+            list(SharedQueueDataset(named_units(3), mailbox=mailbox, learner_id="a", load=load_item))
+        with pytest.raises(UnsafeStoreError, match="run.json"):
+            with shared_queue(named_units(3), mailbox=mailbox, learner_id="a", load=load_item, workers=0):
+                pass
     finally:
         mailbox.clear()

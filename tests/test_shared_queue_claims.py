@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -21,6 +22,7 @@ from gradientmail.patterns.claims import (
     validate_identifier,
     validate_learner_id,
 )
+from gradientmail.patterns.shared_queue import SharedQueueDataset
 from gradientmail.patterns.simulate import fixed_split_makespan, simulate
 from gradientmail.patterns.units import Unit, rotated_order, unit_grid
 
@@ -156,6 +158,55 @@ def test_alone_a_claimer_stops_listing(box):
     assert counted.counts["list"] <= 6
 
 
+def test_claimer_lists_when_catching_up_with_a_known_claim(box):
+    identifiers = [f"{i:05d}" for i in range(60)]
+    try_claim(box, "00040", "other")  # seen by the claimer's first listing
+    counted = CountingMailbox(box)
+    claimer = Claimer(counted, identifiers, "me")
+    listed_before = {}
+    for identifier in [f"{i:05d}" for i in range(60) if i != 40]:
+        lists = counted.counts["list"]
+        assert claimer.claim_next() == identifier
+        listed_before[identifier] = counted.counts["list"] > lists
+    assert claimer.claim_next() is None
+    assert claimer.stats["conflicts"] == 0
+    # Blind once alone long enough; a listing again where the next units include 00040.
+    assert not any(listed_before[f"{i:05d}"] for i in range(20, 38))
+    assert listed_before["00038"] and listed_before["00039"]
+    assert not any(listed_before[f"{i:05d}"] for i in range(45, 60))
+
+
+def test_claimers_competing_for_the_same_units_list_first_and_never_conflict(box):
+    identifiers = [f"{i:05d}" for i in range(200)]
+    counted = [CountingMailbox(box), CountingMailbox(box)]
+    claimers = [Claimer(counted[0], identifiers, "a"), Claimer(counted[1], identifiers, "b")]
+    got: list[str] = []
+    while True:
+        claimed = [claimer.claim_next() for claimer in claimers]
+        got.extend(identifier for identifier in claimed if identifier is not None)
+        if claimed == [None, None]:
+            break
+    assert sorted(got) == identifiers
+    for claimer, mailbox in zip(claimers, counted, strict=True):
+        assert claimer.stats["conflicts"] == 0
+        assert claimer.stats["listings"] >= claimer.stats["claims"] - 1, "both list before each claim"
+        assert claimer.risk() > 0.5
+
+
+def test_a_claimer_that_knows_everything_is_claimed_makes_no_request(box):
+    counted = CountingMailbox(box)
+    claimer = Claimer(counted, [f"{i:03d}" for i in range(50)], "solo")
+    assert [claimer.claim_next() for _ in range(50)] == [f"{i:03d}" for i in range(50)]
+    requests = counted.requests
+    assert claimer.claim_next() is None and counted.requests == requests, "no final listing"
+    # The same when the last listing showed every remaining unit claimed by others.
+    other = Claimer(CountingMailbox(box), ["x", "y"], "b")
+    try_claim(box, "y", "c")
+    assert other.claim_next() == "x"  # listed first: y is known claimed
+    requests = other.mailbox.requests
+    assert other.claim_next() is None and other.mailbox.requests == requests
+
+
 def test_listing_starts_at_low_and_stops_at_the_page_that_covers_the_candidate(box):
     identifiers = [f"{i:05d}" for i in range(5000)]
     for identifier in identifiers[:3000:2]:  # every other unit of the first 3,000 is taken
@@ -180,23 +231,24 @@ def test_listing_never_reaches_further_back_than_a_page(box):
     assert recorder.listings[1][0] == claim_key("03997")
 
 
-@pytest.mark.parametrize("listing", ["adaptive", "always"])
-def test_requests_per_claim_stay_constant_as_the_run_grows(listing):
+@pytest.mark.parametrize(("listing", "bound"), [("adaptive", 2.7), ("always", 3.01)])
+def test_requests_per_claim_stay_constant_as_the_run_grows(listing, bound):
     def cost(units: int) -> float:
         result = simulate(unit_grid(units // 4, 1, 4), [1, 2, 2, 4], rotate_lanes=4, listing=listing, jitter=0.2)
         assert result.claims == units
         return result.requests_per_claim
 
     small, large = cost(400), cost(4000)
-    assert large <= 3.01, "list + create + read back, plus a few requests per node start"
-    assert abs(large - small) < 0.06, "the cost does not grow with the number of claims"
+    assert large <= bound, "create + read back, a listing only where needed, a few per node start"
+    assert large <= small + 0.02, "the cost does not grow with the number of claims"
+    assert small - large < 0.15, "start-up and learning are spread over more claims, no more"
 
 
 def test_claimers_that_never_list_pay_for_it():
     careful = simulate(unit_grid(200, 1, 4), [1, 2, 2, 4], rotate_lanes=4)
     blind = simulate(unit_grid(200, 1, 4), [1, 2, 2, 4], rotate_lanes=4, listing="never")
     assert careful.requests_per_claim < blind.requests_per_claim
-    assert careful.conflicts_per_claim < 0.01 < blind.conflicts_per_claim
+    assert careful.conflicts_per_claim < 0.05 < blind.conflicts_per_claim
 
 
 def test_a_single_learner_pays_two_requests_per_claim():
@@ -204,23 +256,119 @@ def test_a_single_learner_pays_two_requests_per_claim():
     assert result.requests_per_claim < 2.01
 
 
+@pytest.mark.parametrize(
+    ("shape", "most"),
+    [
+        (None, 3.1),  # every node in the mapping's order: all compete, each claim lists first
+        ({"block": 1, "lag": 0}, 3.1),  # the seed's plain rotation: the same
+        ({}, 2.8),  # rotated_order's default: stretches of own units, created without listing
+        ({"block": 8, "lag": 1}, 2.7),
+    ],
+)
+def test_requests_and_conflicts_by_preference_order(shape, most):
+    speeds = [1, 2, 2, 4] * 4
+    result = simulate(unit_grid(60, 1, 16), speeds, rotate_lanes=None if shape is None else 16,
+                      jitter=0.2, **(shape or {}))
+    assert result.claims == 960
+    assert result.requests_per_claim < most
+    assert result.conflicts_per_claim <= 0.05
+
+
+def test_each_claim_costs_less_than_three_requests_in_a_round_of_nodes(box):
+    """Four real datasets behind CountingMailbox, served one batch each in turn (no clock)."""
+    nodes, groups = 4, 100
+    units = unit_grid(groups * 2, 2, nodes)  # 400 units of two batches each
+    mailboxes = [CountingMailbox(box) for _ in range(nodes)]
+    batches = [
+        iter(SharedQueueDataset(units, mailbox=mailboxes[rank], learner_id=f"node-{rank}",
+                                load=_two_batches, order=rotated_order(units, rank, nodes)))
+        for rank in range(nodes)
+    ]
+    served = 0
+    while batches:
+        for iterator in list(batches):
+            if next(iterator, None) is None:
+                batches.remove(iterator)
+            else:
+                served += 1
+    assert served == 2 * len(units)
+    requests = sum(mailbox.requests for mailbox in mailboxes)
+    assert requests / len(units) < 2.6, [dict(mailbox.counts) for mailbox in mailboxes]
+    # The seed's plain rotation in the same round: every claim lists first.
+    store = MemoryMailbox(f"plain-{random.getrandbits(64):x}")
+    plain = [CountingMailbox(store) for _ in range(nodes)]
+    batches = [
+        iter(SharedQueueDataset(units, mailbox=plain[rank], learner_id=f"node-{rank}", load=_two_batches,
+                                order=rotated_order(units, rank, nodes, block=1, lag=0)))
+        for rank in range(nodes)
+    ]
+    try:
+        while batches:
+            for iterator in list(batches):
+                if next(iterator, None) is None:
+                    batches.remove(iterator)
+        assert sum(mailbox.requests for mailbox in plain) / len(units) > 2.85
+    finally:
+        store.clear()
+
+
+def _two_batches(unit: Unit):
+    for step in range(unit.first, unit.first + unit.count):
+        yield step, torch.zeros(1)
+
+
+def test_simulated_bill_matches_counting_mailbox():
+    from gradientmail.patterns.simulate import _Counting, _PagedMemoryMailbox
+
+    store = _PagedMemoryMailbox(f"bill-{random.getrandbits(64):x}")
+    try:
+        for i in range(2500):
+            store.put_if_absent(f"units/{i:05d}", b"x")
+        store.put_if_absent("run.json", b"x")
+        for prefix, after, take in [("units/", None, 10), ("units/", None, 1000), ("units/", None, 1001),
+                                    ("units/", "units/00500", 2000), ("units/", None, 5000),
+                                    ("", None, 5000), ("units/", "units/01499", 1001), ("v/", None, 3)]:
+            fast, real = _Counting(store), CountingMailbox(MemoryMailbox(store.name))
+            got = list(itertools.islice(fast.list(prefix, after), take))
+            assert got == list(itertools.islice(real.list(prefix, after), take))
+            assert fast.counts == real.counts, (prefix, after, take)
+    finally:
+        store.clear()
+
+
 # -- the seed's schedule, virtually ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rotate", [4, None])
-def test_seed_schedule(rotate):
+ORDER_SHAPES = [None, {}, {"block": 1, "lag": 0}, {"block": 8, "lag": 1}, {"block": 2, "lag": 3}]
+
+
+@pytest.mark.parametrize("shape", ORDER_SHAPES)
+def test_seed_schedule(shape):
+    """Greedy claiming of equal units: the preference order changes which units, not how many."""
     units = unit_grid(steps=6, unit_steps=1, lanes=4)
-    result = simulate(units, unit_times=[1, 2, 2, 4], rotate_lanes=rotate)
+    result = simulate(units, unit_times=[1, 2, 2, 4], rotate_lanes=None if shape is None else 4, **(shape or {}))
     assert result.makespan == 12
     assert result.units_by_learner == {"node-0": 11, "node-1": 5, "node-2": 5, "node-3": 3}
     assert fixed_split_makespan(len(units), [1, 2, 2, 4]) == 24
 
 
-def test_simulated_units_of_several_batches():
+@pytest.mark.parametrize("shape", ORDER_SHAPES)
+def test_simulated_units_of_several_batches(shape):
     units = unit_grid(steps=24, unit_steps=4, lanes=4)  # the same 24 units, 4 batches each
-    result = simulate(units, unit_times=[1, 2, 2, 4], rotate_lanes=4)
+    result = simulate(units, unit_times=[1, 2, 2, 4], rotate_lanes=None if shape is None else 4, **(shape or {}))
     assert result.makespan == pytest.approx(12)
     assert sorted(result.units_by_learner.values()) == [3, 5, 5, 11]
+
+
+def test_step_spread_grows_with_the_stretches_nodes_keep_to_themselves():
+    units = unit_grid(400, 1, 8)
+    speeds = [1, 2, 2, 4] * 2
+    plain = simulate(units, speeds, rotate_lanes=8, block=1, lag=0, jitter=0.2)
+    default = simulate(units, speeds, rotate_lanes=8, jitter=0.2)
+    longer = simulate(units, speeds, rotate_lanes=8, block=8, lag=1, jitter=0.2)
+    assert plain.step_spread <= 4
+    assert plain.step_spread < default.step_spread <= 12 < longer.step_spread <= 20
+    assert longer.requests_per_claim < default.requests_per_claim < plain.requests_per_claim
 
 
 # -- the unit helpers ----------------------------------------------------------------------------
@@ -250,13 +398,54 @@ def test_unit_grid_shortens_the_last_group():
         unit_grid(10, 0, 2)
 
 
-def test_rotated_order():
+def test_rotated_order_plain_is_the_seeds_rotation():
     units = unit_grid(steps=2, unit_steps=1, lanes=4)
-    assert rotated_order(units, 1, 4) == [
+    assert rotated_order(units, 1, 4, block=1, lag=0) == [
         "000000-1.json", "000000-2.json", "000000-3.json", "000000-0.json",
         "000001-1.json", "000001-2.json", "000001-3.json", "000001-0.json",
     ]
-    assert rotated_order(units, 4, 4) == list(units)
-    assert rotated_order(["a", "b", "c"], 1, 2) == ["b", "a", "c"]
+    assert rotated_order(units, 4, 4, block=1, lag=0) == list(units)
+    assert rotated_order(["a", "b", "c"], 1, 2, block=1, lag=0) == ["b", "a", "c"]
+
+
+def test_rotated_order_blocks_and_lag():
+    # Own lane through each block of 2 groups first, then the other lane of the block before,
+    # from its last group backwards.
+    ids = ["a0", "a1", "b0", "b1", "c0", "c1", "d0", "d1"]
+    assert rotated_order(ids, 0, 2, block=2, lag=1) == ["a0", "b0", "c0", "d0", "b1", "a1", "d1", "c1"]
+    assert rotated_order(ids, 1, 2, block=2, lag=1) == ["a1", "b1", "c1", "d1", "b0", "a0", "d0", "c0"]
+    assert rotated_order(ids, 0, 2, block=2, lag=0) == ["a0", "b0", "b1", "a1", "c0", "d0", "d1", "c1"]
+    # block=1: own lane of each group, the other lanes `lag` groups later.
+    assert rotated_order(["a0", "a1", "a2", "b0", "b1", "b2"], 1, 3, block=1, lag=1) == [
+        "a1", "b1", "a2", "a0", "b2", "b0"]
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 7])
+def test_rotated_order_is_always_a_permutation(lanes):
+    units = list(unit_grid(50, 1, lanes))
+    for identifiers in (units, units[:-1]):  # a short last group too
+        for block, lag, rank in itertools.product((1, 2, 3, 8, 100), (0, 1, 2, 5), range(9)):
+            order = rotated_order(identifiers, rank, lanes, block=block, lag=lag)
+            assert sorted(order) == sorted(identifiers), (block, lag, rank)
+            assert order[0] == identifiers[rank % min(lanes, len(identifiers))], "own lane first"
+
+
+def test_rotated_order_default_prefers_own_lane_first_in_each_group():
+    lanes = 4
+    units = unit_grid(steps=40, unit_steps=1, lanes=lanes)
+    for rank in range(lanes):
+        order = rotated_order(units, rank, lanes)
+        first_seen: dict[int, int] = {}
+        for identifier in order:
+            first_seen.setdefault(units[identifier].first, units[identifier].lane)
+        assert set(first_seen.values()) == {rank}
+
+
+def test_rotated_order_bad_arguments():
+    units = unit_grid(steps=2, unit_steps=1, lanes=4)
     with pytest.raises(ValueError, match="rank"):
         rotated_order(units, -1, 4)
+    with pytest.raises(ValueError, match="block"):
+        rotated_order(units, 0, 4, block=0)
+    with pytest.raises(ValueError, match="lag"):
+        rotated_order(units, 0, 4, lag=-1)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradientmail.mailbox.base import Mailbox, describe, verify_mailbox
+from gradientmail.mailbox.base import (
+    Mailbox,
+    VersionedMailbox,
+    describe,
+    require_replace_if,
+    supports_replace_if,
+    verify_mailbox,
+)
 from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix
 from gradientmail.mailbox.local import LocalMailbox
 from gradientmail.mailbox.memory import MemoryMailbox
@@ -20,9 +27,12 @@ __all__ = [
     "Mailbox",
     "MemoryMailbox",
     "S3Mailbox",
+    "VersionedMailbox",
     "describe",
     "is_valid_key",
     "open_mailbox",
+    "require_replace_if",
+    "supports_replace_if",
     "validate_key",
     "validate_prefix",
     "verify_mailbox",

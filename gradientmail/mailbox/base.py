@@ -51,6 +51,58 @@ class Mailbox(Protocol):
         ...
 
 
+@runtime_checkable
+class VersionedMailbox(Protocol):
+    """The optional compare-and-swap capability: replace a value only if nobody changed it.
+
+    Not part of ``Mailbox``: a backend offers it only where the store can do it atomically
+    (``supports_replace_if``). Leases, reclaim and resume in the shared queue need it.
+
+    A version names a value, not a write: ``LocalMailbox`` and ``MemoryMailbox`` use the
+    value's SHA-256 and S3 its ETag (the MD5 of a plain upload), so writing back identical
+    bytes gives the same version. Callers that must tell two writes apart put a unique token
+    in the value (claims do).
+    """
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """``(value, version)`` of ``key``, or None when it does not exist."""
+        ...
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        """Replace ``key`` with ``data`` only if its current version is ``version``.
+
+        True when this call replaced it, atomically with the comparison; False when the key
+        changed since, or does not exist (never creates). When several callers race with the
+        same version exactly one gets True. Atomic with respect to ``put_if_absent`` and other
+        ``replace_if`` calls on the key.
+        """
+        ...
+
+
+def supports_replace_if(mailbox: object) -> bool:
+    """Whether ``mailbox`` (or the mailbox a wrapper wraps) offers atomic ``replace_if``."""
+    flag = getattr(mailbox, "supports_replace_if", None)
+    if flag is not None:
+        return bool(flag)
+    return callable(getattr(mailbox, "replace_if", None)) and callable(
+        getattr(mailbox, "get_versioned", None)
+    )
+
+
+def require_replace_if(mailbox: object, feature: str) -> VersionedMailbox:
+    """``mailbox`` itself when it supports ``replace_if``; else ``UnsafeStoreError`` naming it."""
+    if supports_replace_if(mailbox):
+        return mailbox  # type: ignore[return-value]
+    store = describe(mailbox)
+    raise UnsafeStoreError(
+        f"{store}: {feature} needs an atomic compare-and-swap (replace_if) so that exactly one "
+        f"node takes over a unit, and {type(mailbox).__name__} does not offer one. Use a "
+        "LocalMailbox (a shared directory), an S3Mailbox (If-Match) or a MemoryMailbox, or "
+        "run without this option",
+        operation="replace_if", store=store,
+    )
+
+
 PROBE_PREFIX = "_gradientmail/probe/"
 
 

@@ -7,10 +7,14 @@ a key means the same thing on a filesystem as in an object store.
 
 from __future__ import annotations
 
+import re
+
 from gradientmail.errors import InvalidKeyError
 
 MAX_KEY_BYTES = 512
 """Bound on a key's UTF-8 length; leaves room for an S3 run prefix within S3's 1,024 bytes."""
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # control characters, DEL included
 
 
 def _problem(text: str, *, allow_trailing_slash: bool) -> str | None:
@@ -18,7 +22,7 @@ def _problem(text: str, *, allow_trailing_slash: bool) -> str | None:
         return f"must be a str, not {type(text).__name__}"
     if len(text.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
         return f"is longer than {MAX_KEY_BYTES} bytes"
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+    if _CONTROL.search(text):
         return "contains a control character"
     if "\\" in text:
         return "contains a backslash (use '/' to separate segments)"

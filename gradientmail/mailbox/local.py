@@ -6,11 +6,24 @@ name exists, so exactly one racing creator wins, and a reader sees either no fil
 value; ``O_EXCL`` alone would expose an empty file between create and write. Both calls are
 atomic on local filesystems and on NFSv3+; temporary files start with ``.`` and never show up
 in ``list``.
+
+Compare-and-swap (``replace_if``, for leases and resume): the version of a value is its SHA-256.
+``replace_if`` holds an exclusive ``fcntl.flock`` on a per-key lock file under the hidden
+``.locks/`` directory while it reads, compares and publishes with ``os.replace``, so among
+processes on one machine exactly one of several racing callers with the same version wins.
+It never creates, and ``put_if_absent`` never replaces, so the two cannot interleave badly;
+an unconditional ``put`` or ``delete`` of the same key is not ordered against it. ``flock`` is not
+reliable over every network filesystem (NFS maps it to byte-range locks, which need a working
+lock manager); use S3 for leases across machines unless your shared filesystem is known to
+honour it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import hashlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -19,6 +32,14 @@ from pathlib import Path
 from gradientmail.errors import KeyConflictError, MailboxError
 from gradientmail.mailbox.base import verify_mailbox
 from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
+
+
+LOCK_DIR = ".locks"
+"""Hidden directory of ``replace_if``'s per-key lock files (never listed: it starts with ``.``)."""
+
+
+def _version(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class LocalMailbox:
@@ -85,6 +106,42 @@ class LocalMailbox:
             ) from exc
         finally:
             temp.unlink(missing_ok=True)
+
+    # -- compare-and-swap (optional capability, see VersionedMailbox) ------------------------
+    supports_replace_if = True
+
+    @contextlib.contextmanager
+    def _key_lock(self, key: str) -> Iterator[None]:
+        locks = self.path / LOCK_DIR
+        locks.mkdir(exist_ok=True)
+        name = hashlib.sha256(key.encode()).hexdigest()[:40]
+        fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        data = self.get(key)
+        return None if data is None else (data, _version(data))
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        target = self._target(key)
+        validate_value(data, key)
+        if not isinstance(version, str):
+            raise TypeError(f"version must be a str from get_versioned, not {type(version).__name__}")
+        with self._key_lock(key):
+            current = self.get(key)
+            if current is None or _version(current) != version:
+                return False
+            temp = self._write_temp(target, data, key)
+            try:
+                os.replace(temp, target)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+            return True
 
     def put(self, key: str, data: bytes) -> None:
         target = self._target(key)

@@ -9,6 +9,7 @@ units nobody else sees, so any use from another process raises ``WrongProcessErr
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -72,6 +73,27 @@ class MemoryMailbox:
                 return False
             store.values[key] = value
             bisect.insort(store.sorted_keys, key)
+            return True
+
+    # -- compare-and-swap (optional capability, see VersionedMailbox): under the store's lock --
+    supports_replace_if = True
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        validate_key(key)
+        store = self._checked_store()
+        with store.lock:
+            data = store.values.get(key)
+        return None if data is None else (data, hashlib.sha256(data).hexdigest())
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        validate_key(key)
+        value = validate_value(data, key)
+        store = self._checked_store()
+        with store.lock:
+            current = store.values.get(key)
+            if current is None or hashlib.sha256(current).hexdigest() != version:
+                return False
+            store.values[key] = value
             return True
 
     def put(self, key: str, data: bytes) -> None:

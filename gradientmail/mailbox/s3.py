@@ -13,6 +13,12 @@ Each ``put_if_absent`` therefore sends a fresh random token as object metadata
 final failure) follows a retry, botocore's or ours, a ``HeadObject`` compares the token to decide.
 A claim is thus never lost and never doubled.
 
+Compare-and-swap (``replace_if``, for leases and resume): the version is the object's ETag, and
+``replace_if`` is one ``PutObject`` with ``If-Match: <etag>``; the store refuses it (412) when
+the object changed, and answers 404 when it is gone. Ambiguous retries are settled with the
+same metadata token, and 409 ConditionalRequestConflict is retried. AWS S3 enforces
+``If-Match`` on writes since 2024-11; MinIO and R2 do too.
+
 Retries: botocore's ``standard`` retry mode handles throttling, 5xx and connection errors first;
 a loop here adds ``max_attempts`` rounds with jittered exponential backoff on top, and also
 retries 409 ConditionalRequestConflict, which botocore never retries.
@@ -337,32 +343,50 @@ class S3Mailbox:
 
     # -- the five primitives ---------------------------------------------------------------
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._conditional_put(
+            "put_if_absent", key, data, {"IfNoneMatch": "*"},
+            lost=(_EXISTS,),
+            unsupported=(
+                "the store does not support conditional writes (If-None-Match: *). Without them "
+                "two nodes could claim the same unit (Backblaze B2 answers this way); use AWS S3, "
+                "MinIO, Cloudflare R2 or a shared directory"
+            ),
+        )
+
+    def _conditional_put(
+        self, operation: str, key: str, data: bytes, condition: dict[str, str], *,
+        lost: tuple[str, ...], unsupported: str,
+    ) -> bool:
+        """One conditional ``PutObject`` with retries; True if this call's write took effect.
+
+        Each call sends a fresh token as metadata: when an answer in ``lost`` (the condition
+        failed) or a final error follows an attempt that may have landed (botocore retried, a
+        5xx, a timeout), a ``HeadObject`` compares the token instead of guessing.
+        """
         name = self._object_key(key)
         body = validate_value(data, key)
         token = uuid.uuid4().hex
-        ambiguous = False  # could an earlier attempt of this call have created the object?
+        ambiguous = False  # could an earlier attempt of this call have written the object?
         attempt = 0
         while True:
             try:
                 self.client.put_object(
-                    Bucket=self.bucket, Key=name, Body=body, IfNoneMatch="*",
-                    Metadata={TOKEN_METADATA: token},
+                    Bucket=self.bucket, Key=name, Body=body, Metadata={TOKEN_METADATA: token},
+                    **condition,
                 )
                 return True
             except _REQUEST_ERRORS as exc:
                 attempt += 1
                 outcome = _outcome(exc)
                 ambiguous = ambiguous or _error_fields(exc)[2] > 0 or outcome == _TRANSIENT
-                if outcome == _EXISTS:
+                if outcome in lost:
                     return self._created_by(name, key, token) if ambiguous else False
                 if outcome == _UNSUPPORTED:
+                    code, status, _ = _error_fields(exc)
                     raise UnsafeStoreError(
-                        f"{self._store}: put_if_absent({key!r}): the store does not support "
-                        f"conditional writes (If-None-Match: *) and answered "
-                        f"{_error_fields(exc)[0] or _error_fields(exc)[1]}. Without them two "
-                        "nodes could claim the same unit (Backblaze B2 answers this way); use "
-                        "AWS S3, MinIO, Cloudflare R2 or a shared directory",
-                        operation="put_if_absent", key=key, store=self._store,
+                        f"{self._store}: {operation}({key!r}): {unsupported} "
+                        f"(the store answered {code or status})",
+                        operation=operation, key=key, store=self._store,
                     ) from exc
                 if outcome in (_TRANSIENT, _CONFLICT) and attempt < self.max_attempts:
                     self._sleep(attempt - 1)
@@ -371,7 +395,7 @@ class S3Mailbox:
                     # Every answer was an error, yet one of the writes may have landed.
                     if self._created_by(name, key, token):
                         return True
-                raise self._error("put_if_absent", key, exc, attempt) from exc
+                raise self._error(operation, key, exc, attempt) from exc
 
     def _created_by(self, name: str, key: str, token: str) -> bool:
         """Whether the object ``name`` exists and carries this call's ``token``."""
@@ -386,6 +410,38 @@ class S3Mailbox:
             return (response.get("Metadata") or {}).get(TOKEN_METADATA)
 
         return self._retrying("put_if_absent (reading back an ambiguous write)", key, head) == token
+
+    # -- compare-and-swap (optional capability, see VersionedMailbox) ------------------------
+    supports_replace_if = True
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        name = self._object_key(key)
+
+        def request(client: Any) -> tuple[bytes, str] | None:
+            try:
+                response = client.get_object(Bucket=self.bucket, Key=name)
+            except botocore.exceptions.ClientError as exc:
+                if _outcome(exc) == _MISSING:
+                    return None
+                raise
+            with response["Body"] as stream:
+                return stream.read(), str(response["ETag"])
+
+        return self._retrying("get_versioned", key, request)
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        if not isinstance(version, str) or not version:
+            raise TypeError(f"version must be an ETag from get_versioned, not {version!r}")
+        # 412: the ETag no longer matches (perhaps because our own earlier attempt landed);
+        # 404: the object is gone.
+        return self._conditional_put(
+            "replace_if", key, data, {"IfMatch": version},
+            lost=(_EXISTS, _MISSING),
+            unsupported=(
+                "the store does not support conditional overwrites (If-Match); leases and "
+                "resume need them (AWS S3, MinIO and Cloudflare R2 support them)"
+            ),
+        )
 
     def get(self, key: str) -> bytes | None:
         name = self._object_key(key)

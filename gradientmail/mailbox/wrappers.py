@@ -10,8 +10,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.mailbox.base import Mailbox, describe, supports_replace_if
 
 LIST_PAGE = 1000
 """Keys per list page, as in S3's ``ListObjectsV2``: one page counts as one request."""
@@ -39,6 +40,24 @@ class _Wrapper:
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
+
+    # The optional compare-and-swap, forwarded when the wrapped mailbox has it.
+    @property
+    def supports_replace_if(self) -> bool:
+        return supports_replace_if(self.inner)
+
+    def _versioned(self) -> Any:
+        if not supports_replace_if(self.inner):
+            raise NotImplementedError(
+                f"{describe(self.inner)} ({type(self.inner).__name__}) has no replace_if"
+            )
+        return self.inner
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        return self._versioned().get_versioned(key)
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        return self._versioned().replace_if(key, data, version)
 
 
 class CountingMailbox(_Wrapper):
@@ -81,6 +100,16 @@ class CountingMailbox(_Wrapper):
         self._count("delete")
         self.inner.delete(key)
 
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        inner = self._versioned()
+        self._count("get_versioned")
+        return inner.get_versioned(key)
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        inner = self._versioned()
+        self._count("replace_if")
+        return inner.replace_if(key, data, version)
+
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
         self._count("list")  # the first page is requested even when it comes back empty
         for seen, key in enumerate(self.inner.list(prefix, start_after), start=1):
@@ -116,6 +145,16 @@ class DelayedMailbox(_Wrapper):
     def delete(self, key: str) -> None:
         time.sleep(self.latency)
         self.inner.delete(key)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        inner = self._versioned()
+        time.sleep(self.latency)
+        return inner.get_versioned(key)
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        inner = self._versioned()
+        time.sleep(self.latency)
+        return inner.replace_if(key, data, version)
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
         time.sleep(self.latency)
@@ -160,6 +199,16 @@ class FaultyMailbox(_Wrapper):
     def delete(self, key: str) -> None:
         self._check("delete", key)
         self.inner.delete(key)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        inner = self._versioned()
+        self._check("get_versioned", key)
+        return inner.get_versioned(key)
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        inner = self._versioned()
+        self._check("replace_if", key)
+        return inner.replace_if(key, data, version)
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
         self._check("list", prefix)

@@ -13,12 +13,14 @@ node, or a node restarted under the same ``learner_id``, must never mistake each
 for their own.
 
 ``Claimer`` walks one learner's preference order and claims the next free unit while keeping
-mailbox requests per claimed unit about constant however long the run (see its docstring).
+mailbox requests per claimed unit about constant however long the run, and below the seed's
+three (list, create, read back) where nodes prefer different units (see its docstring).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import socket
@@ -39,8 +41,22 @@ LISTING_POLICIES = ("adaptive", "always", "conflict", "never")
 
 DEFAULT_LISTING = "adaptive"
 
-QUIET_LISTINGS = 4
-"""``adaptive`` stops listing after this many listings in a row revealed nobody else's claims."""
+NEAR = 2
+"""``adaptive`` lists first when one of the next ``NEAR`` units in the claimer's order is known
+to be claimed by someone else: it is catching up with another claimer."""
+
+RISK_LIMIT = 0.1
+"""``adaptive`` lists first when more than this share of recent candidates reached by the same
+step through the claimer's order had been taken by someone else since it last looked."""
+
+RISK_MEMORY = 32
+"""Roughly how many recent candidates (per step) the ``adaptive`` estimate remembers."""
+
+UNSEEN_RISK = 0.5
+"""The risk ``adaptive`` assumes for a step it has not seen yet, once it has seen another
+claimer's claims (alone, it uses its overall rate): it lists first, then learns."""
+
+_STEP_CLASSES = 4096  # distinct steps remembered; beyond that, new steps use the overall rate
 
 
 class KeyTypeError(InvalidKeyError, TypeError):
@@ -154,6 +170,29 @@ def try_claim(mailbox: Mailbox, identifier: str, learner_id: str, *, worker: int
     return claim is not None and claim.get("token") == token
 
 
+class ClaimIndex:
+    """The claim keys of one set of units in the store's sorted order, and each key's position.
+
+    Building it sorts every key; claimers of the same units (the nodes of a simulation, or the
+    workers of one node) can share one.
+    """
+
+    def __init__(self, identifiers: Iterable[str]) -> None:
+        named = sorted((claim_key(identifier), identifier) for identifier in identifiers)
+        self.keys: list[str] = [key for key, _ in named]
+        self.positions: dict[str, int] = {key: position for position, key in enumerate(self.keys)}
+        self._by_identifier = {identifier: position for position, (_, identifier) in enumerate(named)}
+        if len(self.positions) != len(self.keys):
+            raise ValueError("unit identifiers must be unique")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def order(self, identifiers: Iterable[str]) -> list[int]:
+        """The sorted positions of ``identifiers``, in their order."""
+        return list(map(self._by_identifier.__getitem__, identifiers))
+
+
 class Claimer:
     """Claims one learner's next free unit in its preference order, cheaply.
 
@@ -165,24 +204,39 @@ class Claimer:
     claims, so one listing settles every unit near the candidate, holes behind it included,
     and a listing never costs more than two pages however long the run.
 
-    When to list is the ``listing`` policy:
+    A claim itself costs a create and a read-back. The question is when a listing (one more
+    request) must come first: what the claimer knows goes stale while its node works on a unit,
+    so a candidate that no listing since its last attempt covers may have been taken meanwhile,
+    and creating it blindly then fails (a conflict: one wasted request, plus the listing it then
+    needs). When to list is the ``listing`` policy:
 
-    - ``"adaptive"`` (default): the seed's protocol (list, create, read back: three requests
-      per claim) while other claimers are at work, that is while one of the last
-      ``QUIET_LISTINGS`` listings revealed claims by others, and after a conflict. A claimer
-      that sees nobody else for that long (a single node, or the last one still claiming)
-      stops listing until a create loses: two requests per claim.
-    - ``"always"``: list before every attempt that no listing since the last attempt covers.
+    - ``"adaptive"`` (default): list before the first attempt, after a conflict, and before a
+      candidate that is likely taken, which the claimer judges from what it has seen so far:
+
+      * one of the next ``NEAR`` units in its order is known to be claimed by someone else: it
+        is catching up with another claimer (a node helping from a lane's far end meeting the
+        lane's owner, or the owner reaching the units already taken there);
+      * candidates reached by the same *step* through its order (the distance, in the store's
+        sorted order, from the previous unit of the order) were found taken more than
+        ``RISK_LIMIT`` of the time lately (a decayed count over about ``RISK_MEMORY`` of them).
+        A step not seen yet counts as ``UNSEEN_RISK`` (list first, then learn) once a listing
+        has shown claims of others; a claimer that has only seen its own uses its overall
+        rate (50 % before anything is known).
+
+      Otherwise it creates blindly: two requests per claim. Where each node works through
+      stretches of units no other node prefers (``rotated_order(..., block=k)``) that is most
+      claims; where nodes compete for the same next units (every node in the mapping's order,
+      or the seed's plain rotation) every step is found contested, and it lists first: three
+      requests per claim, without conflicts. A node alone never meets anyone: two.
+    - ``"always"``: list before every attempt that no listing since the last attempt covers
+      (the seed's protocol: list, create, read back).
     - ``"conflict"``: list only before the first attempt and after a conflict.
     - ``"never"``: attempt blindly (for comparison).
 
-    Skipping listings while others are active does not pay: a blind create that loses costs
-    the create plus the listing it then needs, and in the simulation (``simulate.py``) 75-100 %
-    of the candidates that contested claimers would have tried blindly were already taken.
-
     ``stats`` counts ``claims``, ``attempts``, ``conflicts`` (a create that lost, or a read-back
-    that showed another token), ``listings`` and ``stale`` (listings that found the candidate
-    already taken, where a blind attempt would have conflicted).
+    that showed another token), ``listings``, ``blind`` (attempts on a candidate no current
+    listing covered) and ``stale`` (listings that found the candidate already taken, where a
+    blind attempt would have conflicted).
     """
 
     def __init__(
@@ -194,6 +248,7 @@ class Claimer:
         worker: int | None = None,
         listing: str = DEFAULT_LISTING,
         page: int = LIST_PAGE,
+        index: ClaimIndex | None = None,
     ) -> None:
         if listing not in LISTING_POLICIES:
             raise ValueError(f"listing must be one of {LISTING_POLICIES}, not {listing!r}")
@@ -204,73 +259,138 @@ class Claimer:
         self.worker = worker
         self.listing = listing
         self.page = page
-        self._keys = sorted(claim_key(identifier) for identifier in order)
-        self._index = {key: position for position, key in enumerate(self._keys)}
-        self._order = [self._index[claim_key(identifier)] for identifier in order]
+        if index is None:
+            index = ClaimIndex(order)
+        self._keys = index.keys
+        self._index = index.positions
+        self._order = index.order(order)
+        if len(self._order) != len(self._keys):
+            raise ValueError("order must hold every unit of the claim index exactly once")
         self._next = 0  # position in _order of the next candidate
         self._known = bytearray(len(self._keys))  # 1: known to be claimed (by anyone)
+        self._mine = bytearray(len(self._keys))  # 1: claimed by this claimer
         self._low = 0  # first sorted position not known to be claimed
         self._covered = -1  # last sorted position the latest listing settled...
         self._fresh = False  # ...which holds until the next attempt
         self._listed = False
         self._conflicted = False
-        self._quiet = 0  # consecutive listings that revealed no claim by others
+        # The adaptive estimate: decayed (seen, taken) counts of candidates examined without a
+        # current listing, per step through the order and overall.
+        self._steps: dict[int | None, tuple[float, float]] = {}
+        self._seen = 0.0
+        self._taken = 0.0
+        self._others = False  # a listing has shown a claim that is not this claimer's
         self.stats: Counter[str] = Counter()
 
     def claim_next(self) -> str | None:
         """Claim and return the next free identifier in preference order, or None when none is."""
-        while self._next < len(self._order):
-            position = self._order[self._next]
-            if not self._known[position] and self._should_list(position):
-                self._refresh(position)
-                if self._known[position]:
-                    self.stats["stale"] += 1
-            if self._known[position]:
-                self._next += 1
-                continue
-            won = self._attempt(position)
+        order = self._order
+        known = self._known
+        adaptive = self.listing == "adaptive"
+        end = len(order)
+        while True:
+            index = self._next
+            while index < end and known[order[index]]:
+                index += 1  # claimed by someone: never looked at again
+            self._next = index
+            if index == end:
+                return None
+            position = order[index]
+            if self._fresh and position <= self._covered:
+                won = self._attempt(position)  # a listing since the last attempt settled it
+            else:
+                step = position - order[self._next - 1] if self._next else None
+                near = adaptive and self._listed and self._near_others()
+                if near or self._should_list(step):
+                    self._refresh(position)
+                    taken = bool(known[position])
+                    if not near:
+                        self._observe(step, taken)
+                    if taken:
+                        self.stats["stale"] += 1
+                        self._next += 1
+                        continue
+                    won = self._attempt(position)
+                else:
+                    self.stats["blind"] += 1
+                    won = self._attempt(position)
+                    self._observe(step, not won)
             self._next += 1
             if won:
                 self.stats["claims"] += 1
+                self._mine[position] = 1
                 return self._keys[position][len(CLAIMS_PREFIX) :]
-        return None
+
+    def risk(self, step: int | None = None) -> float:
+        """The estimated chance that a candidate reached by ``step`` (None: any) is taken."""
+        overall = (self._taken + 0.5) / (self._seen + 1.0)
+        if step is None:
+            return overall
+        seen, taken = self._steps.get(step, (0.0, 0.0))
+        prior = max(overall, UNSEEN_RISK) if self._others else overall
+        return (taken + prior) / (seen + 1.0)
 
     # -- internals ---------------------------------------------------------------------------
-    def _should_list(self, position: int) -> bool:
-        if self._fresh and position <= self._covered:
-            return False  # a listing made since the last attempt already settled this unit
+    def _should_list(self, step: int | None) -> bool:
         if self.listing == "never":
             return False
-        if not self._listed or self.listing == "always":
+        if not self._listed or self.listing == "always" or self._conflicted:
             return True
         if self.listing == "conflict":
-            return self._conflicted
-        return self._conflicted or self._quiet < QUIET_LISTINGS
+            return False
+        return self.risk(step) > RISK_LIMIT
+
+    def _near_others(self) -> bool:
+        """Whether one of the next ``NEAR`` units in order is known claimed by someone else."""
+        order = self._order
+        known = self._known
+        mine = self._mine
+        for index in range(self._next + 1, min(len(order), self._next + 1 + NEAR)):
+            position = order[index]
+            if known[position] and not mine[position]:
+                return True
+        return False
+
+    def _observe(self, step: int | None, taken: bool) -> None:
+        keep = 1.0 - 1.0 / RISK_MEMORY
+        hit = 1.0 if taken else 0.0
+        self._seen = self._seen * keep + 1.0
+        self._taken = self._taken * keep + hit
+        counts = self._steps.get(step)
+        if counts is None and len(self._steps) >= _STEP_CLASSES:
+            return
+        seen, took = counts or (0.0, 0.0)
+        self._steps[step] = (seen * keep + 1.0, took * keep + hit)
 
     def _advance_low(self) -> None:
-        while self._low < len(self._known) and self._known[self._low]:
-            self._low += 1
+        low = self._known.find(0, self._low)
+        self._low = len(self._known) if low < 0 else low
 
     def _refresh(self, position: int) -> None:
         start = max(self._low, position - self.page)
         after = self._keys[start - 1] if start > 0 else None
         target = self._keys[position]
-        others = 0
-        seen = 0
+        index = self._index
+        known = self._known
+        page = self.page
         last: str | None = None
         complete = True
         listing = self.mailbox.list(CLAIMS_PREFIX, after)
         try:
-            for key in listing:
-                seen += 1
-                last = key
-                found = self._index.get(key)
-                if found is not None and not self._known[found]:
-                    self._known[found] = 1
-                    others += 1  # new to this claimer, hence not its own
-                # Stop at the end of a page (the next page is another request) once the
-                # candidate is covered.
-                if seen % self.page == 0 and key >= target:
+            iterator = iter(listing)
+            while True:
+                # A page at a time: the next page is another request, made only while the
+                # candidate is not yet covered.
+                chunk = list(itertools.islice(iterator, page))
+                for found in map(index.get, chunk):
+                    if found is not None:
+                        if not known[found]:
+                            self._others = True  # new to this claimer, hence not its own
+                        known[found] = 1
+                if len(chunk) < page:
+                    break
+                last = chunk[-1]
+                if last >= target:
                     complete = False
                     break
         finally:
@@ -280,7 +400,6 @@ class Claimer:
         self.stats["listings"] += 1
         self._listed = True
         self._fresh = True
-        self._quiet = 0 if others else self._quiet + 1
         if complete or last is None:
             self._covered = len(self._keys) - 1
         else:

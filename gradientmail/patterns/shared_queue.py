@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import ctypes
 import inspect
 import json
@@ -26,6 +27,7 @@ import numbers
 import pickle
 import threading
 import time
+import uuid
 import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -35,12 +37,23 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from gradientmail.errors import GradientMailError, LoaderError, WrongProcessError
+from gradientmail.errors import GradientMailError, LoaderError, UnsafeStoreError, WrongProcessError
 from gradientmail.layout import RUN_KEY
-from gradientmail.mailbox.base import Mailbox, describe, verify_mailbox
+from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
 from gradientmail.mailbox.memory import MemoryMailbox
+from gradientmail.patterns.elastic import (
+    BATCH,
+    Consumption,
+    ElasticClaimer,
+    ElasticOptions,
+    ProgressTracker,
+    check_elastic,
+    consume_inline,
+    tagged_items,
+)
 from gradientmail.patterns.claims import (
     DEFAULT_LISTING,
+    ClaimIndex,
     Claimer,
     validate_identifiers,
     validate_learner_id,
@@ -132,10 +145,28 @@ def units_claimed_by(learner_id: str) -> int:
 
 
 def prepare_mailbox(mailbox: Mailbox, units: int) -> None:
-    """Refuse a store without atomic creation, then record the run (``run.json``) if new."""
-    verify_mailbox(mailbox)
+    """Record the run (``run.json``) if new, and refuse a store without atomic creation.
+
+    Only the node that creates ``run.json`` runs the full store check (``verify_mailbox``: a
+    probe key created twice, read back and deleted, four requests). Every other node has just
+    watched the store refuse a duplicate create of ``run.json``, which is the evidence that
+    check looks for; it reads ``run.json`` back (one request) to confirm the key it was refused
+    exists, so a store that reports every create as refused is caught too. A store that
+    ignores If-None-Match reports every create of ``run.json`` as done, so every node runs the
+    full check and is refused before it claims anything. Five requests for the first node,
+    two for each of the others (the seed checked the store on every node: five each).
+    """
     record = {"units": units, "created": time.time()}
-    mailbox.put_if_absent(RUN_KEY, json.dumps(record).encode())
+    if mailbox.put_if_absent(RUN_KEY, json.dumps(record).encode()):
+        verify_mailbox(mailbox)
+        return
+    if mailbox.get(RUN_KEY) is None:
+        store = describe(mailbox)
+        raise UnsafeStoreError(
+            f"{store}: creating {RUN_KEY!r} reported that it already existed, but it cannot be "
+            "read; put_if_absent does not report creation truthfully",
+            operation="verify", key=RUN_KEY, store=store,
+        )
 
 
 class _Control:
@@ -163,13 +194,26 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         load: ``load(value)`` yields ``(step, tensor)`` pairs for one unit, in step order.
         order: This node's preference, a permutation of the identifiers (default: the
             mapping's order). ``rotated_order`` makes each node prefer a different lane.
+        resume: Record what the training loop consumed and let this learner, restarted, take
+            back its unfinished units (and any node take released ones), continuing each after
+            its last consumed step (``gradientmail.patterns.elastic``). Needs a store with
+            ``replace_if``.
+        lease: Renew a heartbeat while batches are consumed, and take over the units of nodes
+            whose heartbeat stopped changing for ``lease`` (a ``timedelta``). Needs
+            ``replace_if``.
+
+    With ``resume`` or ``lease``, consumption is tracked where the dataset is iterated: use it
+    through ``shared_queue`` or iterate it directly in the training process (a batch counts as
+    consumed when the next one is asked for), not in your own multi-worker ``DataLoader``.
+    ``state_dict`` / ``load_state_dict`` (torchdata's ``Stateful``) work without these options.
 
     Iterating claims the first unit in ``order`` not claimed by anyone, yields its batches,
     then claims the next, until no unclaimed unit is left. Claiming happens inside ``next()``:
-    a unit is claimed only when its first batch is asked for. Each iteration first checks that
-    the store creates atomically (``verify_mailbox``). In ``DataLoader(dataset, batch_size=None,
-    num_workers=k)`` every worker claims for itself and no two workers load one unit; note that
-    DataLoader's default collation then turns each pair into a list.
+    a unit is claimed only when its first batch is asked for. Each iteration first records the
+    run and checks that the store creates atomically (``prepare_mailbox``). In
+    ``DataLoader(dataset, batch_size=None, num_workers=k)`` every worker claims for itself and
+    no two workers load one unit; note that DataLoader's default collation then turns each
+    pair into a list.
     """
 
     def __init__(
@@ -180,6 +224,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         learner_id: str,
         load: Callable[[V], Iterable[tuple[int, torch.Tensor]]],
         order: Sequence[str] | None = None,
+        resume: bool = False,
+        lease: timedelta | float | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(units, Mapping):
@@ -206,7 +252,17 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self._verified = False  # shared_queue verifies once in the main process
         self._control: _Control | None = None
         self._listing = DEFAULT_LISTING
+        self._claim_index: ClaimIndex | None = None  # built on first use (the simulator shares one)
         self._claim_stats: Counter[str] = Counter()  # per process; the simulator reads it
+        self.resume = resume
+        self.lease_s = check_elastic(mailbox, resume, lease)
+        self._elastic: ElasticOptions | None = (
+            ElasticOptions(resume, self.lease_s) if resume or self.lease_s is not None else None
+        )
+        self._tagged = False  # shared_queue strips the tags in the training process
+        self._halt = [False]  # set when the consumer leaves (workers=0 has no _control)
+        self._restore: dict[str, dict[str, Any]] = {}
+        self._positions: dict[str, dict[str, Any]] = {}  # unit -> token, last step yielded
 
     def __repr__(self) -> str:
         return (
@@ -217,17 +273,67 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker = info.id if info is not None else None
-        batches = self._claim_and_load(worker)
+        if self._elastic is not None and not self._tagged:
+            if worker is not None:
+                raise ValueError(
+                    "resume= and lease= record what the training loop consumed, which a "
+                    "DataLoader worker cannot see: use shared_queue(...), iterate the dataset "
+                    "in the training process, or use state_dict()/load_state_dict() (e.g. "
+                    "torchdata's StatefulDataLoader) without these options"
+                )
+            options = dataclasses.replace(self._elastic, incarnation=uuid.uuid4().hex)
+            tracker = ProgressTracker(self.mailbox, self.learner_id, options)
+            return consume_inline(self._claim_and_load(None, options), tracker)
+        batches = self._claim_and_load(worker, self._elastic)
         if self._control is None:
             return batches
         return _guarded(batches, self._control, worker or 0)
 
-    def _claim_and_load(self, worker: int | None) -> Iterator[Batch]:
+    # -- torchdata's Stateful protocol ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The units this iteration is reading: claim token and last step handed out, per unit.
+
+        In a DataLoader worker this is that worker's state (``StatefulDataLoader`` collects
+        one per worker along with the batches it delivers).
+        """
+        return {
+            "version": 1,
+            "learner_id": self.learner_id,
+            "units": {identifier: dict(position) for identifier, position in self._positions.items()},
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take the units of ``state_dict`` back on the next iteration and continue each after
+        its last step (a compare-and-swap on the claim: a store with ``replace_if`` is needed)."""
+        units = state_dict.get("units") if isinstance(state_dict, Mapping) else None
+        if not isinstance(units, Mapping):
+            raise ValueError(
+                f"not a SharedQueueDataset state_dict (no 'units' mapping): {_describe(state_dict)}"
+            )
+        if state_dict.get("learner_id") not in (None, self.learner_id):
+            raise ValueError(
+                f"state_dict of learner {state_dict.get('learner_id')!r} loaded into "
+                f"learner {self.learner_id!r}"
+            )
+        restore = {str(i): dict(p) for i, p in units.items() if i in self.units and isinstance(p, Mapping)}
+        if restore:
+            require_replace_if(self.mailbox, "load_state_dict")
+        self._restore = restore
+
+    def _claim_and_load(self, worker: int | None, options: ElasticOptions | None = None) -> Iterator[Any]:
         if not self.units:
             return
         if not self._verified:
             prepare_mailbox(self.mailbox, len(self.units))
-        claimer = Claimer(self.mailbox, self.order, self.learner_id, worker=worker, listing=self._listing)
+        if options is not None or self._restore:
+            yield from self._claim_and_load_elastic(worker, options)
+            return
+        if self._claim_index is None:
+            self._claim_index = ClaimIndex(self.units)
+        claimer = Claimer(
+            self.mailbox, self.order, self.learner_id, worker=worker, listing=self._listing,
+            index=self._claim_index,
+        )
         try:
             while True:
                 try:
@@ -238,9 +344,49 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                 if identifier is None:
                     return
                 self._counter.add(worker)
-                yield from self._load_unit(identifier)
+                for step, tensor in self._load_unit(identifier):
+                    self._positions[identifier] = {"token": None, "step": step}
+                    yield step, tensor
+                self._positions.pop(identifier, None)
         finally:
             self._claim_stats.update(claimer.stats)
+
+    def _claim_and_load_elastic(self, worker: int | None, options: ElasticOptions | None) -> Iterator[Any]:
+        """Resume, leases or a restored state: ``ElasticClaimer`` picks the units.
+
+        With ``options`` the items are tagged for the consumer's ``ProgressTracker``; a plain
+        restore (``load_state_dict`` without resume or lease) yields plain pairs.
+        """
+        control = self._control
+        halt = self._halt
+        claimer = ElasticClaimer(
+            self.mailbox, self.order, self.learner_id,
+            options or ElasticOptions(resume=False, lease_s=None),
+            worker=worker, listing=self._listing, restore=self._restore,
+            stopping=lambda: halt[0] or (control is not None and control.stop.is_set()),
+        )
+        self._restore = {}
+        try:
+            items = tagged_items(claimer, self._load_unit, lambda: self._counter.add(worker))
+            while True:
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                except Exception as exc:
+                    _note(exc, f"while learner {self.learner_id!r} was claiming or loading a unit in {describe(self.mailbox)}")
+                    raise
+                step, tensor, (identifier, token, kind) = item
+                if kind == BATCH:
+                    self._positions[identifier] = {"token": token, "step": step}
+                else:
+                    self._positions.pop(identifier, None)
+                if options is not None:
+                    yield item
+                elif kind == BATCH:
+                    yield step, tensor
+        finally:
+            self._claim_stats.update(claimer.claim_stats)
 
     def _load_unit(self, identifier: str) -> Iterator[Batch]:
         try:
@@ -470,6 +616,33 @@ class _ThreadBatches(_Batches):
             )
 
 
+class _ElasticBatches(_Batches):
+    """Strips the elastic tags and tells the ``ProgressTracker`` what the loop consumed."""
+
+    def __init__(self, inner: _Batches, tracker: ProgressTracker, halt: list[bool]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._tracker = tracker
+        self._consumption = Consumption(tracker)
+        self._halt = halt
+        self._closed = False
+
+    def _next(self) -> Batch:
+        return self._consumption.next_from(self._inner)
+
+    def close(self, consumed_last: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finished = True
+        self._halt[0] = True  # a claimer waiting for orphans stops waiting
+        try:
+            self._inner.close()
+        finally:
+            self._consumption.finish(consumed_last=consumed_last)
+            self._tracker.close()
+
+
 class _LoaderBatches(_Batches):
     """``workers >= 1``: a DataLoader whose workers claim and load, ``prefetch`` batches in all."""
 
@@ -617,6 +790,8 @@ def shared_queue(
     pin_memory: bool = False,
     multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
     shutdown_timeout: timedelta | float | None = None,
+    resume: bool = False,
+    lease: timedelta | float | None = None,
 ) -> Iterator[Iterator[Batch]]:
     """Consume a shared queue of work units: ``with shared_queue(...) as batches:``.
 
@@ -647,6 +822,16 @@ def shared_queue(
         pin_memory: Passed to the DataLoader (page-locked batches for faster GPU copies).
         multiprocessing_context: Start method for workers (default: Python's default).
         shutdown_timeout: Longest wait for an operation in flight when leaving the block.
+        resume: Record progress, release unfinished units when leaving the block, and take
+            back this learner's (and released) units first when restarted; see
+            ``gradientmail.patterns.elastic``. Needs a store with ``replace_if``.
+        lease: A ``timedelta``: renew a heartbeat while batches are consumed and take over the
+            units of nodes whose heartbeat stopped for that long. Needs ``replace_if``.
+
+    With ``resume`` or ``lease`` a batch counts as consumed when the loop asks for the next one,
+    or when the block is left without an exception; units are then recorded as done, and
+    batches consumed by a node that dies after its last progress write are redone by the node
+    that takes its unit over (at-least-once for those, exactly-once for the rest).
     """
     prefetch = _positive("prefetch", prefetch, 1)
     workers = _positive("workers", workers, 0)
@@ -657,7 +842,10 @@ def shared_queue(
             "or lower workers"
         )
     timeout = _seconds(shutdown_timeout)
-    dataset = SharedQueueDataset(units, mailbox=mailbox, learner_id=learner_id, load=load, order=order)
+    dataset = SharedQueueDataset(
+        units, mailbox=mailbox, learner_id=learner_id, load=load, order=order,
+        resume=resume, lease=lease,
+    )
     context = None
     if workers > 0:
         context = _context(multiprocessing_context)
@@ -667,6 +855,14 @@ def shared_queue(
         return
     prepare_mailbox(mailbox, len(dataset.units))
     dataset._verified = True
+    tracker: ProgressTracker | None = None
+    if dataset._elastic is not None:
+        # One incarnation for this node's workers and its tracker; the lease exists before
+        # the first claim.
+        dataset._elastic = ElasticOptions(resume, dataset.lease_s)
+        dataset._tagged = True
+        tracker = ProgressTracker(mailbox, dataset.learner_id, dataset._elastic)
+        tracker.start()
     batches: _Batches
     if workers == 0:
         batches = _ThreadBatches(dataset, prefetch, timeout)
@@ -676,7 +872,22 @@ def shared_queue(
             dataset, prefetch=prefetch, workers=workers, context=context,
             pin_memory=pin_memory, timeout=timeout,
         )
+    if tracker is None:
+        try:
+            yield batches
+        finally:
+            batches.close()
+        return
+    elastic = _ElasticBatches(batches, tracker, dataset._halt)
+    clean = False
     try:
-        yield batches
+        yield elastic
+        clean = True
     finally:
-        batches.close()
+        if clean:
+            elastic.close(consumed_last=True)
+        else:
+            try:
+                elastic.close(consumed_last=False)
+            except Exception as exc:  # do not hide the error that is leaving the block
+                warnings.warn(f"shared_queue: recording progress on exit failed: {exc!r}", stacklevel=3)

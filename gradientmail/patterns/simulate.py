@@ -15,17 +15,23 @@ and speeds no test machine could run for real::
 One caveat: each ``next()`` runs atomically, so two nodes never race between a listing and a
 create; conflicts here come only from knowledge that went stale while a node was busy.
 
-Run ``python -m gradientmail.patterns.simulate`` for the table of listing policies.
+``SimulationResult.step_spread`` is the largest difference between the steps two nodes were
+processing at the same moment: how far apart in the run the preference order lets nodes drift.
+
+Run ``python -m gradientmail.patterns.simulate`` for the table of preference orders (add
+``--policies adaptive always`` to compare listing policies).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import copy
 import heapq
 import random
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +39,10 @@ import torch
 
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.patterns.claims import DEFAULT_LISTING, LISTING_POLICIES
-from gradientmail.patterns.shared_queue import SharedQueueDataset
+from gradientmail.mailbox.keys import validate_prefix
+from gradientmail.mailbox.wrappers import LIST_PAGE, CountingMailbox
+from gradientmail.patterns.claims import DEFAULT_LISTING, LISTING_POLICIES, ClaimIndex
+from gradientmail.patterns.shared_queue import SharedQueueDataset, _checked_order, _register_counter
 from gradientmail.patterns.units import Unit, rotated_order, unit_grid
 
 __all__ = ["SimulationResult", "fixed_split_makespan", "simulate"]
@@ -53,9 +60,12 @@ class SimulationResult:
     """Per learner: units it claimed (and processed)."""
     requests: Counter[str] = field(default_factory=Counter)
     """Mailbox requests of all nodes by operation (a list page of 1,000 keys is one request),
-    including each node's start-up (store check: 4, ``run.json``: 1)."""
+    including each node's start-up (``prepare_mailbox``: 5 for the node that creates
+    ``run.json``, 2 for the others)."""
     claim_stats: Counter[str] = field(default_factory=Counter)
-    """Summed ``Claimer.stats``: claims, attempts, conflicts, listings."""
+    """Summed ``Claimer.stats``: claims, attempts, conflicts, listings, blind, stale."""
+    step_spread: int = 0
+    """Largest difference between the steps two nodes were processing at the same time."""
 
     @property
     def claims(self) -> int:
@@ -70,6 +80,52 @@ class SimulationResult:
         return self.claim_stats["conflicts"] / max(1, self.claims)
 
 
+class _PagedMemoryMailbox(MemoryMailbox):
+    """A ``MemoryMailbox`` that can also hand out a listing a page at a time, for speed."""
+
+    def list_pages(self, prefix: str = "", start_after: str | None = None) -> Iterator[list[str]]:
+        validate_prefix(prefix)
+        store = self._checked_store()
+        position = max(prefix, start_after) if start_after is not None else prefix
+        after = start_after is not None and position == start_after
+        while True:
+            with store.lock:
+                keys = store.sorted_keys
+                start = (bisect.bisect_right if after else bisect.bisect_left)(keys, position)
+                page = keys[start : start + LIST_PAGE]
+            if page and not page[-1].startswith(prefix):  # keys under a prefix are contiguous
+                page = page[: bisect.bisect_left(page, prefix + "\U0010ffff")]
+                page = [key for key in page if key.startswith(prefix)]
+                yield page
+                return
+            yield page
+            if len(page) < LIST_PAGE:
+                return
+            position, after = page[-1], True
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        for page in self.list_pages(prefix, start_after):
+            yield from page
+
+
+class _Counting(CountingMailbox):
+    """``CountingMailbox`` with the same bill, listing a page at a time from the store."""
+
+    def __reduce__(self):
+        return (_Counting, (self.inner,))
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        self._count("list")  # the first page is requested even when it comes back empty
+        for page in self.inner.list_pages(prefix, start_after):
+            yield from page
+            if len(page) < LIST_PAGE:
+                return
+            self._count("list")  # asked for more after a full page
+
+
+_SHARES: dict[int, torch.Tensor] = {}
+
+
 def _unit_batches(value: object) -> int:
     return max(1, value.count) if isinstance(value, Unit) else 1
 
@@ -78,7 +134,9 @@ def _share(value: object) -> Any:
     """A stand-in loader: one tiny batch per step, carrying its share of the unit's time."""
     batches = _unit_batches(value)
     first = value.first if isinstance(value, Unit) else 0
-    share = torch.tensor(1.0 / batches)
+    share = _SHARES.get(batches)
+    if share is None:
+        share = _SHARES.setdefault(batches, torch.tensor(1.0 / batches))
     for step in range(first, first + batches):
         yield step, share
 
@@ -95,6 +153,8 @@ def simulate(
     unit_times: Sequence[float],
     *,
     rotate_lanes: int | None = None,
+    block: int | None = None,
+    lag: int | None = None,
     orders: Sequence[Sequence[str]] | None = None,
     listing: str = DEFAULT_LISTING,
     jitter: float = 0.0,
@@ -106,8 +166,10 @@ def simulate(
     Args:
         units: The shared mapping (e.g. ``unit_grid(...)``).
         unit_times: Virtual time each node needs for one unit (its batches share it equally).
-        rotate_lanes: Node ``r`` prefers ``rotated_order(units, r, rotate_lanes)``; None keeps
-            the mapping's order on every node.
+        rotate_lanes: Node ``r`` prefers ``rotated_order(units, r, rotate_lanes, block=block,
+            lag=lag)``; None keeps the mapping's order on every node.
+        block, lag: ``rotated_order``'s (None: its defaults; 1 and 0: the seed's plain
+            rotation).
         orders: Explicit preference order per node (instead of ``rotate_lanes``).
         listing: The claimer's listing policy (``claims.LISTING_POLICIES``).
         jitter: Each batch takes its time times a uniform factor in ``[1 - jitter, 1 + jitter]``.
@@ -119,34 +181,48 @@ def simulate(
     nodes = len(unit_times)
     if nodes < 1:
         raise ValueError("simulate needs at least one node")
-    store = MemoryMailbox(f"simulate-{uuid.uuid4().hex}")
-    mailboxes = [CountingMailbox(store) for _ in range(nodes)]
+    store = _PagedMemoryMailbox(f"simulate-{uuid.uuid4().hex}")
+    mailboxes = [_Counting(store) for _ in range(nodes)]
+    # One dataset is built (and its identifiers checked) for real; the other nodes are copies
+    # with their own mailbox, name and order, sharing the sorted claim index.
+    template = SharedQueueDataset(units, mailbox=mailboxes[0], learner_id="node-0", load=load)
+    template._listing = listing
+    template._claim_index = ClaimIndex(template.units)
+    shape = {name: value for name, value in (("block", block), ("lag", lag)) if value is not None}
     datasets = []
     for rank in range(nodes):
         if orders is not None:
-            order = list(orders[rank])
+            order = _checked_order(list(orders[rank]), template.units)
         elif rotate_lanes is not None:
-            order = rotated_order(units, rank, rotate_lanes)
+            order = rotated_order(template.units, rank, rotate_lanes, **shape)
         else:
-            order = None
-        dataset = SharedQueueDataset(
-            units, mailbox=mailboxes[rank], learner_id=f"node-{rank}", load=load, order=order
-        )
-        dataset._listing = listing
+            order = template.order
+        dataset = copy.copy(template)
+        dataset.mailbox = mailboxes[rank]
+        dataset.learner_id = f"node-{rank}"
+        dataset.order = order
+        dataset._counter = _register_counter(dataset.learner_id)
+        dataset._claim_stats = Counter()
         datasets.append(dataset)
     iterators = [iter(dataset) for dataset in datasets]
     rng = random.Random(seed)
     clock = [(0.0, rank) for rank in range(nodes)]
     heapq.heapify(clock)
     finish: dict[str, float] = {}
+    current: dict[int, int] = {}  # rank -> step of the batch it is processing
+    spread = 0
     try:
         while clock:
             now, rank = heapq.heappop(clock)
             try:
-                _, share = next(iterators[rank])
+                step, share = next(iterators[rank])
             except StopIteration:
                 finish[f"node-{rank}"] = now
+                current.pop(rank, None)
                 continue
+            current[rank] = step
+            steps = current.values()
+            spread = max(spread, max(steps) - min(steps))
             cost = unit_times[rank] * float(share)
             if jitter:
                 cost *= rng.uniform(1 - jitter, 1 + jitter)
@@ -167,6 +243,7 @@ def simulate(
         units_by_learner={f"node-{rank}": claimed[f"node-{rank}"] for rank in range(nodes)},
         requests=requests,
         claim_stats=stats,
+        step_spread=spread,
     )
 
 
@@ -176,32 +253,46 @@ def _learner(data: bytes | None) -> str:
     return json.loads(data or b"{}").get("learner", "?")
 
 
+ORDERS: dict[str, dict[str, int] | None] = {
+    "mapping": None,
+    "plain": {"block": 1, "lag": 0},
+    "default": {},
+    "block=8": {"block": 8, "lag": 1},
+}
+"""The preference orders ``main`` compares: every node in the mapping's order, the seed's plain
+rotation, ``rotated_order``'s default, and longer own stretches."""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m gradientmail.patterns.simulate",
-        description="Requests and conflicts per claimed unit, by listing policy (virtual clock).",
+        description="Requests and conflicts per claimed unit, by preference order and listing "
+        "policy (virtual clock; speeds 1:2:2:4 repeated, each unit's time jittered).",
     )
     parser.add_argument("--units", type=int, default=20_000)
-    parser.add_argument("--learners", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--policies", nargs="+", default=list(LISTING_POLICIES[:3]))
+    parser.add_argument("--learners", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--orders", nargs="+", default=list(ORDERS), choices=list(ORDERS))
+    parser.add_argument("--policies", nargs="+", default=[DEFAULT_LISTING], choices=LISTING_POLICIES)
     parser.add_argument("--jitter", type=float, default=0.2)
     args = parser.parse_args(argv)
-    print("units   learners  rotation  policy    req/claim  conflicts/claim  listings/claim  makespan/ideal")
+    print("units   learners  order     policy    req/claim  conflicts/claim  listings/claim  "
+          "step spread  makespan/ideal")
     for learners in args.learners:
         speeds = [(1, 2, 2, 4)[rank % 4] for rank in range(learners)]
         units = unit_grid(-(-args.units // learners), 1, learners)
         ideal = len(units) / sum(1 / s for s in speeds)
-        for rotate in (True, False):
+        for name in args.orders:
+            shape = ORDERS[name]
             for policy in args.policies:
                 result = simulate(
-                    units, speeds, rotate_lanes=learners if rotate else None,
-                    listing=policy, jitter=args.jitter,
+                    units, speeds, rotate_lanes=None if shape is None else learners,
+                    listing=policy, jitter=args.jitter, **(shape or {}),
                 )
                 print(
-                    f"{len(units):<7} {learners:<9} {'on' if rotate else 'off':<9} {policy:<9} "
+                    f"{len(units):<7} {learners:<9} {name:<9} {policy:<9} "
                     f"{result.requests_per_claim:<10.3f} {result.conflicts_per_claim:<16.3f} "
                     f"{result.claim_stats['listings'] / result.claims:<15.3f} "
-                    f"{result.makespan / ideal:.3f}",
+                    f"{result.step_spread:<12} {result.makespan / ideal:.3f}",
                     flush=True,
                 )
 

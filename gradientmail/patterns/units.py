@@ -59,15 +59,48 @@ def unit_grid(steps: int, unit_steps: int, lanes: int) -> dict[str, Unit]:
     }
 
 
-def rotated_order(identifiers: Iterable[K], rank: int, lanes: int) -> list[K]:
-    """Identifiers with each consecutive group of ``lanes`` rotated left by ``rank``.
+DEFAULT_BLOCK = 4
+"""``rotated_order``'s default ``block``: groups of steps a node works through in its own lane."""
 
-    With ``unit_grid``'s group-major order this makes node ``rank`` prefer lane
-    ``rank % lanes`` first in every group of steps, then the following lanes, so nodes that
-    start together rarely compete for one unit while still sharing every identifier. Pass the
-    result as ``order=`` (a mapping works as ``identifiers``: its keys are used)::
+DEFAULT_LAG = 1
+"""``rotated_order``'s default ``lag``: blocks by which helping another lane is delayed."""
 
-        >>> rotated_order(["a0", "a1", "a2", "b0", "b1", "b2"], rank=1, lanes=3)
+
+def rotated_order(
+    identifiers: Iterable[K],
+    rank: int,
+    lanes: int,
+    *,
+    block: int = DEFAULT_BLOCK,
+    lag: int = DEFAULT_LAG,
+) -> list[K]:
+    """Node ``rank``'s preference: its own lane first, the other lanes later, in step order.
+
+    ``identifiers`` come in consecutive groups of ``lanes`` (``unit_grid``'s group-major
+    order: one group per group of steps); node ``rank``'s own lane is lane ``rank % lanes``.
+    The result is a permutation of ``identifiers``: nodes still share every unit, and with
+    units of equal size greedy claiming finishes at the same time with the same number of
+    units per node whatever ``block`` and ``lag`` are (only which units change). Pass it as
+    ``order=`` (a mapping works as ``identifiers``: its keys are used).
+
+    The groups are taken ``block`` at a time. In each block the node first goes through its own
+    lane, group by group; then it helps the other lanes (in rotated order, ``rank + 1``
+    first) of the block ``lag`` blocks earlier, each from that block's last group backwards, so
+    a node that has finished its own stretch helps a slower node from the far end rather than
+    where that node is working. A node thus has stretches of ``block`` units that no other
+    node prefers, which lets the claimer create most of them without listing first (about 2.5
+    requests per claim instead of 3 with heterogeneous nodes, see ``claims.Claimer``), and
+    nodes stay within about ``(lag + 1) * block`` groups of steps of each other::
+
+        >>> rotated_order(["a0", "a1", "b0", "b1", "c0", "c1", "d0", "d1"], 0, 2, block=2, lag=1)
+        ['a0', 'b0', 'c0', 'd0', 'b1', 'a1', 'd1', 'c1']
+
+    ``block=1, lag=0`` is the seed's plain rotation: each group rotated left by ``rank``, so a
+    node takes its own lane of a group, then the lanes after it. Nodes then stay within a
+    group or two of each other, but compete for the same next units, and every claim costs
+    a listing::
+
+        >>> rotated_order(["a0", "a1", "a2", "b0", "b1", "b2"], rank=1, lanes=3, block=1, lag=0)
         ['a1', 'a2', 'a0', 'b1', 'b2', 'b0']
 
     A shorter last group is rotated by ``rank`` modulo its own length.
@@ -75,10 +108,25 @@ def rotated_order(identifiers: Iterable[K], rank: int, lanes: int) -> list[K]:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be an int >= 0, not {rank!r}")
     _positive_int("lanes", lanes)
+    _positive_int("block", block)
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+        raise ValueError(f"lag must be an int >= 0, not {lag!r}")
     items: Sequence[K] = list(identifiers)
-    order: list[K] = []
+    groups: list[list[K]] = []
     for start in range(0, len(items), lanes):
         group = list(items[start : start + lanes])
         shift = rank % len(group)
-        order.extend(group[shift:] + group[:shift])
+        groups.append(group[shift:] + group[:shift])
+    blocks = [groups[start : start + block] for start in range(0, len(groups), block)]
+    order: list[K] = []
+    for index in range(len(blocks) + lag):
+        if index < len(blocks):
+            order.extend([group[0] for group in blocks[index]])
+        if index >= lag:
+            helped = blocks[index - lag][::-1]
+            if len(helped) == 1:
+                order.extend(helped[0][1:])
+                continue
+            for lane in range(1, lanes):
+                order.extend([group[lane] for group in helped if lane < len(group)])
     return order

@@ -1,0 +1,172 @@
+"""Run every benchmark, print each one's table, then the summary, and write ``RESULTS.md``.
+
+Usage: ``python -m benchmarks [--quick] [--only NAME ...] [--output PATH]``. Each script runs in
+its own process, one after another (the timing ones must not share the cores with the others).
+The full run writes ``benchmarks/RESULTS.md`` (the table the README shows); ``--quick`` writes
+nothing unless ``--output`` is given. The last line printed is one JSON object: every script's
+figures by name, and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks._common import TARGETS
+
+SCRIPTS = ("balance", "requests", "throughput", "stall", "session")
+
+SUMMARY: tuple[tuple[str, str, str], ...] = (
+    ("balance", "shared_over_bound", "shared-queue makespan / fluid bound, 64 nodes, 10k units"),
+    ("balance", "fixed_over_bound", "fixed split (DistributedSampler-style) makespan / fluid bound, same"),
+    ("balance", "shared_over_bound_256", "shared queue / bound, 256 nodes"),
+    ("balance", "shared_over_bound_slowdown", "shared queue / bound, 64 nodes, one 4x slower halfway"),
+    ("balance", "fixed_over_bound_slowdown", "fixed split / bound, same slowdown"),
+    ("requests", "requests_per_claim", "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
+    ("requests", "conflicts_per_claim", "lost claims per claimed unit, same (virtual clock: atomic steps)"),
+    ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),
+    ("requests", "conflicts_per_claim_threads", "lost claims per claim, same"),
+    ("requests", "conflicts_per_claim_threads_no_rotation", "lost claims per claim, same without rotation"),
+    ("throughput", "ratio_local", "shared_queue / plain DataLoader batches/s, LocalMailbox, loader-bound"),
+    ("throughput", "ratio_latency_20ms", "the same, 20 ms per mailbox request"),
+    ("throughput", "ratio_latency_100ms", "the same, 100 ms per mailbox request"),
+    ("stall", "stall_fraction", "share of time the loop waits for data, 50 ms step, 20 ms load, LocalMailbox"),
+    ("stall", "stall_fraction_dataloader", "the same for a plain DataLoader (num_workers=1), no claims"),
+    ("stall", "stall_fraction_workers0", "the same for shared_queue(workers=0)"),
+    ("session", "step_overhead", "Session.step, nothing due / one training step of a small MLP"),
+    ("session", "step_overhead_exchange", "Session.step that starts an exchange / one training step"),
+)
+"""The figures the summary table shows, with what each means; targets come from ``TARGETS``."""
+
+DEFAULT_OUTPUT = Path(__file__).with_name("RESULTS.md")
+BUDGET_S = 180.0
+
+
+@dataclass
+class Outcome:
+    name: str
+    returncode: int
+    seconds: float
+    lines: list[str] = field(default_factory=list)
+    figures: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.figures is not None
+
+
+def run_script(name: str, quick: bool) -> Outcome:
+    command = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if quick else [])]
+    print(f"$ python -m benchmarks.{name}{' --quick' if quick else ''}", flush=True)
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1,
+                               cwd=Path(__file__).resolve().parent.parent)
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        lines.append(line.rstrip("\n"))
+    returncode = process.wait()
+    outcome = Outcome(name, returncode, time.perf_counter() - start, lines)
+    if lines:
+        try:
+            parsed = json.loads(lines[-1])
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            outcome.figures = parsed
+            outcome.lines = lines[:-1]
+    print(f"({name}: {outcome.seconds:.1f}s{'' if outcome.ok else f', FAILED with exit code {returncode}'})\n",
+          flush=True)
+    return outcome
+
+
+def summary_rows(outcomes: dict[str, Outcome]) -> list[list[str]]:
+    rows = []
+    for script, figure, meaning in SUMMARY:
+        outcome = outcomes.get(script)
+        if outcome is None:
+            continue
+        value = (outcome.figures or {}).get(figure)
+        target = TARGETS.get(figure)
+        if isinstance(value, (int, float)):
+            shown = f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+            verdict = "" if target is None else ("met" if target.met(value) else "**missed**")
+        else:
+            shown, verdict = "n/a", "" if target is None else "not measured"
+        rows.append([f"`{figure}`", shown, "" if target is None else target.text(), verdict, meaning])
+    return rows
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] * len(headers)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_version = "?"
+    return (f"{os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
+            f"torch {torch_version}, {platform.system()}")
+
+
+def render(outcomes: dict[str, Outcome], wall: float, quick: bool) -> str:
+    """The RESULTS.md text: the summary table, then each script's own table."""
+    command = "python -m benchmarks" + (" --quick" if quick else "")
+    parts = [
+        "# Benchmark results",
+        "",
+        f"Written by `{command}` on {datetime.date.today().isoformat()}: {machine()}; "
+        f"{wall:.0f} s in all ({', '.join(f'{o.name} {o.seconds:.0f} s' for o in outcomes.values())}).",
+        "",
+        markdown_table(["figure", "value", "target", "", "meaning"], summary_rows(outcomes)),
+        "",
+    ]
+    for outcome in outcomes.values():
+        parts += [f"## {outcome.name}", "", f"`python -m benchmarks.{outcome.name}`"
+                  + ("" if outcome.ok else f" **failed (exit code {outcome.returncode})**"), "",
+                  "```text", *outcome.lines, "```", ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="every script in its quick mode (CI)")
+    parser.add_argument("--only", nargs="+", choices=SCRIPTS, help="run only these scripts")
+    parser.add_argument("--output", type=Path, default=None,
+                        help=f"where to write the results (default {DEFAULT_OUTPUT.name}; --quick: nowhere)")
+    args = parser.parse_args(argv)
+    output = args.output or (None if args.quick else DEFAULT_OUTPUT)
+    start = time.perf_counter()
+    outcomes = {name: run_script(name, args.quick) for name in (args.only or SCRIPTS)}
+    wall = time.perf_counter() - start
+    text = render(outcomes, wall, args.quick)
+    if output is not None:
+        output.write_text(text)
+    summary = markdown_table(["figure", "value", "target", "", "meaning"], summary_rows(outcomes))
+    print(summary)
+    over = "" if args.quick or wall <= BUDGET_S else f" (over the {BUDGET_S:.0f} s budget)"
+    print(f"\n{wall:.0f}s in all{over}" + (f"; wrote {output}" if output is not None else ""))
+    failed = [name for name, outcome in outcomes.items() if not outcome.ok]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    print(json.dumps({**{name: outcome.figures for name, outcome in outcomes.items()},
+                      "wall_s": round(wall, 1)}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

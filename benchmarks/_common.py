@@ -1,0 +1,124 @@
+"""What every benchmark script shares: its command line, its table, its targets, its JSON line.
+
+Kept free of torch and of ``gradientmail`` so that ``python -m benchmarks`` can read the targets
+without importing what the scripts measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure's goal: ``value <op> bound``, with what the figure means (for tables and README)."""
+
+    op: str  # "<=", "<" or ">="
+    bound: float
+    meaning: str
+
+    def met(self, value: float) -> bool:
+        if self.op == "<=":
+            return value <= self.bound
+        if self.op == "<":
+            return value < self.bound
+        if self.op == ">=":
+            return value >= self.bound
+        raise ValueError(f"unknown comparison {self.op!r}")
+
+    def text(self) -> str:
+        return f"{self.op} {self.bound:g}"
+
+
+TARGETS: dict[str, Target] = {
+    "shared_over_bound": Target("<=", 1.05, "shared-queue makespan / fluid lower bound, 64 nodes"),
+    "requests_per_claim": Target("<=", 3.0, "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
+    "conflicts_per_claim": Target("<=", 0.05, "lost claims per claimed unit, same run"),
+    "conflicts_per_claim_threads": Target("<=", 0.05, "lost claims per claimed unit, 64 threads racing for real, rotation"),
+    "ratio_local": Target(">=", 0.95, "shared_queue / plain DataLoader batches/s, LocalMailbox (worse of small, large)"),
+    "ratio_latency_20ms": Target(">=", 0.90, "the same with 20 ms per mailbox request"),
+    "stall_fraction": Target("<", 0.01, "share of wall time the training loop waits for data, after the first batch"),
+    "step_overhead": Target("<", 0.01, "Session.step with nothing due / one training step"),
+}
+"""The issue's targets, by figure name (the figures every script names in its JSON line)."""
+
+
+def parallel_map(function: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
+    """``[function(item) for item in items]`` in ``jobs`` fresh processes (spawn, not fork: the
+    parent has imported torch). ``function`` must be a module-level function."""
+    if jobs <= 1 or len(items) <= 1:
+        return [function(item) for item in items]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(items)), mp_context=context) as pool:
+        return list(pool.map(function, items))
+
+
+def default_jobs() -> int:
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line every script shares: ``--quick`` (CI: runs everything, judges nothing)."""
+    first = (doc or "").strip().splitlines()[0] if doc else None
+    result = argparse.ArgumentParser(description=first)
+    result.add_argument(
+        "--quick", action="store_true",
+        help="small sizes and few repeats, for CI: it runs every code path, its figures are noisy",
+    )
+    return result
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [len(header) for header in headers]
+    for row in cells:
+        for column, cell in enumerate(row):
+            widths[column] = max(widths[column], len(cell))
+
+    def line(row: Sequence[str]) -> str:
+        parts = [
+            cell.ljust(widths[column]) if column == 0 else cell.rjust(widths[column])
+            for column, cell in enumerate(row)
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([line(list(headers)), rule, *(line(row) for row in cells)])
+
+
+def verdicts(figures: Mapping[str, float]) -> list[str]:
+    """One line per figure of ``figures`` that has a target: value, target, met or MISSED."""
+    lines = []
+    for name, value in figures.items():
+        target = TARGETS.get(name)
+        if target is not None:
+            state = "met" if target.met(value) else "MISSED"
+            lines.append(f"target {name} {target.text()}: {value:.4g} {state}")
+    return lines
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def emit(figures: Mapping[str, Any]) -> None:
+    """Print the figures as ONE JSON object on the last line (floats rounded to 6 places)."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float):
+            return round(value, 6) if math.isfinite(value) else None
+        if isinstance(value, (list, tuple)):
+            return [clean(item) for item in value]
+        return value
+
+    print(json.dumps({name: clean(value) for name, value in figures.items()}), flush=True)

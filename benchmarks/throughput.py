@@ -1,0 +1,255 @@
+"""Batches per second of ``shared_queue`` against a plain DataLoader over the same load.
+
+Both sides read the same units (20 batches each, the seed's ``unit_steps``) with the same
+``load``, which builds each batch in the worker (``torch.full``: the cost of copying it out of
+a page cache, no disk). The baseline is ``DataLoader(num_workers=1, prefetch_factor=8)`` over a
+plain ``IterableDataset`` of those units, without claims; the shared queue is
+``shared_queue(prefetch=8, workers=1)`` on a fresh ``LocalMailbox``, bare or behind a
+``DelayedMailbox`` adding 20 ms or 100 ms to every request (a slow S3). The loop consumes batches
+as fast as they come, so the loader is the bottleneck: these ratios are the worst case, and a
+training step longer than the claim's round trips hides them (see ``benchmarks.stall``).
+
+A rate is measured over whole units, from the first batch of the first unit to the first batch
+of the last one (claims included, start-up excluded), for ``--seconds`` per run. Every repeat
+runs the baseline and the three shared-queue variants back to back in a rotated order, in this
+one process; a rate is the median over repeats, and a ratio the median over repeats of shared /
+baseline within the repeat.
+
+- ``ratio_local``: the worse of small (16x128 int64, 16 KiB) and large (256x2048 int64, 4 MiB)
+  batches on a LocalMailbox; target >= 0.95.
+- ``ratio_latency_20ms`` (target >= 0.90) and ``ratio_latency_100ms``: the same with latency.
+
+The table also shows how long the worker waited on the mailbox per claimed unit, measured in
+the worker: that wait is not overlapped with loading, so it explains the ratios.
+
+Usage: ``python -m benchmarks.throughput [--quick] [--repeats N] [--seconds S]``; the last line
+is one JSON object.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from benchmarks._common import emit, median, parser, table, verdicts
+from gradientmail.mailbox.local import LocalMailbox
+from gradientmail.mailbox.wrappers import DelayedMailbox
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.patterns.units import Unit, unit_grid
+
+SIZES = {"small": (16, 128), "large": (256, 2048)}
+"""Batch shapes (int64): 16 KiB, and the seed's 256 sequences of 2,048 tokens (4 MiB)."""
+
+LATENCIES = {"local": 0.0, "20ms": 0.020, "100ms": 0.100}
+UNIT_STEPS = 20
+PREFETCH = 8
+UNITS = 2_000  # more than any run consumes: runs are bounded by time, not by the units
+
+
+def load(unit: Unit, shape: tuple[int, int]) -> Iterator[tuple[int, torch.Tensor]]:
+    for step in range(unit.first, unit.first + unit.count):
+        yield step, torch.full(shape, step, dtype=torch.int64)
+
+
+class PlainUnits(IterableDataset):
+    """The baseline: every unit's batches in order, no mailbox."""
+
+    def __init__(self, units: dict[str, Unit], shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.units, self.shape = units, shape
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for unit in self.units.values():
+            yield from load(unit, self.shape)
+
+
+class TimedMailbox:
+    """Adds up the time spent in mailbox requests and their count, across forked workers."""
+
+    def __init__(self, inner, totals) -> None:  # totals: a shared RawArray of 2 doubles
+        self.inner, self.totals = inner, totals
+
+    @property
+    def url(self) -> str:
+        return f"timed+{getattr(self.inner, 'url', self.inner)}"
+
+    def _timed(self, method: str, *args):
+        start = time.perf_counter()
+        try:
+            return getattr(self.inner, method)(*args)
+        finally:
+            self.totals[0] += time.perf_counter() - start
+            self.totals[1] += 1
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._timed("put_if_absent", key, data)
+
+    def get(self, key: str) -> bytes | None:
+        return self._timed("get", key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._timed("put", key, data)
+
+    def delete(self, key: str) -> None:
+        self._timed("delete", key)
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        # Read whole (every page's latency counted); one listing counts as one request here.
+        start = time.perf_counter()
+        try:
+            keys = [*self.inner.list(prefix, start_after)]
+        finally:
+            self.totals[0] += time.perf_counter() - start
+            self.totals[1] += 1
+        return iter(keys)
+
+
+@dataclass
+class Run:
+    rate: float  # batches/s over whole units
+    units: int  # units the rate covers
+    first_batch_s: float  # start-up: entering the loop to the first batch
+    mailbox_wait_per_unit_s: float = float("nan")  # worker time in mailbox requests per claim
+    requests_per_unit: float = float("nan")
+
+
+def consume(batches: Iterator[tuple[int, torch.Tensor]], seconds: float) -> tuple[float, int, float]:
+    """(batches/s, units) over whole units, for about ``seconds``; and seconds to the first batch."""
+    entered = time.perf_counter()
+    first = None
+    unit_starts = 0
+    last_start = entered
+    for step, _batch in batches:
+        if step % UNIT_STEPS == 0:  # the first batch of a unit
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            unit_starts += 1
+            last_start = now
+            if now - first >= seconds and unit_starts >= 3:
+                break
+    if first is None:
+        raise RuntimeError("no batch arrived")
+    units = unit_starts - 1
+    return units * UNIT_STEPS / (last_start - first), units, first - entered
+
+
+def run_baseline(units: dict[str, Unit], shape: tuple[int, int], seconds: float) -> Run:
+    loader = DataLoader(PlainUnits(units, shape), batch_size=None, num_workers=1, prefetch_factor=PREFETCH)
+    iterator = iter(loader)
+    try:
+        rate, count, first = consume(iterator, seconds)
+    finally:
+        del iterator
+    return Run(rate, count, first)
+
+
+def run_shared(units: dict[str, Unit], shape: tuple[int, int], latency: float, seconds: float) -> Run:
+    totals = multiprocessing.RawArray("d", 2)  # seconds in requests, requests; shared by fork
+    with tempfile.TemporaryDirectory(prefix="gm-bench-") as directory:
+        inner = LocalMailbox(directory)
+        box = DelayedMailbox(inner, latency) if latency else inner
+        timed = TimedMailbox(box, totals)
+        with shared_queue(
+            units, mailbox=timed, learner_id="bench", load=functools.partial(load, shape=shape),
+            prefetch=PREFETCH, workers=1, multiprocessing_context="fork",
+        ) as batches:
+            # Start-up requests (store check, run.json) ran here, in this process; reset.
+            totals[0] = totals[1] = 0.0
+            rate, count, first = consume(batches, seconds)
+        claimed = sum(1 for _ in inner.list("units/"))
+    return Run(rate, count, first, totals[0] / max(1, claimed), totals[1] / max(1, claimed))
+
+
+@dataclass
+class Config:
+    size: str
+    latency: str | None  # None: the baseline
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return median(run.rate for run in self.runs)
+
+    @property
+    def label(self) -> str:
+        return "DataLoader, no claims" if self.latency is None else f"shared_queue, {self.latency}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    options = parser(__doc__)
+    options.add_argument("--repeats", type=int, default=None, help="runs of each variant (default 5, quick 1)")
+    options.add_argument("--seconds", type=float, default=None, help="seconds per run (default 0.8, quick 0.2)")
+    args = options.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 5)
+    seconds = args.seconds or (0.2 if args.quick else 0.8)
+    torch.set_num_threads(1)
+    units = unit_grid(steps=UNITS * UNIT_STEPS, unit_steps=UNIT_STEPS, lanes=1)
+    configs = {
+        size: [Config(size, None)] + [Config(size, name) for name in LATENCIES] for size in SIZES
+    }
+    start = time.perf_counter()
+    for repeat in range(repeats):
+        for size, variants in configs.items():
+            shape = SIZES[size]
+            shift = repeat % len(variants)
+            for config in variants[shift:] + variants[:shift]:  # rotate who goes first
+                if config.latency is None:
+                    config.runs.append(run_baseline(units, shape, seconds))
+                else:
+                    config.runs.append(run_shared(units, shape, LATENCIES[config.latency], seconds))
+    wall = time.perf_counter() - start
+
+    print(f"Throughput, loader-bound: batches/s, median of {repeats} alternating runs of ~{seconds:g}s, "
+          f"units of {UNIT_STEPS} batches, prefetch {PREFETCH}, 1 worker{' (quick)' if args.quick else ''}")
+    rows = []
+    figures: dict[str, float] = {}
+    for size, variants in configs.items():
+        baseline = variants[0]
+        unit_load = UNIT_STEPS / baseline.rate
+        for config in variants:
+            # Each repeat ran both sides back to back: the median of those paired ratios cancels
+            # the drift of a shared machine better than a ratio of two medians.
+            ratio = median(run.rate / base.rate for run, base in zip(config.runs, baseline.runs, strict=True))
+            wait = median(run.mailbox_wait_per_unit_s for run in config.runs)
+            requests = median(run.requests_per_unit for run in config.runs)
+            predicted = unit_load / (unit_load + wait) if config.latency is not None else 1.0
+            spread = f"{min(r.rate for r in config.runs):.0f}-{max(r.rate for r in config.runs):.0f}"
+            rows.append([
+                f"{size} {config.label}", f"{config.rate:.1f}", spread, f"{ratio:.3f}",
+                "-" if config.latency is None else f"{requests:.2f}",
+                "-" if config.latency is None else f"{wait * 1e3:.1f}",
+                f"{unit_load * 1e3:.1f}" if config.latency is None else f"{predicted:.3f}",
+                f"{median(run.first_batch_s for run in config.runs) * 1e3:.0f}",
+            ])
+            if config.latency is not None:
+                key = "local" if config.latency == "local" else f"latency_{config.latency}"
+                figures[f"ratio_{key}_{size}"] = ratio
+            figures[f"batches_per_s_{size}_{'baseline' if config.latency is None else config.latency}"] = config.rate
+    print(table(
+        ["variant", "batches/s", "min-max", "ratio", "requests/unit", "mailbox ms/unit",
+         "unit load ms | predicted", "first batch ms"],
+        rows,
+    ))
+    print("predicted = unit load / (unit load + mailbox wait per unit): the claim's requests run in the "
+          f"only worker, between two units, not overlapped with loading. {wall:.0f}s in all.")
+    headline = {
+        "ratio_local": min(figures["ratio_local_small"], figures["ratio_local_large"]),
+        "ratio_latency_20ms": min(figures["ratio_latency_20ms_small"], figures["ratio_latency_20ms_large"]),
+        "ratio_latency_100ms": min(figures["ratio_latency_100ms_small"], figures["ratio_latency_100ms_large"]),
+    }
+    for line in verdicts(headline):
+        print(line)
+    emit({**headline, **figures})
+    return {**headline, **figures}
+
+
+if __name__ == "__main__":
+    main()
