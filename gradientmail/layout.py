@@ -31,6 +31,9 @@ the on-store contract: add fields freely, never rename or remove one.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 RUN_KEY = "run.json"
 CLAIMS_PREFIX = "units/"
 PROGRESS_PREFIX = "progress/"
@@ -66,3 +69,14 @@ def done_key(identifier: str) -> str:
 
 def lease_key(learner_id: str) -> str:
     return f"{LEASES_PREFIX}{learner_id}.json"
+
+
+def json_object(data: bytes | None) -> dict[str, Any] | None:
+    """A record's body as a dict; None when missing, not JSON or not an object (foreign data)."""
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -20,7 +20,6 @@ whose record has not changed for ``lease_s`` on its own clock as expired, like t
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ from gradientmail.layout import (
     LEASES_PREFIX,
     PROGRESS_PREFIX,
     RUN_KEY,
+    json_object,
 )
 from gradientmail.mailbox.base import Mailbox, describe
 
@@ -141,14 +141,6 @@ class RunStatus:
         }
 
 
-def _json_object(data: bytes | None) -> dict[str, Any] | None:
-    if data is None:
-        return None
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _number(value: Any, kind: type = float) -> Any:
@@ -162,7 +154,7 @@ def parse_claim(identifier: str, data: bytes | None) -> Claim | None:
     """A ``Claim`` from a claim body; None when the key vanished, ``learner="?"`` if unreadable."""
     if data is None:
         return None
-    body = _json_object(data)
+    body = json_object(data)
     if body is None:
         # Older or foreign claims may hold just the learner id as text.
         text = data.decode("utf-8", "replace").strip()
@@ -182,7 +174,7 @@ def parse_claim(identifier: str, data: bytes | None) -> Claim | None:
 
 
 def parse_progress(learner: str, data: bytes | None) -> LearnerStatus | None:
-    body = _json_object(data)
+    body = json_object(data)
     if body is None:
         return None
     finished = body.get("finished")
@@ -224,7 +216,7 @@ class RunReader:
 
     def read(self) -> RunStatus:
         read_at = time.time()
-        run = _json_object(self.mailbox.get(RUN_KEY)) or {}
+        run = json_object(self.mailbox.get(RUN_KEY)) or {}
 
         listed = [key[len(CLAIMS_PREFIX):] for key in self.mailbox.list(CLAIMS_PREFIX)]
         self._done.update(key[len(DONE_PREFIX):] for key in self.mailbox.list(DONE_PREFIX))
@@ -294,7 +286,7 @@ class RunReader:
 
     def _lease_state(self, learner: str, data: bytes | None, now: float) -> str | None:
         """``live``, ``expired`` or ``stopped`` for one ``leases/{learner}.json`` record."""
-        body = _json_object(data)
+        body = json_object(data)
         if body is None:
             return None
         if body.get("state") == "stopped":

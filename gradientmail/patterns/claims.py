@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gradientmail.errors import InvalidKeyError, UnsafeStoreError
-from gradientmail.layout import CLAIMS_PREFIX, claim_key
+from gradientmail.layout import CLAIMS_PREFIX, claim_key, json_object
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.mailbox.wrappers import LIST_PAGE
@@ -135,13 +135,7 @@ def claim_body(learner_id: str, token: str, worker: int | None = None) -> bytes:
 
 def parse_claim(data: bytes | None) -> dict[str, Any] | None:
     """A claim body as a dict, or None when missing or not a claim written by GradientMail."""
-    if data is None:
-        return None
-    try:
-        claim = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return claim if isinstance(claim, dict) else None
+    return json_object(data)
 
 
 def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:

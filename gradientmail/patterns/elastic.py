@@ -48,6 +48,7 @@ from gradientmail.layout import (
     DONE_PREFIX,
     claim_key,
     done_key,
+    json_object,
     lease_key,
     work_key,
     work_prefix,
@@ -116,14 +117,6 @@ def _dumps(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _loads(data: bytes | None) -> dict[str, Any] | None:
-    if data is None:
-        return None
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _step(value: Any) -> int | None:
@@ -218,7 +211,7 @@ def recorded_step(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -
     """The last step consumed under ``claim``: its owner's work record if it matches, else the
     step the claim was taken over or released at."""
     if claim.get("state") != RELEASED and isinstance(claim.get("learner"), str):
-        record = _loads(mailbox.get(work_key(claim["learner"], identifier)))
+        record = json_object(mailbox.get(work_key(claim["learner"], identifier)))
         if record is not None and record.get("token") == claim.get("token"):
             return _step(record.get("step"))
     return _step(claim.get("step"))
@@ -240,7 +233,7 @@ class LeaseWatch:
         self._seen: dict[str, tuple[bytes | None, float]] = {}
 
     def expired(self, learner: str, record: bytes | None, incarnation: str | None = None) -> bool:
-        body = _loads(record)
+        body = json_object(record)
         if body is not None:
             if body.get("state") == STOPPED:
                 return True
@@ -406,7 +399,7 @@ class ElasticClaimer:
         prefix = work_prefix(self.learner_id)
         found = []
         for key in self.mailbox.list(prefix):
-            record = _loads(self.mailbox.get(key))
+            record = json_object(self.mailbox.get(key))
             if record is None or record.get("incarnation") == self.options.incarnation:
                 continue  # unreadable, or a sibling worker's current unit
             found.append(key[len(prefix) :])
@@ -482,7 +475,7 @@ class ElasticClaimer:
         incarnation = claim.get("incarnation") if isinstance(claim.get("incarnation"), str) else None
         if not self._watch.expired(owner, leases[owner], incarnation):
             return False
-        record = _loads(leases[owner])
+        record = json_object(leases[owner])
         gone = record is not None and (
             record.get("state") == STOPPED
             or (incarnation is not None and record.get("incarnation") != incarnation)
@@ -577,7 +570,7 @@ class ProgressTracker:
         released = 0
         prefix = work_prefix(self.learner_id)
         for key in list(self.mailbox.list(prefix)):
-            record = _loads(self.mailbox.get(key))
+            record = json_object(self.mailbox.get(key))
             if record is None or record.get("incarnation") != self.options.incarnation:
                 continue
             identifier = key[len(prefix) :]
