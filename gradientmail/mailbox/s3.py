@@ -415,6 +415,10 @@ class S3Mailbox:
     supports_replace_if = True
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        return self._get_object("get_versioned", key)
+
+    def _get_object(self, operation: str, key: str) -> tuple[bytes, str] | None:
+        """(body, ETag) of ``key`` with retries, or None when it does not exist."""
         name = self._object_key(key)
 
         def request(client: Any) -> tuple[bytes, str] | None:
@@ -427,7 +431,7 @@ class S3Mailbox:
             with response["Body"] as stream:
                 return stream.read(), str(response["ETag"])
 
-        return self._retrying("get_versioned", key, request)
+        return self._retrying(operation, key, request)
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
         if not isinstance(version, str) or not version:
@@ -444,19 +448,8 @@ class S3Mailbox:
         )
 
     def get(self, key: str) -> bytes | None:
-        name = self._object_key(key)
-
-        def request(client: Any) -> bytes | None:
-            try:
-                response = client.get_object(Bucket=self.bucket, Key=name)
-            except botocore.exceptions.ClientError as exc:
-                if _outcome(exc) == _MISSING:
-                    return None
-                raise
-            with response["Body"] as stream:
-                return stream.read()
-
-        return self._retrying("get", key, request)
+        found = self._get_object("get", key)
+        return None if found is None else found[0]
 
     def put(self, key: str, data: bytes) -> None:
         name = self._object_key(key)
