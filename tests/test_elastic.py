@@ -169,7 +169,7 @@ def test_tracker_records_progress_done_and_releases_the_rest(memory_mailbox):
 def test_resume_takes_its_own_units_of_a_dead_incarnation_first(memory_mailbox):
     box = memory_mailbox
     first = ElasticClaimer(box, ["a", "b", "c", "d"], "node-0", ElasticOptions(resume=True, lease_s=None))
-    a, b = first.claim_next(), first.claim_next()
+    _, b = first.claim_next(), first.claim_next()
     box.put(work_key("node-0", "b"), json.dumps({  # progress written before the crash
         "learner": "node-0", "token": b.token, "incarnation": first.options.incarnation,
         "step": 4}).encode())

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gradientmail.errors import InvalidKeyError, UnsafeStoreError
@@ -187,6 +188,16 @@ class ClaimIndex:
         return list(map(self._by_identifier.__getitem__, identifiers))
 
 
+@dataclass(frozen=True)
+class Pick:
+    """A candidate ``Claimer.pick`` chose: its sorted position, identifier, and how it was chosen."""
+
+    position: int
+    identifier: str
+    step: int | None  # distance in sorted order from the previous unit of the order
+    blind: bool  # attempted without a listing covering it
+
+
 class Claimer:
     """Claims one learner's next free unit in its preference order, cheaply.
 
@@ -278,6 +289,22 @@ class Claimer:
 
     def claim_next(self) -> str | None:
         """Claim and return the next free identifier in preference order, or None when none is."""
+        while True:
+            pick = self.pick()
+            if pick is None:
+                return None
+            identifier = self.settle(pick, self.attempt(pick))
+            if identifier is not None:
+                return identifier
+
+    # -- the three steps of a claim: several attempts may be in flight between pick and settle ----
+    def pick(self) -> Pick | None:
+        """Choose the next candidate (listing first if the policy says so), or None when none is.
+
+        The candidate counts as known-claimed from here on, whoever wins it, so concurrent
+        attempts (``claim_ahead.ClaimAhead``, which calls ``pick`` and ``settle`` under one
+        lock and ``attempt`` outside it) never try the same unit twice.
+        """
         order = self._order
         known = self._known
         adaptive = self.listing == "adaptive"
@@ -290,10 +317,9 @@ class Claimer:
             if index == end:
                 return None
             position = order[index]
-            if self._fresh and position <= self._covered:
-                won = self._attempt(position)  # a listing since the last attempt settled it
-            else:
-                step = position - order[self._next - 1] if self._next else None
+            step = position - order[index - 1] if index else None
+            blind = False
+            if not (self._fresh and position <= self._covered):  # no listing since the last attempt settled it
                 near = adaptive and self._listed and self._near_others()
                 if near or self._should_list(step):
                     self._refresh(position)
@@ -304,16 +330,35 @@ class Claimer:
                         self.stats["stale"] += 1
                         self._next += 1
                         continue
-                    won = self._attempt(position)
                 else:
                     self.stats["blind"] += 1
-                    won = self._attempt(position)
-                    self._observe(step, not won)
+                    blind = True
             self._next += 1
-            if won:
-                self.stats["claims"] += 1
-                self._mine[position] = 1
-                return self._keys[position][len(CLAIMS_PREFIX) :]
+            self.stats["attempts"] += 1
+            self._fresh = False
+            known[position] = 1  # settled by this attempt, whoever wins
+            self._advance_low()
+            return Pick(position, self._keys[position][len(CLAIMS_PREFIX) :], step, blind)
+
+    def attempt(self, pick: Pick) -> bool:
+        """The requests of one claim (create, read back): whether this claimer won ``pick``.
+
+        Touches no claimer state, so several may run at once.
+        """
+        return try_claim(self.mailbox, pick.identifier, self.learner_id, worker=self.worker)
+
+    def settle(self, pick: Pick, won: bool) -> str | None:
+        """Record the outcome of an attempt; the identifier if it was won."""
+        self._conflicted = not won
+        if not won:
+            self.stats["conflicts"] += 1
+        if pick.blind:
+            self._observe(pick.step, not won)
+        if not won:
+            return None
+        self.stats["claims"] += 1
+        self._mine[pick.position] = 1
+        return pick.identifier
 
     def risk(self, step: int | None = None) -> float:
         """The estimated chance that a candidate reached by ``step`` (None: any) is taken."""
@@ -399,15 +444,3 @@ class Claimer:
         else:
             self._covered = bisect.bisect_right(self._keys, last) - 1
         self._advance_low()
-
-    def _attempt(self, position: int) -> bool:
-        identifier = self._keys[position][len(CLAIMS_PREFIX) :]
-        self.stats["attempts"] += 1
-        self._fresh = False
-        won = try_claim(self.mailbox, identifier, self.learner_id, worker=self.worker)
-        self._conflicted = not won
-        if not won:
-            self.stats["conflicts"] += 1
-        self._known[position] = 1
-        self._advance_low()
-        return won

@@ -54,7 +54,7 @@ from gradientmail.layout import (
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if
-from gradientmail.patterns.claims import Claimer, parse_claim
+from gradientmail.patterns.claims import Claimer, Pick, parse_claim
 
 __all__ = [
     "Assignment",
@@ -263,32 +263,24 @@ class _FreshClaimer(Claimer):
         self.incarnation = incarnation
         self.token: str | None = None
 
-    def _attempt(self, position: int) -> bool:
-        identifier = self._keys[position][len(CLAIMS_PREFIX) :]
-        self.stats["attempts"] += 1
-        self._fresh = False
+    def attempt(self, pick: Pick) -> bool:
         token = uuid.uuid4().hex
-        key = claim_key(identifier)
+        key = claim_key(pick.identifier)
         body = claim_fields(self.learner_id, token, self.worker, incarnation=self.incarnation, state=ACTIVE, step=None)
-        won = False
-        if self.mailbox.put_if_absent(key, _dumps(body)):
-            data = self.mailbox.get(key)
-            if data is None:
-                store = describe(self.mailbox)
-                raise UnsafeStoreError(
-                    f"{store}: the claim {key!r} was created but cannot be read back; "
-                    "this store does not show a write to the next read, so claims are unsafe here",
-                    operation="get", key=key, store=store,
-                )
-            claim = parse_claim(data)
-            won = claim is not None and claim.get("token") == token
-        self._conflicted = not won
-        if not won:
-            self.stats["conflicts"] += 1
-        else:
-            self.token = token
-        self._known[position] = 1
-        self._advance_low()
+        if not self.mailbox.put_if_absent(key, _dumps(body)):
+            return False
+        data = self.mailbox.get(key)
+        if data is None:
+            store = describe(self.mailbox)
+            raise UnsafeStoreError(
+                f"{store}: the claim {key!r} was created but cannot be read back; "
+                "this store does not show a write to the next read, so claims are unsafe here",
+                operation="get", key=key, store=store,
+            )
+        claim = parse_claim(data)
+        won = claim is not None and claim.get("token") == token
+        if won:
+            self.token = token  # claims run one at a time here (no ClaimAhead on the elastic path)
         return won
 
 

@@ -51,6 +51,7 @@ from gradientmail.patterns.elastic import (
     consume_inline,
     tagged_items,
 )
+from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
 from gradientmail.patterns.claims import (
     DEFAULT_LISTING,
     ClaimIndex,
@@ -201,6 +202,13 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         lease: Renew a heartbeat while batches are consumed, and take over the units of nodes
             whose heartbeat stopped changing for ``lease`` (a ``timedelta``). Needs
             ``replace_if``.
+        claim_ahead: Most units to claim ahead of the one being loaded, on background threads,
+            so a slow store's round trips overlap loading (``gradientmail.patterns.claim_ahead``).
+            0 (default here): claim on demand. In your own ``DataLoader`` every wait for a claim
+            counts as the loop starving, so up to ``claim_ahead`` units are claimed ahead of
+            each worker once claims are seen to stall it; ``shared_queue`` watches its buffer
+            and claims ahead only when the loop ran dry while a claim was made. Not used with
+            ``resume``, ``lease`` or a restored state (those claim on demand).
 
     With ``resume`` or ``lease``, consumption is tracked where the dataset is iterated: use it
     through ``shared_queue`` or iterate it directly in the training process (a batch counts as
@@ -209,7 +217,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
 
     Iterating claims the first unit in ``order`` not claimed by anyone, yields its batches,
     then claims the next, until no unclaimed unit is left. Claiming happens inside ``next()``:
-    a unit is claimed only when its first batch is asked for. Each iteration first records the
+    with ``claim_ahead=0`` a unit is claimed only when its first batch is asked for. Each iteration first records the
     run and checks that the store creates atomically (``prepare_mailbox``). In
     ``DataLoader(dataset, batch_size=None, num_workers=k)`` every worker claims for itself and
     no two workers load one unit; note that DataLoader's default collation then turns each
@@ -226,6 +234,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         order: Sequence[str] | None = None,
         resume: bool = False,
         lease: timedelta | float | None = None,
+        claim_ahead: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(units, Mapping):
@@ -248,6 +257,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self.mailbox = mailbox
         self.load = load
         self.order: list[str] = _checked_order(order, self.units)
+        self.claim_ahead = _positive("claim_ahead", claim_ahead, 0)
+        self._gauge: BufferGauge | None = None  # shared_queue's buffer, which claim_ahead watches
         self._counter = _register_counter(self.learner_id)
         self._verified = False  # shared_queue verifies once in the main process
         self._control: _Control | None = None
@@ -334,21 +345,28 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             self.mailbox, self.order, self.learner_id, worker=worker, listing=self._listing,
             index=self._claim_index,
         )
+        gauge = self._gauge
+        claims = ClaimAhead(
+            claimer, limit=self.claim_ahead, gauge=gauge, count=lambda: self._counter.add(worker),
+            name=f"gradientmail-claim-{self.learner_id}",
+        )
         try:
             while True:
                 try:
-                    identifier = claimer.claim_next()
+                    identifier = claims.next()
                 except Exception as exc:
                     _note(exc, f"while learner {self.learner_id!r} was claiming a unit in {describe(self.mailbox)}")
                     raise
                 if identifier is None:
                     return
-                self._counter.add(worker)
                 for step, tensor in self._load_unit(identifier):
                     self._positions[identifier] = {"token": None, "step": step}
+                    if gauge is not None:
+                        gauge.produced(worker)
                     yield step, tensor
                 self._positions.pop(identifier, None)
         finally:
+            claims.close()
             self._claim_stats.update(claimer.stats)
 
     def _claim_and_load_elastic(self, worker: int | None, options: ElasticOptions | None) -> Iterator[Any]:
@@ -548,6 +566,7 @@ class _ThreadBatches(_Batches):
     def __init__(self, dataset: SharedQueueDataset[Any], prefetch: int, timeout: float | None) -> None:
         super().__init__()
         self._timeout = timeout
+        self._gauge = dataset._gauge
         self._ready: deque[Any] = deque()
         self._room = prefetch  # batches the thread may still produce before one is taken
         self._stopping = False
@@ -596,6 +615,8 @@ class _ThreadBatches(_Batches):
             if item is not _END and not isinstance(item, _Failure):
                 self._room += 1
                 self._changed.notify_all()
+                if self._gauge is not None:
+                    self._gauge.consumed()
         if item is _END:
             raise StopIteration
         if isinstance(item, _Failure):
@@ -662,6 +683,7 @@ class _LoaderBatches(_Batches):
         dataset = copy.copy(dataset)  # the caller's dataset stays usable on its own
         dataset._control = self._control
         dataset._verified = True
+        self._gauge = dataset._gauge
         options: dict[str, Any] = {
             "batch_size": None,
             "num_workers": workers,
@@ -681,7 +703,10 @@ class _LoaderBatches(_Batches):
     def _next(self) -> Batch:
         if self._iterator is None:
             raise StopIteration
-        return next(self._iterator)
+        batch = next(self._iterator)
+        if self._gauge is not None:
+            self._gauge.consumed()
+        return batch
 
     def close(self) -> None:
         self._finished = True
@@ -792,6 +817,7 @@ def shared_queue(
     shutdown_timeout: timedelta | float | None = None,
     resume: bool = False,
     lease: timedelta | float | None = None,
+    claim_ahead: int = DEFAULT_CLAIM_AHEAD,
 ) -> Iterator[Iterator[Batch]]:
     """Consume a shared queue of work units: ``with shared_queue(...) as batches:``.
 
@@ -801,7 +827,8 @@ def shared_queue(
 
     Guarantees:
         - At most ``prefetch`` batches are buffered in all (so ``prefetch >= workers``); a
-          unit is claimed only when the buffer has room for its first batch.
+          unit is claimed only while the buffer has room (the loop asked for a batch), never
+          while it is full.
         - Every unit is loaded by exactly one claimer of all nodes and workers (the claim
           protocol in ``gradientmail.patterns.claims``); a node that finds no unclaimed unit
           delivers what it buffered and stops.
@@ -821,6 +848,11 @@ def shared_queue(
         workers: DataLoader worker processes; 0 runs on a thread in this process.
         pin_memory: Passed to the DataLoader (page-locked batches for faster GPU copies).
         multiprocessing_context: Start method for workers (default: Python's default).
+        claim_ahead: Most units each loader claims ahead of the one it is loading, so that a
+            slow store's round trips overlap loading (default 4; 0: on demand, as the seed).
+            It claims one more ahead each time the loop ran out of batches while the loader
+            waited for a claim; a loop slower than its loader, or one that stopped taking
+            batches, never triggers it.
         shutdown_timeout: Longest wait for an operation in flight when leaving the block.
         resume: Record progress, release unfinished units when leaving the block, and take
             back this learner's (and released) units first when restarted; see
@@ -844,7 +876,7 @@ def shared_queue(
     timeout = _seconds(shutdown_timeout)
     dataset = SharedQueueDataset(
         units, mailbox=mailbox, learner_id=learner_id, load=load, order=order,
-        resume=resume, lease=lease,
+        resume=resume, lease=lease, claim_ahead=claim_ahead,
     )
     context = None
     if workers > 0:
@@ -855,6 +887,8 @@ def shared_queue(
         return
     prepare_mailbox(mailbox, len(dataset.units))
     dataset._verified = True
+    if dataset._elastic is None:
+        dataset._gauge = BufferGauge(max(1, workers))
     tracker: ProgressTracker | None = None
     if dataset._elastic is not None:
         # One incarnation for this node's workers and its tracker; the lease exists before

@@ -1,0 +1,178 @@
+"""Claiming ahead: a slow store's round trips overlap loading instead of standing between units.
+
+A claim costs two or three requests (list, create, read back). Made on demand, between the last
+batch of one unit and the first of the next, they stall the loader for those round trips: at
+20 ms per request (a distant S3) that is 40-60 ms per unit, more than a unit of small batches
+takes to load. ``ClaimAhead`` keeps up to ``depth`` claims running or finished on background
+threads while the current unit loads, and hands their units out in the order they were started.
+
+It claims ahead only where that is what keeps the training loop fed, and only as much:
+
+- ``depth`` starts at 0 (on demand, the seed's behaviour) and grows by one, up to ``limit``,
+  each time the loader waited for a claim while the loop ran dry (from the second such wait in
+  a row): the loop took, during the wait, every batch that was buffered when it began
+  (``BufferGauge``). A loop slower than its loader keeps batches buffered through the wait,
+  and a loop that has stopped takes none, so neither ever makes a node claim ahead.
+- A claim ahead starts only from inside ``next()``, that is while the buffer has room (the loop
+  asked for a batch), never while it is full.
+- Attempts run concurrently, but ``Claimer.pick`` and ``Claimer.settle`` run under one lock, so
+  every candidate is tried once and the claimer's knowledge stays consistent.
+
+Units claimed ahead belong to this node like buffered batches do: leaving early (``break``, an
+error) leaves them claimed and unloaded, as the seed says of prefetched work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from gradientmail.patterns.claims import Claimer
+
+__all__ = ["BufferGauge", "ClaimAhead", "DEFAULT_CLAIM_AHEAD"]
+
+DEFAULT_CLAIM_AHEAD = 4
+"""``shared_queue``'s default ``claim_ahead``: enough to hide 20 ms requests behind units of
+20 small batches (about two claims in flight); a bare ``SharedQueueDataset`` defaults to 0."""
+
+
+class BufferGauge:
+    """How many batches are buffered between the loader(s) and the training loop.
+
+    Loaders count the batches they produce (one slot each: a DataLoader worker process is the
+    only writer of its slot), the loop counts the batches it takes; the difference is what is
+    buffered. Lives in shared memory, so DataLoader worker processes of any start method read it.
+    """
+
+    def __init__(self, loaders: int = 1) -> None:
+        self._counts = multiprocessing.RawArray(ctypes.c_int64, loaders + 1)
+
+    def produced(self, loader: int | None) -> None:
+        self._counts[1 + (loader or 0)] += 1
+
+    def consumed(self) -> None:
+        self._counts[0] += 1
+
+    def taken(self) -> int:
+        return self._counts[0]
+
+    def buffered(self) -> int:
+        counts = self._counts
+        return sum(counts[1:]) - counts[0]
+
+
+class ClaimAhead:
+    """Hands out claimed units in order, claiming up to ``limit`` ahead on background threads.
+
+    ``count`` is called (under the lock) for every unit won, the moment it is won.
+    """
+
+    def __init__(
+        self,
+        claimer: Claimer,
+        *,
+        limit: int,
+        gauge: BufferGauge | None = None,
+        count: Callable[[], None] = lambda: None,
+        name: str = "gradientmail-claim",
+    ) -> None:
+        self._claimer = claimer
+        self._limit = limit
+        self._gauge = gauge
+        self._count = count
+        self._name = name
+        self._lock = threading.Lock()
+        self._pending: deque[Future[str | None]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._exhausted = False  # a pick found no free unit: start no more claims
+        self._closing = False
+        self._handed = 0
+        self._dry = 0  # waits in a row during which the loop ran dry
+        self.depth = 0
+
+    def next(self) -> str | None:
+        """The next claimed unit (claiming it now if none is ready), or None when none is left.
+
+        A claim's error is raised here, in the order the claims were started.
+        """
+        while True:
+            mark = self._mark()
+            if self._pending:
+                future = self._pending.popleft()
+                waited = not future.done()
+                identifier = future.result()
+            elif self._exhausted:
+                return None
+            else:
+                waited = True
+                identifier = self._claim()  # on demand, on this thread
+            if identifier is None:
+                self._exhausted = True
+                continue  # claims started earlier may still have won a unit
+            if waited:
+                self._adapt(mark)
+            self._handed += 1
+            self._top_up()
+            return identifier
+
+    def close(self) -> None:
+        """Start no more claims and wait for the requests in flight (units won stay claimed)."""
+        self._closing = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _mark(self) -> tuple[int, int] | None:
+        gauge = self._gauge
+        return None if gauge is None else (gauge.buffered(), gauge.taken())
+
+    def _adapt(self, mark: tuple[int, int] | None) -> None:
+        """After the loader waited for a claim: claim one more ahead if the loop ran dry.
+
+        The loop ran dry when it took, during the wait, every batch that was buffered when the
+        wait began; a loop that took nothing (it is busy, or has stopped) lost nothing to the
+        wait. It takes two such waits in a row (a start-up transient, such as a loop that takes
+        its first batch and stops, is not a trend). Without a gauge every wait counts. The
+        first unit's wait is start-up.
+        """
+        if self._handed == 0 or self.depth >= self._limit:
+            return
+        if mark is not None:
+            assert self._gauge is not None
+            buffered, taken = mark
+            taken = self._gauge.taken() - taken
+            if taken == 0 or taken < buffered:
+                self._dry = 0
+                return
+            self._dry += 1
+            if self._dry < 2:
+                return
+        self.depth += 1
+
+    def _top_up(self) -> None:
+        while not self._exhausted and not self._closing and len(self._pending) < self.depth:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._limit, thread_name_prefix=self._name)
+            self._pending.append(self._pool.submit(self._claim))
+
+    def _claim(self) -> str | None:
+        claimer = self._claimer
+        while True:
+            with self._lock:
+                if self._closing:
+                    return None
+                pick = claimer.pick()
+            if pick is None:
+                return None
+            won = claimer.attempt(pick)  # the requests, outside the lock
+            with self._lock:
+                identifier = claimer.settle(pick, won)
+                if identifier is not None:
+                    self._count()
+                    return identifier
