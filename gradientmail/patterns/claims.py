@@ -20,6 +20,7 @@ three (list, create, read back) where nodes prefer different units (see its docs
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import json
 import os
@@ -119,13 +120,18 @@ def validate_learner_id(learner_id: object) -> str:
     return learner_id
 
 
+@functools.cache
+def _hostname() -> str:
+    return socket.gethostname()  # a system call: once per process, not between list and create
+
+
 def claim_body(learner_id: str, token: str, worker: int | None = None) -> bytes:
     """The JSON body of a claim (fields documented in ``gradientmail.layout``)."""
     return json.dumps(
         {
             "learner": learner_id,
             "token": token,
-            "host": socket.gethostname(),
+            "host": _hostname(),
             "pid": os.getpid(),
             "worker": worker,
             "claimed_at": time.time(),
@@ -144,13 +150,18 @@ def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:
     return parse_claim(mailbox.get(claim_key(validate_identifier(identifier))))
 
 
-def try_claim(mailbox: Mailbox, identifier: str, learner_id: str, *, worker: int | None = None) -> bool:
+def try_claim(
+    mailbox: Mailbox, identifier: str, learner_id: str, *, worker: int | None = None,
+    token: str | None = None,
+) -> bool:
     """Claim one unit: create its key, read it back, and report whether the token is ours.
 
     False means another claimer owns it. Two requests when the create succeeds, one otherwise.
+    ``token`` (default: a fresh ``uuid4``) must be unique to this attempt.
     """
     key = claim_key(identifier)
-    token = uuid.uuid4().hex
+    if token is None:
+        token = uuid.uuid4().hex
     if not mailbox.put_if_absent(key, claim_body(learner_id, token, worker)):
         return False
     data = mailbox.get(key)
@@ -196,6 +207,7 @@ class Pick:
     identifier: str
     step: int | None  # distance in sorted order from the previous unit of the order
     blind: bool  # attempted without a listing covering it
+    token: str  # the attempt's claim token, unique to it
 
 
 class Claimer:
@@ -279,6 +291,7 @@ class Claimer:
         self._fresh = False  # ...which holds until the next attempt
         self._listed = False
         self._conflicted = False
+        self._token: str | None = None  # the next attempt's, drawn before a listing
         # The adaptive estimate: decayed (seen, taken) counts of candidates examined without a
         # current listing, per step through the order and overall.
         self._steps: dict[int | None, tuple[float, float]] = {}
@@ -338,14 +351,15 @@ class Claimer:
             self._fresh = False
             known[position] = 1  # settled by this attempt, whoever wins
             self._advance_low()
-            return Pick(position, self._keys[position][len(CLAIMS_PREFIX) :], step, blind)
+            token, self._token = self._token or uuid.uuid4().hex, None
+            return Pick(position, self._keys[position][len(CLAIMS_PREFIX) :], step, blind, token)
 
     def attempt(self, pick: Pick) -> bool:
         """The requests of one claim (create, read back): whether this claimer won ``pick``.
 
         Touches no claimer state, so several may run at once.
         """
-        return try_claim(self.mailbox, pick.identifier, self.learner_id, worker=self.worker)
+        return try_claim(self.mailbox, pick.identifier, self.learner_id, worker=self.worker, token=pick.token)
 
     def settle(self, pick: Pick, won: bool) -> str | None:
         """Record the outcome of an attempt; the identifier if it was won."""
@@ -406,6 +420,11 @@ class Claimer:
         self._low = len(self._known) if low < 0 else low
 
     def _refresh(self, position: int) -> None:
+        if self._token is None:
+            # Drawn now (os.urandom is a system call) so that nothing slow runs between what
+            # the listing shows and the create that relies on it: the shorter that gap, the
+            # fewer claimers that listed at the same moment create the same unit.
+            self._token = uuid.uuid4().hex
         start = max(self._low, position - self.page)
         after = self._keys[start - 1] if start > 0 else None
         target = self._keys[position]

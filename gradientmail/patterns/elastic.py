@@ -264,7 +264,7 @@ class _FreshClaimer(Claimer):
         self.token: str | None = None
 
     def attempt(self, pick: Pick) -> bool:
-        token = uuid.uuid4().hex
+        token = pick.token
         key = claim_key(pick.identifier)
         body = claim_fields(self.learner_id, token, self.worker, incarnation=self.incarnation, state=ACTIVE, step=None)
         if not self.mailbox.put_if_absent(key, _dumps(body)):
