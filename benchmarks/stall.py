@@ -123,11 +123,11 @@ def measure(variant: Variant, steps: int, step_s: float, load_s: float) -> dict[
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     options = parser(__doc__)
-    options.add_argument("--steps", type=int, default=None, help="training steps per run (default 80, quick 12)")
+    options.add_argument("--steps", type=int, default=None, help="training steps per run (default 60, quick 12)")
     options.add_argument("--step-ms", type=float, default=50.0, help="simulated training step (ms)")
     options.add_argument("--load-ms", type=float, default=20.0, help="simulated load per batch (ms)")
     args = options.parse_args(argv)
-    steps = args.steps or (12 if args.quick else 80)
+    steps = args.steps or (12 if args.quick else 60)
     if args.load_ms >= args.step_ms:
         options.error("--load-ms must be below --step-ms (a loader slower than training always stalls)")
     # Warm up (the first DataLoader of a process starts its helper threads), untimed.

@@ -29,7 +29,7 @@ FIGURES = {
         "requests_per_claim_threads_no_rotation", "conflicts_per_claim_threads_no_rotation",
     ],
     "throughput": [
-        "ratio_local", "ratio_latency_20ms", "ratio_latency_100ms", "ratio_local_small",
+        "ratio_local", "ratio_latency_20ms", "ratio_latency_100ms", "ratio_disk", "ratio_local_small",
         "ratio_local_large", "batches_per_s_small_baseline", "batches_per_s_large_baseline",
     ],
     "stall": [

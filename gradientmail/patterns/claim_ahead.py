@@ -25,8 +25,10 @@ error) leaves them claimed and unloaded, as the seed says of prefetched work.
 from __future__ import annotations
 
 import ctypes
+import math
 import multiprocessing
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -91,6 +93,7 @@ class ClaimAhead:
         self._exhausted = False  # a pick found no free unit: start no more claims
         self._closing = False
         self._handed = 0
+        self._handed_at = time.perf_counter()
         self._dry = 0  # waits in a row during which the loop ran dry
         self.depth = 0
 
@@ -99,6 +102,8 @@ class ClaimAhead:
 
         A claim's error is raised here, in the order the claims were started.
         """
+        asked = time.perf_counter()
+        unit_s = asked - self._handed_at  # how long the previous unit kept the loader busy
         while True:
             mark = self._mark()
             if self._pending:
@@ -113,8 +118,9 @@ class ClaimAhead:
             if identifier is None:
                 self._exhausted = True
                 continue  # claims started earlier may still have won a unit
+            self._handed_at = time.perf_counter()
             if waited:
-                self._adapt(mark)
+                self._adapt(mark, wait_s=self._handed_at - asked, unit_s=unit_s)
             self._handed += 1
             self._top_up()
             return identifier
@@ -132,14 +138,15 @@ class ClaimAhead:
         gauge = self._gauge
         return None if gauge is None else (gauge.buffered(), gauge.taken())
 
-    def _adapt(self, mark: tuple[int, int] | None) -> None:
-        """After the loader waited for a claim: claim one more ahead if the loop ran dry.
+    def _adapt(self, mark: tuple[int, int] | None, *, wait_s: float, unit_s: float) -> None:
+        """After the loader waited for a claim: claim further ahead if the loop ran dry.
 
         The loop ran dry when it took, during the wait, every batch that was buffered when the
         wait began; a loop that took nothing (it is busy, or has stopped) lost nothing to the
         wait. It takes two such waits in a row (a start-up transient, such as a loop that takes
         its first batch and stops, is not a trend). Without a gauge every wait counts. The
-        first unit's wait is start-up.
+        first unit's wait is start-up. The depth grows by as many units as the wait was long
+        (at least one), so a slow store is hidden after a unit or two, not after ``limit``.
         """
         if self._handed == 0 or self.depth >= self._limit:
             return
@@ -153,7 +160,8 @@ class ClaimAhead:
             self._dry += 1
             if self._dry < 2:
                 return
-        self.depth += 1
+        more = math.ceil(wait_s / unit_s) if unit_s > 0 else 1
+        self.depth = min(self._limit, self.depth + max(1, more))
 
     def _top_up(self) -> None:
         while not self._exhausted and not self._closing and len(self._pending) < self.depth:
