@@ -8,11 +8,12 @@ threads while the current unit loads, and hands their units out in the order the
 
 It claims ahead only where that is what keeps the training loop fed, and only as much:
 
-- ``depth`` starts at 0 (on demand, the seed's behaviour) and grows by one, up to ``limit``,
-  each time the loader waited for a claim while the loop ran dry (from the second such wait in
-  a row): the loop took, during the wait, every batch that was buffered when it began
-  (``BufferGauge``). A loop slower than its loader keeps batches buffered through the wait,
-  and a loop that has stopped takes none, so neither ever makes a node claim ahead.
+- ``depth`` starts at 0 (on demand, the seed's behaviour) and grows, up to ``limit``, each
+  time the loader waited for a claim while the loop was starving (from the second such wait in
+  a row): the loop kept taking batches during the wait, and took all that were buffered when
+  it began or found the buffer under half full (``BufferGauge``). It grows by as many units as
+  the wait lasted. A loop slower than its loader keeps the buffer full, and a loop that has
+  stopped takes nothing, so neither ever makes a node claim ahead.
 - A claim ahead starts only from inside ``next()``, that is while the buffer has room (the loop
   asked for a batch), never while it is full.
 - Attempts run concurrently, but ``Claimer.pick`` and ``Claimer.settle`` run under one lock, so
@@ -50,7 +51,9 @@ class BufferGauge:
     buffered. Lives in shared memory, so DataLoader worker processes of any start method read it.
     """
 
-    def __init__(self, loaders: int = 1) -> None:
+    def __init__(self, loaders: int = 1, prefetch: int | None = None) -> None:
+        self.low = 1 if prefetch is None else max(1, prefetch // 2)
+        """Fewer batches buffered than this: the loaders are not keeping up."""
         self._counts = multiprocessing.RawArray(ctypes.c_int64, loaders + 1)
 
     def produced(self, loader: int | None) -> None:
@@ -139,14 +142,17 @@ class ClaimAhead:
         return None if gauge is None else (gauge.buffered(), gauge.taken())
 
     def _adapt(self, mark: tuple[int, int] | None, *, wait_s: float, unit_s: float) -> None:
-        """After the loader waited for a claim: claim further ahead if the loop ran dry.
+        """After the loader waited for a claim: claim further ahead if the loop was starving.
 
-        The loop ran dry when it took, during the wait, every batch that was buffered when the
-        wait began; a loop that took nothing (it is busy, or has stopped) lost nothing to the
-        wait. It takes two such waits in a row (a start-up transient, such as a loop that takes
-        its first batch and stops, is not a trend). Without a gauge every wait counts. The
-        first unit's wait is start-up. The depth grows by as many units as the wait was long
-        (at least one), so a slow store is hidden after a unit or two, not after ``limit``.
+        The loop was starving when it kept taking batches during the wait and the buffer could
+        not absorb the wait: it took every batch buffered when the wait began, or that buffer
+        was under half full (``BufferGauge.low``: a loader that cannot keep the buffer full is
+        the bottleneck, and every wait of it is lost for good). A loop that took nothing (it
+        is busy, or has stopped) lost nothing to the wait. It takes two such waits in a row (a
+        start-up transient, such as a loop that takes its first batch and stops, is not a
+        trend). Without a gauge every wait counts. The first unit's wait is start-up. The depth
+        grows by as many units as the wait was long (at least one), so a slow store is hidden
+        after a unit or two, not after ``limit``.
         """
         if self._handed == 0 or self.depth >= self._limit:
             return
@@ -154,7 +160,7 @@ class ClaimAhead:
             assert self._gauge is not None
             buffered, taken = mark
             taken = self._gauge.taken() - taken
-            if taken == 0 or taken < buffered:
+            if taken == 0 or (taken < buffered and buffered >= self._gauge.low):
                 self._dry = 0
                 return
             self._dry += 1

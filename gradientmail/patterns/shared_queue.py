@@ -52,6 +52,7 @@ from gradientmail.patterns.elastic import (
     consume_inline,
     tagged_items,
 )
+from gradientmail.patterns.inline import inline
 from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
 from gradientmail.patterns.claims import (
     DEFAULT_LISTING,
@@ -524,7 +525,10 @@ def _checked_order(order: Sequence[str] | None, units: Mapping[str, Any]) -> lis
 
 
 def _keep(item: Batch) -> Batch:
-    """DataLoader ``collate_fn`` that keeps each ``(step, tensor)`` pair as it is."""
+    """DataLoader ``collate_fn`` that keeps each ``(step, tensor)`` pair as it is, but lets a
+    small tensor travel to the training process inline (``gradientmail.patterns.inline``)."""
+    if isinstance(item, tuple) and len(item) >= 2:
+        return (item[0], inline(item[1]), *item[2:])  # type: ignore[return-value]
     return item
 
 
@@ -978,7 +982,7 @@ def shared_queue(
     prepare_mailbox(mailbox, len(dataset.units))
     dataset._verified = True
     if dataset._elastic is None:
-        dataset._gauge = BufferGauge(max(1, workers))
+        dataset._gauge = BufferGauge(max(1, workers), prefetch)
     tracker: ProgressTracker | None = None
     if dataset._elastic is not None:
         # One incarnation for this node's workers and its tracker; the lease exists before

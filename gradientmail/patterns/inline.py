@@ -1,0 +1,56 @@
+"""Small batches travel from DataLoader workers inline, not through shared memory.
+
+A DataLoader worker hands each tensor over by moving it into a new shared-memory segment and
+passing its file descriptor to the training process over a socket, which then maps it. That
+costs about 1 ms per tensor whatever its size: for a batch of a few KiB it is nearly all of the
+hand-over, and the training process pays its half (``benchmarks.throughput``, small batches).
+Copying a small tensor's bytes through the worker's result pipe is far cheaper, so ``inline``
+wraps tensors up to ``INLINE_BYTES`` so that they pickle as bytes; they arrive as ordinary
+tensors of the same dtype, shape and values (contiguous, in the training process's memory).
+Larger tensors keep DataLoader's shared-memory path, which is cheaper than copying them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["INLINE_BYTES", "inline"]
+
+INLINE_BYTES = 256 * 1024
+"""Tensors up to this many bytes are copied through the pipe instead of shared memory."""
+
+
+def inline(tensor: Any) -> Any:
+    """``tensor`` wrapped to pickle inline if it is a small plain CPU tensor, else unchanged."""
+    if (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and tensor.numel() * tensor.element_size() <= INLINE_BYTES
+    ):
+        return _Inline(tensor)
+    return tensor
+
+
+class _Inline:
+    """Pickles as the tensor's raw bytes; unpickles as a plain tensor."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        tensor = self.tensor.contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        return _rebuild, (raw, tensor.dtype, tuple(tensor.shape))
+
+
+def _rebuild(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
