@@ -125,19 +125,22 @@ def _hostname() -> str:
     return socket.gethostname()  # a system call: once per process, not between list and create
 
 
+def claim_fields(learner_id: str, token: str, worker: int | None, **extra: Any) -> dict[str, Any]:
+    """The seed's claim fields plus ``extra`` (see ``gradientmail.layout``)."""
+    return {
+        "learner": learner_id,
+        "token": token,
+        "host": _hostname(),
+        "pid": os.getpid(),
+        "worker": worker,
+        "claimed_at": time.time(),
+        **extra,
+    }
+
+
 def claim_body(learner_id: str, token: str, worker: int | None = None) -> bytes:
     """The JSON body of a claim (fields documented in ``gradientmail.layout``)."""
-    return json.dumps(
-        {
-            "learner": learner_id,
-            "token": token,
-            "host": _hostname(),
-            "pid": os.getpid(),
-            "worker": worker,
-            "claimed_at": time.time(),
-        },
-        separators=(",", ":"),
-    ).encode()
+    return json.dumps(claim_fields(learner_id, token, worker), separators=(",", ":")).encode()
 
 
 def parse_claim(data: bytes | None) -> dict[str, Any] | None:

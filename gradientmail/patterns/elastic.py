@@ -32,8 +32,6 @@ Key layout and record formats: ``gradientmail.layout``.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
 import time
 import uuid
@@ -54,7 +52,7 @@ from gradientmail.layout import (
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if
-from gradientmail.patterns.claims import Claimer, Pick, parse_claim
+from gradientmail.patterns.claims import Claimer, Pick, claim_fields, parse_claim
 
 __all__ = [
     "Assignment",
@@ -121,19 +119,6 @@ def _dumps(body: Mapping[str, Any]) -> bytes:
 
 def _step(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def claim_fields(learner_id: str, token: str, worker: int | None, **extra: Any) -> dict[str, Any]:
-    """The seed's claim fields plus ``extra`` (see ``gradientmail.layout``)."""
-    return {
-        "learner": learner_id,
-        "token": token,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "worker": worker,
-        "claimed_at": time.time(),
-        **extra,
-    }
 
 
 def work_body(learner_id: str, token: str, incarnation: str, step: int | None, done: bool = False) -> bytes:
