@@ -209,7 +209,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             0 (default here): claim on demand. In your own ``DataLoader`` every wait for a claim
             counts as the loop starving, so up to ``claim_ahead`` units are claimed ahead of
             each worker once claims are seen to stall it; ``shared_queue`` watches its buffer
-            and claims ahead only when the loop ran dry while a claim was made. Not used with
+            and claims ahead only when the loop was starving while a claim was made. Not used with
             ``resume``, ``lease`` or a restored state (those claim on demand).
 
     With ``resume`` or ``lease``, consumption is tracked where the dataset is iterated: use it
@@ -219,8 +219,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
 
     Iterating claims the first unit in ``order`` not claimed by anyone, yields its batches,
     then claims the next, until no unclaimed unit is left. Claiming happens inside ``next()``:
-    with ``claim_ahead=0`` a unit is claimed only when its first batch is asked for. Each iteration first records the
-    run and checks that the store creates atomically (``prepare_mailbox``). In
+    with ``claim_ahead=0`` a unit is claimed only when its first batch is asked for. Each
+    iteration first records the run and checks that the store creates atomically
+    (``prepare_mailbox``). In
     ``DataLoader(dataset, batch_size=None, num_workers=k)`` every worker claims for itself and
     no two workers load one unit; note that DataLoader's default collation then turns each
     pair into a list.
@@ -944,9 +945,9 @@ def shared_queue(
         multiprocessing_context: Start method for workers (default: Python's default).
         claim_ahead: Most units each loader claims ahead of the one it is loading, so that a
             slow store's round trips overlap loading (default 4; 0: on demand, as the seed).
-            It claims one more ahead each time the loop ran out of batches while the loader
-            waited for a claim; a loop slower than its loader, or one that stopped taking
-            batches, never triggers it.
+            It claims further ahead when the loop was starving (kept taking batches from an
+            emptying buffer) while the loader waited for a claim; a loop slower than its
+            loader, or one that stopped taking batches, never triggers it.
         shutdown_timeout: Longest wait for an operation in flight when leaving the block.
         resume: Record progress, release unfinished units when leaving the block, and take
             back this learner's (and released) units first when restarted; see
