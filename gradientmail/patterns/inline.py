@@ -6,8 +6,9 @@ costs about 1 ms per tensor whatever its size: for a batch of a few KiB it is ne
 hand-over, and the training process pays its half (``benchmarks.throughput``, small batches).
 Copying a small tensor's bytes through the worker's result pipe is far cheaper, so ``inline``
 wraps tensors up to ``INLINE_BYTES`` so that they pickle as bytes; they arrive as ordinary
-tensors of the same dtype, shape and values (contiguous, in the training process's memory).
-Larger tensors keep DataLoader's shared-memory path, which is cheaper than copying them.
+tensors of the same dtype, shape and values, in the training process's memory. Larger
+tensors, and non-contiguous ones (views, ``channels_last``: their strides are kept), take
+DataLoader's shared-memory path as before.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ INLINE_BYTES = 256 * 1024
 
 
 def inline(tensor: Any) -> Any:
-    """``tensor`` wrapped to pickle inline if it is a small plain CPU tensor, else unchanged."""
+    """``tensor`` wrapped to pickle inline if it is a small contiguous plain CPU tensor, else unchanged."""
     if (
         type(tensor) is torch.Tensor
         and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
         and not tensor.requires_grad
         and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.is_contiguous()  # views and channels_last keep their strides (shared memory)
         and tensor.numel() * tensor.element_size() <= INLINE_BYTES
     ):
         return _Inline(tensor)
@@ -45,9 +48,18 @@ class _Inline:
         self.tensor = tensor
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        tensor = self.tensor.contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        # Runs in the worker's queue feeder thread, where an exception only prints a traceback
+        # and drops the batch: never raise here, fall back to DataLoader's own path instead.
+        try:
+            tensor = self.tensor.resolve_conj().resolve_neg().contiguous()
+            raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        except Exception:
+            return _same, (self.tensor,)
         return _rebuild, (raw, tensor.dtype, tuple(tensor.shape))
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _rebuild(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

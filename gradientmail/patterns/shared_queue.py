@@ -923,7 +923,8 @@ def shared_queue(
     Guarantees:
         - At most ``prefetch`` batches are buffered in all (so ``prefetch >= workers``); a
           unit is claimed only while the buffer has room (the loop asked for a batch), never
-          while it is full.
+          while it is full; claims ahead (``claim_ahead``) start only then, but may complete,
+          or retry after a conflict, while it is full.
         - Every unit is loaded by exactly one claimer of all nodes and workers (the claim
           protocol in ``gradientmail.patterns.claims``); a node that finds no unclaimed unit
           delivers what it buffered and stops.
@@ -945,9 +946,10 @@ def shared_queue(
         multiprocessing_context: Start method for workers (default: Python's default).
         claim_ahead: Most units each loader claims ahead of the one it is loading, so that a
             slow store's round trips overlap loading (default 4; 0: on demand, as the seed).
-            It claims further ahead when the loop was starving (kept taking batches from an
-            emptying buffer) while the loader waited for a claim; a loop slower than its
-            loader, or one that stopped taking batches, never triggers it.
+            The depth grows (by as many units as the wait lasted) from the second wait for a
+            claim in a row during which the loop ran dry or the buffer was under half full; a
+            loop slower than its loader, or one that stopped taking batches, never triggers
+            it. Units claimed ahead are lost to the run if the block is left early.
         shutdown_timeout: Longest wait for an operation in flight when leaving the block.
         resume: Record progress, release unfinished units when leaving the block, and take
             back this learner's (and released) units first when restarted; see
