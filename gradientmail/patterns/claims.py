@@ -138,9 +138,9 @@ def claim_fields(learner_id: str, token: str, worker: int | None, **extra: Any) 
     }
 
 
-def claim_body(learner_id: str, token: str, worker: int | None = None) -> bytes:
+def claim_body(learner_id: str, token: str, worker: int | None = None, **extra: Any) -> bytes:
     """The JSON body of a claim (fields documented in ``gradientmail.layout``)."""
-    return json.dumps(claim_fields(learner_id, token, worker), separators=(",", ":")).encode()
+    return json.dumps(claim_fields(learner_id, token, worker, **extra), separators=(",", ":")).encode()
 
 
 def parse_claim(data: bytes | None) -> dict[str, Any] | None:
@@ -155,17 +155,18 @@ def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:
 
 def try_claim(
     mailbox: Mailbox, identifier: str, learner_id: str, *, worker: int | None = None,
-    token: str | None = None,
+    token: str | None = None, **extra: Any,
 ) -> bool:
     """Claim one unit: create its key, read it back, and report whether the token is ours.
 
     False means another claimer owns it. Two requests when the create succeeds, one otherwise.
-    ``token`` (default: a fresh ``uuid4``) must be unique to this attempt.
+    ``token`` (default: a fresh ``uuid4``) must be unique to this attempt; ``extra`` fields
+    go into the claim's body beside the seed's (the elastic queue's incarnation and state).
     """
     key = claim_key(identifier)
     if token is None:
         token = uuid.uuid4().hex
-    if not mailbox.put_if_absent(key, claim_body(learner_id, token, worker)):
+    if not mailbox.put_if_absent(key, claim_body(learner_id, token, worker, **extra)):
         return False
     data = mailbox.get(key)
     if data is None:

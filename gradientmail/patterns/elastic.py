@@ -52,7 +52,7 @@ from gradientmail.layout import (
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if
-from gradientmail.patterns.claims import Claimer, Pick, claim_fields, parse_claim
+from gradientmail.patterns.claims import Claimer, Pick, claim_fields, parse_claim, try_claim
 
 __all__ = [
     "Assignment",
@@ -249,23 +249,12 @@ class _FreshClaimer(Claimer):
         self.token: str | None = None
 
     def attempt(self, pick: Pick) -> bool:
-        token = pick.token
-        key = claim_key(pick.identifier)
-        body = claim_fields(self.learner_id, token, self.worker, incarnation=self.incarnation, state=ACTIVE, step=None)
-        if not self.mailbox.put_if_absent(key, _dumps(body)):
-            return False
-        data = self.mailbox.get(key)
-        if data is None:
-            store = describe(self.mailbox)
-            raise UnsafeStoreError(
-                f"{store}: the claim {key!r} was created but cannot be read back; "
-                "this store does not show a write to the next read, so claims are unsafe here",
-                operation="get", key=key, store=store,
-            )
-        claim = parse_claim(data)
-        won = claim is not None and claim.get("token") == token
+        won = try_claim(
+            self.mailbox, pick.identifier, self.learner_id, worker=self.worker, token=pick.token,
+            incarnation=self.incarnation, state=ACTIVE, step=None,
+        )
         if won:
-            self.token = token  # claims run one at a time here (no ClaimAhead on the elastic path)
+            self.token = pick.token  # claims run one at a time here (no ClaimAhead on the elastic path)
         return won
 
 
