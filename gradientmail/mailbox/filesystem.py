@@ -35,7 +35,8 @@ import fsspec.core
 
 from gradientmail.errors import MailboxError, MissingExtraError, UnsafeStoreError
 from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix, validate_value
+from gradientmail.mailbox.s3_listing import list_keys
+from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 from gradientmail.mailbox.local import LocalMailbox
 
 TOKEN_METADATA = "gm-token"
@@ -322,31 +323,13 @@ class _S3fsImpl:
         self.fs.invalidate_cache(f"{self.bucket}/{name}")
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
-        validate_prefix(prefix)
-        if start_after is not None and not isinstance(start_after, str):
-            raise TypeError(f"start_after must be a str or None, not {type(start_after).__name__}")
-        full_prefix = self.prefix + prefix
-        after = self.prefix + start_after if start_after is not None else None
-        cut = len(self.prefix)
-        while True:
-            request: dict[str, Any] = {
-                "Bucket": self.bucket, "Prefix": full_prefix, "MaxKeys": LIST_PAGE,
-            }
-            if after is not None and after >= full_prefix:
-                request["StartAfter"] = after
+        def fetch(request: dict[str, Any]) -> Any:
             try:
-                page = self.fs.call_s3("list_objects_v2", **request)
+                return self.fs.call_s3("list_objects_v2", **request)
             except Exception as exc:
                 raise self._error("list", prefix, exc) from exc
-            names = [entry["Key"] for entry in page.get("Contents") or ()]
-            for name in names:
-                key = name[cut:]
-                if is_valid_key(key):
-                    yield key
-            if not page.get("IsTruncated") or not names:
-                return
-            after = names[-1]
 
+        return list_keys(fetch, self.bucket, self.prefix, prefix, start_after)
 
 def _discard(handle: Any) -> None:
     """Abort a failed s3fs write (an unfinished multipart upload would be billed)."""

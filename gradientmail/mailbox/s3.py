@@ -42,7 +42,8 @@ import botocore.session
 
 from gradientmail.errors import MailboxError, UnsafeStoreError
 from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix, validate_value
+from gradientmail.mailbox.s3_listing import list_keys
+from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 
 TOKEN_METADATA = "gm-token"
 """User-metadata name of the per-call creation token (sent as ``x-amz-meta-gm-token``)."""
@@ -465,30 +466,10 @@ class S3Mailbox:
         )
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
-        validate_prefix(prefix)
-        if start_after is not None and not isinstance(start_after, str):
-            raise TypeError(f"start_after must be a str or None, not {type(start_after).__name__}")
-        full_prefix = self.prefix + prefix
-        after = self.prefix + start_after if start_after is not None else None
-        cut = len(self.prefix)
-        while True:
-            request: dict[str, Any] = {
-                "Bucket": self.bucket, "Prefix": full_prefix, "MaxKeys": LIST_PAGE,
-            }
-            if after is not None and after >= full_prefix:
-                request["StartAfter"] = after
-            page = self._retrying(
-                "list", prefix, lambda client, request=request: client.list_objects_v2(**request)
-            )
-            names = [entry["Key"] for entry in page.get("Contents") or ()]
-            for name in names:
-                key = name[cut:]
-                # Folder markers and objects not written through a mailbox are not keys.
-                if is_valid_key(key):
-                    yield key
-            if not page.get("IsTruncated") or not names:
-                return
-            after = names[-1]
+        def fetch(request: dict[str, Any]) -> Any:
+            return self._retrying("list", prefix, lambda client: client.list_objects_v2(**request))
+
+        return list_keys(fetch, self.bucket, self.prefix, prefix, start_after)
 
     def verify(self) -> None:
         """Check that conditional creation works here (see ``verify_mailbox``)."""
