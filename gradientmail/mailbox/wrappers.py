@@ -65,11 +65,14 @@ class CountingMailbox(_Wrapper):
 
     A ``list`` is charged one request per started page of ``LIST_PAGE`` keys, and only for the
     pages the caller actually consumed (listings are lazy). Counts are per process.
+    ``bytes_read`` and ``bytes_written`` add up the values that went each way.
     """
 
     def __init__(self, inner: Mailbox) -> None:
         super().__init__(inner)
         self.counts: Counter[str] = Counter()
+        self.bytes_read = 0
+        self.bytes_written = 0
         self._lock = threading.Lock()
 
     def __reduce__(self):
@@ -84,16 +87,25 @@ class CountingMailbox(_Wrapper):
         """Total requests so far."""
         return sum(self.counts.values())
 
+    def _moved(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_written += written
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._count("put_if_absent")
+        self._moved(written=len(data))
         return self.inner.put_if_absent(key, data)
 
     def get(self, key: str) -> bytes | None:
         self._count("get")
-        return self.inner.get(key)
+        data = self.inner.get(key)
+        self._moved(read=0 if data is None else len(data))
+        return data
 
     def put(self, key: str, data: bytes) -> None:
         self._count("put")
+        self._moved(written=len(data))
         self.inner.put(key, data)
 
     def delete(self, key: str) -> None:
@@ -103,11 +115,14 @@ class CountingMailbox(_Wrapper):
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         inner = self._versioned()
         self._count("get_versioned")
-        return inner.get_versioned(key)
+        found = inner.get_versioned(key)
+        self._moved(read=0 if found is None else len(found[0]))
+        return found
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
         inner = self._versioned()
         self._count("replace_if")
+        self._moved(written=len(data))
         return inner.replace_if(key, data, version)
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:

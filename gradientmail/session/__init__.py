@@ -1,4 +1,4 @@
-"""Asynchronous parameter exchange through a mailbox: ``Session`` and ``consensus``.
+"""Asynchronous exchange of training progress through a mailbox: ``Session`` and ``consensus``.
 
 Nodes that train on different units would drift into different models; a ``Session`` keeps
 them one model without ever making a fast node wait for a slow one::
@@ -9,62 +9,50 @@ them one model without ever making a fast node wait for a slow one::
             optimizer.step()
             session.step(samples=len(batch))
 
-    consensus(box, model)  # the result of the run, on any machine, afterwards
+    consensus(box, model)  # the result of the run, on any machine, during or afterwards
 
-The exchange
-------------
-``step(samples=n)`` counts steps and samples. When an exchange is due (``every`` since the
-previous one began, or ``every_steps`` steps, whichever comes first) and none is in flight, it
-copies the model's floating-point entries to the CPU (the snapshot) and hands them to the
-session's one background thread, which
+The rule: exchange progress, not positions
+------------------------------------------
+The run's model lives in the mailbox as a chain of versions, ``session/state/{version}``; the
+first node to enter writes version 0 (its initial model, so every node starts from one base).
+When an exchange is due (``every`` or ``every_steps``), a node's *progress* is how far its own
+optimizer moved it since it last took the run's state (a pseudo-gradient). In the background it
+reads the newest version, adds ``progress / N`` (``N``: learners in the run) and creates the next
+version with ``put_if_absent``. Exactly one writer wins each version, so every learner's
+progress is folded in exactly once; a writer that loses folds again onto the winner's version.
+At the next ``step()`` the node moves to the version it wrote, keeping whatever local progress
+it made while the exchange was in flight::
 
-1. mails the snapshot to ``session/{learner}/{seq:012d}.safetensors`` (``put``) and deletes
-   this learner's older mail, keeping the newest ``KEEP_MAIL`` (2) so that a peer that listed
-   the previous mail can still read it;
-2. writes ``progress/{learner}.json`` (see ``gradientmail.layout``);
-3. lists ``session/``, downloads each peer's newest mail that is new to this node, checks it
-   and computes the merge.
+    theta += state_written - snapshot
 
-A later ``step()`` applies the merge on the training thread, so it never races
-``optimizer.step()``. When nothing is due and nothing has finished, ``step()`` is a counter
-update, an ``Event`` check and a clock read.
+Dividing by ``N`` is what synchronous data parallelism does (it averages the workers'
+gradients): at equal samples the run takes as many effective steps as DDP, and a fast node
+contributes more simply because it makes more progress. ``N`` comes from member keys
+(``session/members/{learner}.{joined}``), one listing per exchange; a member that has neither
+joined nor folded within ``max_staleness`` stops counting, so the rule needs no fixed ``N``.
 
-The merge rule
---------------
-Plain sample-weighted parameter averaging, no outer momentum (outer momentum on stale updates
-hurts asynchronous Local-SGD; Liu et al. 2024). With ``theta_s`` the snapshot and ``w_s`` the
-samples this node processed since its own previous mail, and for every counted peer ``p`` its
-mailed parameters ``theta_p`` with ``w_p`` = the samples it processed since *its* previous
-mail::
-
-    theta_merged = (w_s * theta_s + sum_p w_p * theta_p) / (w_s + sum_p w_p)
-    theta_now   += theta_merged - theta_snapshot        # applied as a delta
-
-so the local progress made while the exchange was in flight is kept. A peer's mail counts once,
-only if it is newer than the mail already read from that peer, younger than ``max_staleness``
-(by the sender's clock at its snapshot) and carries samples; stale, silent or dead peers simply
-stop counting. With no counted peer nothing is applied. Floating-point ``state_dict`` entries
-(parameters and float buffers, each storage once for tied weights) are averaged, in float32 for
-half-precision models; integer buffers stay local.
-
-Mail is data, never code
-------------------------
-Safetensors bytes with the sender's ``learner``, ``seq``, ``step``, ``samples_total``,
-``samples_since_previous``, ``time`` and ``format`` in the metadata header. Nothing is
-unpickled. Mail with other tensor names, shapes or dtypes, another format, or corrupt or
-truncated bytes is rejected with ``MailRejectedError`` naming the learner, the key and the first
-difference, and the model is not touched. A rejected peer mail is raised at the next ``step()``
-(once per mail): a different model in one run is a configuration error to fix, not to skip.
+Cost: one listing, one state read (none when nobody else folded meanwhile) and one state write
+per exchange, whatever the number of learners; a node holds about three copies of the model.
+``outer=`` chooses how progress becomes a contribution (``gradientmail.session.outer``):
+``"average"`` (default, measured best) or ``"delayed_nesterov"``. ``wire_dtype=torch.bfloat16``
+stores the state in half the bytes, stochastically rounded.
 
 Enter and exit
 --------------
-Entering loads the ``samples_total``-weighted average of every learner's newest mail (a late or
-restarted node joins the consensus; ``catch_up=False`` skips this); a restarted learner
-(same ``learner_id``) continues its sequence numbers and totals. Leaving waits for the exchange
-in flight, applies it, mails the final state to ``session/{learner}/final.safetensors``,
-deletes the numbered mail and writes a final progress record (``"finished": true``). If the
-body raised, nothing more is mailed and the body's exception propagates (with a note if the
-background had failed too).
+Entering loads the newest state (``catch_up=False`` keeps the model's own parameters until its
+first exchange) and writes a member key; a restarted learner (same ``learner_id``) continues
+its sequence and totals, which the state records per learner. Leaving waits for the exchange in
+flight, applies it, folds the remaining progress (marked final) and moves the model to that
+version, deletes its member key and writes a final progress record. If the body raised, nothing
+more is folded (progress up to the last exchange stays in the run) and the body's exception
+propagates, with a note if the background had failed too.
+
+The state is data, never code
+------------------------------
+Safetensors bytes with a bounded metadata header (``format``, ``version``, the writer and a
+table of every learner's ``seq``, ``step``, ``samples``, ``time``, ``final``). Nothing is
+unpickled. A state of another model, another ``format`` (mail of the first Session format
+included), or corrupt bytes is refused with ``MailRejectedError`` naming what it found.
 
 Errors
 ------
@@ -72,9 +60,6 @@ Failures of the background thread are recorded and raised on the training thread
 ``step()`` or at exit: ``GradientMailError`` subclasses (``MailRejectedError``,
 ``MailboxError``) as themselves, anything else wrapped in ``SessionError``. Every wait on the
 thread is bounded by ``timeout``; past it a ``SessionError`` says the mailbox is not answering.
-
-``consensus(mailbox, model)`` loads the ``samples_total``-weighted average of every learner's
-final state (its newest mail if it never finished) into ``model``.
 """
 
 from __future__ import annotations
@@ -91,6 +76,7 @@ from gradientmail.session.core import (
     Session,
 )
 from gradientmail.session.merge import consensus
+from gradientmail.session.outer import Average, DelayedNesterov, OuterOptimizer
 
 __all__ = [
     "DEFAULT_EVERY",
@@ -101,6 +87,9 @@ __all__ = [
     "ENV_MAX_STALENESS",
     "ENV_TIMEOUT",
     "KEEP_MAIL",
+    "Average",
+    "DelayedNesterov",
+    "OuterOptimizer",
     "Session",
     "consensus",
 ]

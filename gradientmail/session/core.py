@@ -8,7 +8,6 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,21 +16,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradientmail.errors import GradientMailError, MailRejectedError, SessionError
-from gradientmail.layout import progress_key, session_prefix
+from gradientmail.errors import GradientMailError, SessionError
+from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
+from gradientmail.session.chain import KEEP, active_learners, create_base, fold, read_newest
 from gradientmail.session.mail import (
-    MailHeader,
+    Contribution,
     Spec,
-    encode,
-    final_key,
+    State,
+    accumulation_dtype,
     float_state,
-    mail_key,
-    parse_key,
+    member_key,
     spec_of,
 )
-from gradientmail.session.merge import WeightedSum, average_latest, download, latest_keys, load_into
+from gradientmail.session.merge import load_into
+from gradientmail.session.outer import OuterOptimizer, resolve_outer
 
 DEFAULT_EVERY = timedelta(seconds=30)
 """Exchange interval. Time (not steps) keeps every node's cadence equal whatever its speed, so a
@@ -53,8 +53,8 @@ ENV_TIMEOUT = "GRADIENTMAIL_SESSION_TIMEOUT_S"
 """Environment variables that, when set, override the matching argument (seconds, or a step
 count; ``none`` disables an interval), so an operator can retune a job without editing code."""
 
-KEEP_MAIL = 2
-"""Numbered mails kept per learner: a reader that listed the older one can still read it."""
+KEEP_MAIL = KEEP
+"""Versions of the run's state kept behind the newest (the old name, kept for imports)."""
 
 
 def _env_interval(name: str, value: timedelta | None) -> timedelta | None:
@@ -114,8 +114,8 @@ def _units_claimed(learner_id: str) -> int | None:
 
 @dataclass(frozen=True)
 class _Merge:
-    delta: dict[str, Tensor]  # theta_merged - theta_snapshot, per floating-point entry
-    weights: dict[str, int]  # learner -> samples it counted with, this learner included
+    delta: dict[str, Tensor]  # the run's state after this fold - the snapshot, per entry
+    weights: dict[str, int]  # learner -> samples newly folded into the run, this learner included
 
 
 class _Job:
@@ -164,7 +164,7 @@ class _Worker:
 
 
 class Session:
-    """Asynchronous parameter exchange through a mailbox; see ``gradientmail.session``.
+    """Asynchronous exchange of training progress through a mailbox; see ``gradientmail.session``.
 
     Args:
         model: the ``torch.nn.Module`` being trained; its floating-point ``state_dict`` entries
@@ -176,11 +176,15 @@ class Session:
         every_steps: exchange when this many ``step()`` calls have passed since the previous
             exchange began; ``None`` (default) to exchange by time only. With both, whichever
             is due first.
-        max_staleness: a peer's mail older than this (by the sender's clock, at its snapshot)
-            does not count: a silent or dead peer simply stops counting.
+        max_staleness: a member that has neither joined nor folded progress for this long (by
+            its own clock) no longer counts in ``N``: a silent or dead node stops counting.
         timeout: the longest wait for the background thread on enter and exit.
-        catch_up: on enter, load the sample-weighted average of every learner's newest mail
-            (a late or restarted node joins the consensus instead of starting cold).
+        catch_up: on enter, load the run's state (a late or restarted node joins the run
+            instead of starting cold). The first node's model becomes the run's base.
+        outer: the outer optimizer: ``"average"`` (default: progress / N, measured best) or
+            ``"delayed_nesterov"``, or an ``OuterOptimizer`` such as ``DelayedNesterov(lr=0.5)``.
+        wire_dtype: the dtype the run's state is stored in: ``None`` (float32; float64 for a
+            float64 model) or ``torch.bfloat16`` (half the bytes, stochastically rounded).
 
     Environment variables ``GRADIENTMAIL_SESSION_EVERY_S``, ``..._EVERY_STEPS``,
     ``..._MAX_STALENESS_S`` and ``..._TIMEOUT_S`` override the arguments when set.
@@ -197,6 +201,8 @@ class Session:
         max_staleness: timedelta = DEFAULT_MAX_STALENESS,
         timeout: timedelta = DEFAULT_TIMEOUT,
         catch_up: bool = True,
+        outer: str | OuterOptimizer = "average",
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         if not callable(getattr(model, "state_dict", None)):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -208,6 +214,7 @@ class Session:
         if not isinstance(learner_id, str) or "/" in learner_id:
             raise ValueError(f"learner_id must be one key segment without '/', not {learner_id!r}")
         validate_key(progress_key(learner_id))
+        validate_key(member_key(learner_id, 0.0))
         every = _env_interval(ENV_EVERY, every)
         every_steps = _env_steps(every_steps)
         max_staleness = _env_interval(ENV_MAX_STALENESS, max_staleness)
@@ -217,6 +224,8 @@ class Session:
             raise ValueError(f"every_steps must be None or an int >= 1, not {every_steps!r}")
         if every is None and every_steps is None:
             raise ValueError("every and every_steps are both None: the session would never exchange")
+        if wire_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"wire_dtype must be None, torch.float32 or torch.bfloat16, not {wire_dtype!r}")
         self.model = model
         self.mailbox = mailbox
         self.learner_id = learner_id
@@ -225,6 +234,8 @@ class Session:
         self.max_staleness = max_staleness
         self.timeout = timeout
         self.catch_up = catch_up
+        self.outer = resolve_outer(outer)
+        self.wire_dtype = wire_dtype
         self._every_s = _positive("every", every, optional=True)
         self._every_steps = math.inf if every_steps is None else every_steps
         self._max_staleness_s = _positive("max_staleness", max_staleness)
@@ -233,20 +244,23 @@ class Session:
         self._state = "new"  # new -> active -> closed
         self._steps = 0
         self._samples = 0
+        self._seq = 0
         self._exchanges = 0
         self._merges = 0
+        self._conflicts = 0
         self._job: _Job | None = None
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
-        # Owned by the background thread once entered.
-        self._spec: Spec = {}
-        self._seq = 0
-        self._own: deque[int] = deque()
-        self._seen: dict[str, int] = {}
-        self._finals: set[str] = set()
         self._last_weights: dict[str, int] = {}
         self._buffers: dict[str, Tensor] = {}  # the snapshot, reused from exchange to exchange
+        # Owned by the background thread once entered.
+        self._spec: Spec = {}
+        self._known: State | None = None  # the newest version of the run's state this node holds
+        self._anchor: dict[str, Tensor] = {}  # where this node's local progress is measured from
+        self._member: str | None = None
+        self._active = 1  # N when the previous fold (or joining) happened
+        self._outer_state = self.outer.start()
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -261,17 +275,28 @@ class Session:
 
     @property
     def exchanges(self) -> int:
-        """Exchanges completed (mailed, and peers' mail read) since enter."""
+        """Exchanges completed (progress folded into the run's state) since enter."""
         return self._exchanges
 
     @property
     def merges(self) -> int:
-        """Exchanges whose merge changed the model (at least one peer's mail counted)."""
+        """Exchanges that brought in progress of at least one other learner."""
         return self._merges
 
     @property
+    def conflicts(self) -> int:
+        """Versions of the run's state lost to other writers (each cost one more read)."""
+        return self._conflicts
+
+    @property
+    def version(self) -> int | None:
+        """The version of the run's state this node last read or wrote."""
+        known = self._known
+        return None if known is None else known.header.version
+
+    @property
     def last_weights(self) -> dict[str, int]:
-        """``{learner: samples}`` of the last merge applied, this learner included."""
+        """``{learner: samples}`` newly folded into the run by the last exchange, this one included."""
         return dict(self._last_weights)
 
     @property
@@ -282,32 +307,36 @@ class Session:
     def __repr__(self) -> str:
         return (
             f"Session(learner_id={self.learner_id!r}, mailbox={describe(self.mailbox)}, "
-            f"steps={self._steps}, samples={self._samples}, {self._state})"
+            f"outer={self.outer.name!r}, steps={self._steps}, samples={self._samples}, {self._state})"
         )
 
     # -- enter / exit ------------------------------------------------------------------------
     def __enter__(self) -> Session:
         if self._state != "new":
             raise SessionError(f"Session {self.learner_id!r} was already entered; create a new one")
-        self._spec = spec_of(float_state(self.model))
+        entries = float_state(self.model)
+        self._spec = spec_of(entries, self.wire_dtype)
         if not self._spec:
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
+        initial = {name: tensor.detach().to("cpu", torch.float64 if tensor.dtype == torch.float64
+                                            else torch.float32, copy=True)
+                   for name, tensor in entries.items()}
         self._worker = _Worker(f"gradientmail-session-{self.learner_id}")
         self._started_wall = time.time()
         self._started = time.monotonic()
         try:
-            average, own = self._wait(self._worker.submit(self._enter_job), "catching up on enter")
-            if average is not None:
-                load_into(self.model, average)
+            state, own = self._wait(self._worker.submit(lambda: self._enter_job(initial)),
+                                    "joining the run")
+            if self.catch_up:
+                load_into(self.model, state.tensors)
             if own is not None:  # a restarted learner continues its sequence and its totals
                 self._seq = own.seq + 1
                 self._steps = own.step
-                self._samples = own.samples_total
+                self._samples = own.samples
         except BaseException:
             self._worker.close(0)
             raise
         self._samples_at_enter = self._samples
-        self._mailed_samples = self._samples
         # A first progress record, so that `gradientmail status` lists this
         # learner from the start rather than from its first exchange.
         progress = self._progress(finished=False)
@@ -329,19 +358,22 @@ class Session:
             if exc is None:
                 if job is not None:
                     self._finish(self._wait(job, "the last exchange"))
-                self._wait(self._worker.submit(self._final_job_for_now()), "mailing the final state")
-            elif job is not None:
-                # No final mail after a failed body (its last regular mail stays, as after a
-                # crash); keep the body's exception and attach what happened in the background.
+                self._finish(self._wait(self._worker.submit(self._exchange_job_for_now(final=True)),
+                                        "folding the final progress"))
+            else:
+                # Nothing final after a failed body (as after a crash, its progress up to its last
+                # exchange stays in the run); keep the body's exception, note the background's.
                 note = None
                 background = f"the background exchange of learner {self.learner_id!r}"
-                if not job.done.wait(self._timeout_s):
+                if job is not None and not job.done.wait(self._timeout_s):
                     self._stuck = True
                     note = f"{background} was still running after {self.timeout}"
-                elif job.error is not None:
+                elif job is not None and job.error is not None:
                     note = f"{background} had also failed: {job.error!r}"
                 if note and hasattr(exc, "add_note"):
                     exc.add_note(note)
+                if not self._stuck:  # leave the member list, so peers stop counting this node
+                    self._worker.submit(self._leave).done.wait(self._timeout_s)
         finally:
             # An idle thread ends at once; a stuck one (a store that never answers) is a daemon
             # and is left behind rather than waited for again.
@@ -352,10 +384,10 @@ class Session:
     def step(self, samples: int) -> None:
         """Count one optimizer step and ``samples``; exchange in the background when due.
 
-        ``samples`` (required: a node's weight in every merge is its samples) is what this step
-        trained on, in any unit every node uses alike (sequences, tokens).
+        ``samples`` is what this step trained on, in any unit every node uses alike (sequences,
+        tokens); it is reported in progress records and in the run's state.
 
-        Applies a finished merge here, at a step boundary, and raises any failure of the
+        Applies a finished exchange here, at a step boundary, and raises any failure of the
         background exchange (``MailRejectedError``, ``MailboxError``, or ``SessionError``
         wrapping anything else). When nothing is due and nothing has finished this is a few
         attribute reads.
@@ -375,10 +407,11 @@ class Session:
             self._job = None
             self._finish(self._result(job, "a background exchange"))
         if self._steps >= self._due_step or time.monotonic() >= self._due_time:
-            self._start_exchange()
+            self._job = self._worker.submit(self._exchange_job_for_now(final=False))
+            self._schedule()
 
     def wait(self, timeout: timedelta | None = None) -> None:
-        """Wait for the exchange in flight, if any, and apply its merge now.
+        """Wait for the exchange in flight, if any, and apply it now.
 
         For tests and for a consistent state before evaluation or a checkpoint. Raises what
         ``step()`` would raise, or ``SessionError`` after ``timeout`` (default: the session's).
@@ -418,20 +451,6 @@ class Session:
             buffer.copy_(tensor.detach())
         return buffers
 
-    def _header(self, *, final: bool = False) -> MailHeader:
-        header = MailHeader(
-            learner=self.learner_id,
-            seq=self._seq,
-            step=self._steps,
-            samples_total=self._samples,
-            samples_since_previous=self._samples - self._mailed_samples,
-            time=time.time(),
-            final=final,
-        )
-        self._seq += 1
-        self._mailed_samples = self._samples
-        return header
-
     def _progress(self, *, finished: bool) -> dict[str, Any]:
         now = time.time()
         elapsed = time.monotonic() - self._started
@@ -447,30 +466,23 @@ class Session:
             "finished": finished,
         }
 
-    def _start_exchange(self) -> None:
+    def _exchange_job_for_now(self, *, final: bool) -> Callable[[], _Merge]:
         snapshot = self._snapshot()
-        header = self._header()
-        progress = self._progress(finished=False)
-        self._job = self._worker.submit(lambda: self._exchange_job(snapshot, header, progress))
-        self._schedule()
+        totals = (self._seq, self._steps, self._samples)
+        self._seq += 1
+        progress = self._progress(finished=final)
+        return lambda: self._exchange_job(snapshot, totals, progress, final)
 
-    def _final_job_for_now(self) -> Callable[[], None]:
-        snapshot = self._snapshot()
-        header = self._header(final=True)
-        progress = self._progress(finished=True)
-        return lambda: self._final_job(snapshot, header, progress)
-
-    def _finish(self, merge: _Merge | None) -> None:
-        """Apply a finished exchange's merge as a delta: local progress since the snapshot stays."""
+    def _finish(self, merge: _Merge) -> None:
+        """Apply a finished exchange as a delta: local progress made meanwhile stays."""
         self._exchanges += 1
-        if merge is None:
-            return
         live = float_state(self.model)
         with torch.no_grad():
             for name, delta in merge.delta.items():
                 target = live[name]
-                target.add_(delta.to(target.device))
-        self._merges += 1
+                target.add_(delta.to(device=target.device, dtype=target.dtype))
+        if any(learner != self.learner_id for learner in merge.weights):
+            self._merges += 1
         self._last_weights = merge.weights
 
     def _result(self, job: _Job, what: str) -> Any:
@@ -501,106 +513,98 @@ class Session:
         return wrapped
 
     # -- the background thread -----------------------------------------------------------------
-    def _enter_job(self) -> tuple[dict[str, Tensor] | None, MailHeader | None]:
+    def _enter_job(self, initial: dict[str, Tensor]) -> tuple[State, Contribution | None]:
+        """Join the run: its newest state (creating the base if there is none) and a member key."""
         mailbox, me = self.mailbox, self.learner_id
-        own = []
-        has_final = False
-        for key in mailbox.list(session_prefix(me)):
-            parsed = parse_key(key)
-            if parsed is not None and parsed[0] == me:
-                if parsed[1] is None:
-                    has_final = True
-                else:
-                    own.append(parsed[1])
-        if self.catch_up:
-            average, mails = average_latest(mailbox, self._spec)
-        else:
-            average, mails = None, {}
-            newest = latest_keys(mailbox).get(me)
-            mail = download(mailbox, newest[0], me, self._spec) if newest else None
-            if mail is not None:
-                mails[me] = mail
-        for learner, mail in mails.items():
-            if learner != me:
-                self._seen[learner] = mail.header.seq
-                if mail.header.final:
-                    self._finals.add(learner)
-        own_mail = mails.get(me)
-        if has_final and own_mail is not None and own_mail.header.final:
-            # Running again: the final state becomes ordinary numbered mail, so peers see our
-            # next mail as newer and the state is never missing from the store.
-            seq = own_mail.header.seq
-            data = mailbox.get(final_key(me))
-            if data is not None:
-                mailbox.put(mail_key(me, seq), data)
-                own.append(seq)
-            mailbox.delete(final_key(me))
-        self._own = deque(sorted(set(own)))
-        return average, None if own_mail is None else own_mail.header
+        state, listing = read_newest(mailbox, self._spec)
+        if state is None:
+            state = create_base(mailbox, self._spec, initial, me)
+        self._member = member_key(me, time.time())
+        mailbox.put(self._member, json.dumps({"learner": me, "joined": time.time()}).encode())
+        for key in listing.member_keys.get(me, []):  # an earlier incarnation's, if any
+            if key != self._member:
+                mailbox.delete(key)
+        self._known = state
+        self._anchor = _widen(state.tensors) if self.catch_up else initial
+        self._active = len(active_learners(listing, state.header, me, time.time(), self._max_staleness_s))
+        return state, state.header.learners.get(me)
 
-    def _exchange_job(self, snapshot: dict[str, Tensor], header: MailHeader,
-                      progress: dict[str, Any]) -> _Merge | None:
+    def _exchange_job(self, snapshot: dict[str, Tensor], totals: tuple[int, int, int],
+                      progress: dict[str, Any], final: bool) -> _Merge:
         mailbox, me = self.mailbox, self.learner_id
-        mailbox.put(mail_key(me, header.seq), encode(snapshot, header))
-        self._own.append(header.seq)
-        while len(self._own) > KEEP_MAIL:
-            mailbox.delete(mail_key(me, self._own.popleft()))
+        seq, steps, samples = totals
+        anchor = self._anchor
+        local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
+        wire = self.wire_dtype
+
+        def add(base: Mapping[str, Tensor], increment: Mapping[str, Tensor]) -> dict[str, Tensor]:
+            return {name: _to_wire(base[name].to(increment[name].dtype) + increment[name], wire)
+                    for name in increment}
+
+        done = fold(
+            mailbox, self._spec, me=me, known=self._known,
+            increment_for=lambda active: self._outer_state(local, self._scale_for(active)),
+            entry=lambda header: Contribution(seq=seq, step=steps, samples=samples,
+                                              time=time.time(), final=final),
+            add=add, max_staleness=self._max_staleness_s,
+            deadline=time.monotonic() + self._timeout_s,
+        )
+        self._conflicts += done.conflicts
+        before = self._known.header.learners if self._known is not None else {}
+        self._known = done.state
+        self._anchor = _widen(done.state.tensors)
+        delta = {name: self._anchor[name] - snapshot[name].to(self._anchor[name].dtype)
+                 for name in self._anchor}
+        weights = {}
+        for learner, entry in done.state.header.learners.items():
+            old = before.get(learner)
+            gained = entry.samples - (old.samples if old is not None else 0)
+            if gained > 0 or (learner == me and gained >= 0):
+                weights[learner] = gained
+        if final:
+            self._leave()
         self._put_progress(progress)
-        return self._merge_peers(snapshot, header)
+        return _Merge(delta=delta, weights=weights)
 
-    def _merge_peers(self, snapshot: Mapping[str, Tensor], header: MailHeader) -> _Merge | None:
-        mailbox, me = self.mailbox, self.learner_id
-        now = time.time()
-        total = WeightedSum(self._spec, base=snapshot)
-        weights: dict[str, int] = {}
-        for learner, (key, seq) in latest_keys(mailbox).items():
-            if learner == me:
-                continue
-            if seq is None:
-                if learner in self._finals:
-                    continue  # its final state was read already
-            elif seq <= self._seen.get(learner, -1):
-                continue  # nothing new from this peer
-            else:
-                self._finals.discard(learner)  # it is running again after finishing once
-            try:
-                mail = download(mailbox, key, learner, self._spec)
-            except MailRejectedError:
-                # Raised once at the next step(); the same mail is not read (or raised) again.
-                if seq is None:
-                    self._finals.add(learner)
-                else:
-                    self._seen[learner] = seq
-                raise
-            if mail is None:
-                continue  # replaced since the listing; its successor counts next time
-            previous = self._seen.get(learner, -1)
-            self._seen[learner] = max(previous, mail.header.seq)
-            if mail.header.final:
-                self._finals.add(learner)
-            if mail.header.seq <= previous:
-                continue
-            if now - mail.header.time > self._max_staleness_s:
-                continue  # stale: a silent or dead peer stops counting
-            if mail.header.samples_since_previous <= 0:
-                continue
-            total.add(mail.tensors, float(mail.header.samples_since_previous))
-            weights[learner] = mail.header.samples_since_previous
-        if not weights:
-            return None
-        weights[me] = header.samples_since_previous
-        return _Merge(delta=total.result(extra_weight=float(header.samples_since_previous)), weights=weights)
+    def _scale_for(self, active: int) -> int:
+        """``N`` for progress made since the previous fold: the larger of then and now.
 
-    def _final_job(self, snapshot: dict[str, Tensor], header: MailHeader, progress: dict[str, Any]) -> None:
-        mailbox, me = self.mailbox, self.learner_id
-        mailbox.put(final_key(me), encode(snapshot, header))
-        while self._own:
-            mailbox.delete(mail_key(me, self._own.popleft()))
-        self._put_progress(progress)
+        Progress made while four learners ran still counts 1/4 when the others have left by the
+        time it is folded (a learner's last progress, at exit), and a learner that just joined
+        does not yet inflate the others' contributions: the rule never overshoots.
+        """
+        scale = max(active, self._active)
+        self._active = active
+        return scale
+
+    def _leave(self) -> None:
+        if self._member is not None:
+            self.mailbox.delete(self._member)
+            self._member = None
 
     def _put_progress(self, progress: dict[str, Any]) -> None:
         record = dict(progress, units=_units_claimed(self.learner_id))
         self.mailbox.put(progress_key(self.learner_id), json.dumps(record).encode())
+
+
+def _widen(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Tensors as stored, in the dtype sums are taken in (float32, or float64 as it is)."""
+    return {name: t.to(accumulation_dtype(t.dtype)) for name, t in tensors.items()}
+
+
+def _to_wire(tensor: Tensor, wire: torch.dtype | None) -> Tensor:
+    """``tensor`` in the dtype it is stored in; bfloat16 is rounded stochastically (unbiased).
+
+    Round-to-nearest would drop every contribution smaller than half a bfloat16 step of the
+    weight; adding random low bits before truncating keeps each one in expectation.
+    """
+    if wire is None or wire == tensor.dtype:
+        return tensor
+    if wire == torch.bfloat16 and tensor.dtype == torch.float32:
+        bits = tensor.contiguous().view(torch.int32)
+        noise = torch.randint(0, 1 << 16, tensor.shape, dtype=torch.int32)
+        return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+    return tensor.to(wire)
 
 
 def _samples(value: Any) -> int:

@@ -1,17 +1,21 @@
-"""Parameter mail: safetensors bytes with a small metadata header. Data, never code.
+"""The run's state on the store: safetensors bytes with a small, bounded metadata header.
 
-A mail holds a model's floating-point ``state_dict`` entries (each storage once, so tied
-weights travel once) and, in the safetensors ``__metadata__`` header, who sent it and how much
-work it carries. Nothing is ever unpickled: a mail is parsed by ``safetensors`` and then
-checked against this model's names, shapes and dtypes before any tensor is used.
+A *state* is the run's model (every learner's progress folded in) as safetensors tensors, one
+per floating-point ``state_dict`` entry (each storage once, so tied weights travel once), kept in
+float32 (or float64) whatever the model's dtype, so that many small contributions add up exactly.
+Its ``__metadata__`` header says which version it is, who folded the last contribution and what
+each learner has contributed so far. Nothing is ever unpickled: a state is parsed by
+``safetensors`` and checked against this model's names and shapes before any tensor is used, and
+its header is parsed with size and depth bounds and validated field by field.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -19,40 +23,67 @@ from torch import Tensor
 from gradientmail.errors import MailRejectedError
 from gradientmail.layout import SESSION_PREFIX
 
-FORMAT = "gradientmail.session/1"
-"""Value of the ``format`` metadata field; mail with another value is rejected."""
+FORMAT = "gradientmail.session/2"
+"""Value of the ``format`` metadata field. Any other value is refused with ``MailRejectedError``."""
+
+OLD_FORMATS = {"gradientmail.session/1": "gradientmail 0.1 (position mail, before Session v2)"}
 
 SUFFIX = ".safetensors"
-FINAL_NAME = f"final{SUFFIX}"
 SEQ_DIGITS = 12
-"""Zero-padded width of the sequence number in a key, so that keys sort by sequence."""
+"""Zero-padded width of a version number in a key, so that keys sort by version."""
 
-Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
-"""Name -> (shape, dtype) of every tensor a mail must hold."""
+STATE_PREFIX = f"{SESSION_PREFIX}state/"
+MEMBERS_PREFIX = f"{SESSION_PREFIX}members/"
+
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+"""Largest safetensors JSON header accepted: tensor entries plus one line per learner."""
+MAX_LEARNERS = 100_000
+MAX_COUNT = 2**62
+"""Upper bound for any count in a header (steps, samples, sequence numbers)."""
+
+Spec = dict[str, tuple[tuple[int, ...], "torch.dtype | None"]]
+"""Name -> (shape, dtype) of every tensor a state must hold (dtype None: any floating dtype)."""
 
 
 # -- keys ------------------------------------------------------------------------------------
-def mail_key(learner: str, seq: int) -> str:
-    return f"{SESSION_PREFIX}{learner}/{seq:0{SEQ_DIGITS}d}{SUFFIX}"
+def state_key(version: int) -> str:
+    return f"{STATE_PREFIX}{version:0{SEQ_DIGITS}d}{SUFFIX}"
 
 
-def final_key(learner: str) -> str:
-    return f"{SESSION_PREFIX}{learner}/{FINAL_NAME}"
-
-
-def parse_key(key: str) -> tuple[str, int | None] | None:
-    """``(learner, seq)`` for a numbered mail, ``(learner, None)`` for a final one, else None."""
-    if not key.startswith(SESSION_PREFIX):
+def parse_state_key(key: str) -> int | None:
+    """The version of a state key, else None."""
+    if not key.startswith(STATE_PREFIX) or not key.endswith(SUFFIX):
         return None
-    learner, sep, name = key[len(SESSION_PREFIX):].partition("/")
-    if not sep or not learner or "/" in name:
-        return None
-    if name == FINAL_NAME:
-        return learner, None
-    stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else ""
+    stem = key[len(STATE_PREFIX): -len(SUFFIX)]
     if len(stem) == SEQ_DIGITS and stem.isascii() and stem.isdigit():
-        return learner, int(stem)
+        return int(stem)
     return None
+
+
+def member_key(learner: str, joined: float) -> str:
+    """``session/members/{learner}.{joined, integer milliseconds}``: a listing shows who is in."""
+    return f"{MEMBERS_PREFIX}{learner}.{int(joined * 1000)}"
+
+
+def parse_member_key(key: str) -> tuple[str, float] | None:
+    """``(learner, joined)`` of a member key, else None."""
+    if not key.startswith(MEMBERS_PREFIX):
+        return None
+    learner, dot, millis = key[len(MEMBERS_PREFIX):].rpartition(".")
+    if not dot or not learner or "/" in learner or not (millis.isascii() and millis.isdigit()):
+        return None
+    if len(millis) > 16:
+        return None
+    return learner, int(millis) / 1000
+
+
+_OLD_MAIL = re.compile(r"^[^/]+/(\d{12}|final)\.safetensors$")
+
+
+def is_old_mail_key(key: str) -> bool:
+    """True for ``session/{learner}/{seq}.safetensors``: mail of the first Session format."""
+    rest = key[len(SESSION_PREFIX):] if key.startswith(SESSION_PREFIX) else ""
+    return bool(_OLD_MAIL.match(rest)) and not key.startswith((STATE_PREFIX, MEMBERS_PREFIX))
 
 
 # -- the model side ----------------------------------------------------------------------------
@@ -61,7 +92,7 @@ def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
 
     Parameters and float buffers are exchanged; integer buffers (``num_batches_tracked``) stay
     local. A tied weight appears under several names in ``state_dict``; only the first is kept
-    so that a merge is applied to it once.
+    so that progress is applied to it once.
     """
     seen: set[tuple] = set()
     entries: dict[str, Tensor] = {}
@@ -76,134 +107,189 @@ def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
     return entries
 
 
-def spec_of(tensors: Mapping[str, Tensor]) -> Spec:
-    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums of half-precision tensors are kept in float32; float32/float64 stay as they are."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-# -- the mail ----------------------------------------------------------------------------------
+def spec_of(tensors: Mapping[str, Tensor], wire_dtype: torch.dtype | None = None) -> Spec:
+    """What a state of this model holds: each entry's shape, in the dtype it travels in."""
+    return {
+        name: (tuple(t.shape), wire_dtype or accumulation_dtype(t.dtype)) for name, t in tensors.items()
+    }
+
+
+# -- the header ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class MailHeader:
-    """What a mail says about itself (stored as strings in the safetensors metadata).
+class Contribution:
+    """What one learner has folded into the run so far (one line of a state's header).
 
     Attributes:
-        learner: the sender's learner id (must match the key it was found under).
-        seq: the sender's sequence number, increasing with every mail it sends.
-        step: the sender's ``Session.step`` count when it took the snapshot.
-        samples_total: samples the sender processed in the whole run (weight in ``consensus``).
-        samples_since_previous: samples since its previous mail (weight in a merge).
-        time: the sender's wall clock (unix seconds) at the snapshot (for ``max_staleness``).
-        final: True for the state mailed when the sender's session ended.
+        seq: the learner's exchange count, increasing with every fold it makes.
+        step: the learner's ``Session.step`` count at its last fold.
+        samples: samples the learner processed in the whole run, all folded in.
+        time: the learner's wall clock (unix seconds) at its last fold.
+        final: True once the learner's session ended cleanly.
     """
 
-    learner: str
     seq: int
     step: int
-    samples_total: int
-    samples_since_previous: int
+    samples: int
     time: float
     final: bool = False
+
+    def to_json(self) -> list:
+        return [self.seq, self.step, self.samples, self.time, self.final]
+
+    @classmethod
+    def from_json(cls, value: object, *, where: str) -> Contribution:
+        if not (isinstance(value, list) and len(value) == 5):
+            raise MailRejectedError(f"{where}: expected [seq, step, samples, time, final]")
+        seq, step, samples, time, final = value
+        for name, count in (("seq", seq), ("step", step), ("samples", samples)):
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
+                raise MailRejectedError(f"{where}: {name} {count!r} is not a count")
+        if isinstance(time, bool) or not isinstance(time, (int, float)) or not math.isfinite(time):
+            raise MailRejectedError(f"{where}: time {time!r} is not a finite number")
+        if not isinstance(final, bool):
+            raise MailRejectedError(f"{where}: final {final!r} is not a boolean")
+        return cls(seq=seq, step=step, samples=samples, time=float(time), final=final)
+
+
+@dataclass(frozen=True)
+class StateHeader:
+    """What a state says about itself (the safetensors ``__metadata__``, as strings).
+
+    Attributes:
+        version: this state's place in the chain (``session/state/{version}``); 0 is the base.
+        learner: who wrote this version (folded its progress into the previous one).
+        time: the writer's wall clock (unix seconds) when it wrote it.
+        learners: ``{learner: Contribution}`` of every learner folded in so far.
+    """
+
+    version: int
+    learner: str
+    time: float
+    learners: dict[str, Contribution] = field(default_factory=dict)
 
     def to_metadata(self) -> dict[str, str]:
         return {
             "format": FORMAT,
+            "version": str(self.version),
             "learner": self.learner,
-            "seq": str(self.seq),
-            "step": str(self.step),
-            "samples_total": str(self.samples_total),
-            "samples_since_previous": str(self.samples_since_previous),
             "time": repr(float(self.time)),
-            "final": "true" if self.final else "false",
+            "learners": json.dumps({k: v.to_json() for k, v in sorted(self.learners.items())},
+                                   separators=(",", ":")),
         }
 
+    def followed_by(self, learner: str, contribution: Contribution, time: float) -> StateHeader:
+        """The header of the next version, written by ``learner``."""
+        learners = dict(self.learners)
+        learners[learner] = contribution
+        return replace(self, version=self.version + 1, learner=learner, time=time, learners=learners)
+
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, str], *, key: str) -> MailHeader:
+    def from_metadata(cls, metadata: Mapping[str, object], *, key: str) -> StateHeader:
         fmt = metadata.get("format")
         if fmt != FORMAT:
-            raise MailRejectedError(
-                f"mail {key!r} has format {fmt!r}, expected {FORMAT!r} (written by another "
-                "version of gradientmail, or not parameter mail at all)"
-            )
+            raise MailRejectedError(format_refusal(key, fmt))
         try:
-            header = cls(
-                learner=str(metadata["learner"]),
-                seq=int(metadata["seq"]),
-                step=int(metadata["step"]),
-                samples_total=int(metadata["samples_total"]),
-                samples_since_previous=int(metadata["samples_since_previous"]),
-                time=float(metadata["time"]),
-                final=metadata.get("final") == "true",
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MailRejectedError(f"mail {key!r} has an unreadable metadata header: {exc!r}") from exc
-        if min(header.seq, header.step, header.samples_total, header.samples_since_previous) < 0 or (
-            not math.isfinite(header.time)
-        ):
-            raise MailRejectedError(f"mail {key!r} has out-of-range metadata: {header}")
-        return header
+            version = _count(metadata["version"], "version")
+            learner = metadata["learner"]
+            time = float(metadata["time"])  # type: ignore[arg-type]
+            raw = metadata["learners"]
+            if not isinstance(learner, str) or not isinstance(raw, str):
+                raise ValueError("learner and learners must be strings")
+            table = json.loads(raw)  # flat by construction: a list of 5 scalars per learner
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
+            raise MailRejectedError(f"state {key!r} has an unreadable metadata header: {exc!r}") from exc
+        if not math.isfinite(time):
+            raise MailRejectedError(f"state {key!r} has a non-finite time {time!r}")
+        if not isinstance(table, dict) or len(table) > MAX_LEARNERS:
+            raise MailRejectedError(f"state {key!r}: 'learners' is not a table of at most {MAX_LEARNERS}")
+        learners = {}
+        for name, value in table.items():
+            if not name or "/" in name or name.startswith("."):
+                raise MailRejectedError(f"state {key!r}: learner id {name!r} is not one key segment")
+            learners[name] = Contribution.from_json(value, where=f"state {key!r}, learner {name!r}")
+        return cls(version=version, learner=learner, time=time, learners=learners)
+
+
+def _count(value: object, name: str) -> int:
+    number = int(str(value))
+    if not 0 <= number <= MAX_COUNT:
+        raise ValueError(f"{name} {number} out of range")
+    return number
+
+
+def format_refusal(key: str, found: object) -> str:
+    """The ``MailRejectedError`` message for a state or mail of another format."""
+    if isinstance(found, str) and found in OLD_FORMATS:
+        return (f"{key!r} holds mail of format {found!r}, written by {OLD_FORMATS[found]}; this "
+                f"gradientmail reads only {FORMAT!r}: start the run in a fresh prefix (or finish it "
+                "with the version that began it)")
+    return (f"{key!r} has format {found!r}, expected {FORMAT!r} (written by another version of "
+            "gradientmail, or not gradientmail state at all)")
 
 
 @dataclass(frozen=True)
-class Mail:
+class State:
     key: str
-    header: MailHeader
+    header: StateHeader
     tensors: dict[str, Tensor]
 
 
-def encode(tensors: Mapping[str, Tensor], header: MailHeader) -> bytes:
+def encode(tensors: Mapping[str, Tensor], header: StateHeader) -> bytes:
     """Safetensors bytes of CPU ``tensors`` with ``header`` in the metadata."""
-    return _save({name: t.contiguous() for name, t in tensors.items()}, header.to_metadata())
-
-
-def _save(tensors: dict[str, Tensor], metadata: dict[str, str]) -> bytes:
     from safetensors.torch import save
 
-    return save(tensors, metadata=metadata)
+    return save({name: t.contiguous() for name, t in tensors.items()}, metadata=header.to_metadata())
 
 
-def _metadata(data: bytes, key: str) -> dict[str, str]:
-    """The ``__metadata__`` of safetensors bytes, read from the header alone."""
+def _metadata(data: bytes, key: str) -> dict[str, object]:
+    """The ``__metadata__`` of safetensors bytes, read from the (bounded) header alone."""
     if len(data) < 8:
-        raise MailRejectedError(f"mail {key!r} is truncated ({len(data)} bytes)")
+        raise MailRejectedError(f"state {key!r} is truncated ({len(data)} bytes)")
     size = int.from_bytes(data[:8], "little")
-    if size > len(data) - 8:
+    if size > len(data) - 8 or size > MAX_HEADER_BYTES:
         raise MailRejectedError(
-            f"mail {key!r} is truncated or corrupt: its header claims {size} bytes, "
-            f"only {len(data) - 8} follow"
+            f"state {key!r} is truncated or corrupt: its header claims {size} bytes, "
+            f"{len(data) - 8} follow (at most {MAX_HEADER_BYTES} accepted)"
         )
     try:
         header = json.loads(bytes(data[8 : 8 + size]))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MailRejectedError(f"mail {key!r} is corrupt: unreadable safetensors header") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise MailRejectedError(f"state {key!r} is corrupt: unreadable safetensors header") from exc
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict):
-        raise MailRejectedError(f"mail {key!r} has no gradientmail metadata header")
+        raise MailRejectedError(f"state {key!r} has no gradientmail metadata header")
     return metadata
 
 
-def decode(data: bytes, *, key: str, spec: Spec, learner: str | None = None) -> Mail:
-    """Parse and check one mail; raise ``MailRejectedError`` unless it fits ``spec`` exactly.
+def read_format(data: bytes) -> object:
+    """The ``format`` field of safetensors bytes, or None when there is none (for messages)."""
+    try:
+        return _metadata(data, "").get("format")
+    except MailRejectedError:
+        return None
 
-    ``learner`` is the learner id the key was found under; a mail claiming another sender is
-    rejected.
-    """
-    header = MailHeader.from_metadata(_metadata(data, key), key=key)
-    if learner is not None and header.learner != learner:
-        raise MailRejectedError(
-            f"mail {key!r} says it is from learner {header.learner!r}, but lies under {learner!r}"
-        )
+
+def decode(data: bytes, *, key: str, spec: Spec) -> State:
+    """Parse and check one state; raise ``MailRejectedError`` unless it fits ``spec`` exactly."""
+    header = StateHeader.from_metadata(_metadata(data, key), key=key)
     from safetensors.torch import load
 
     try:
         tensors = load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types for every corruption
-        raise MailRejectedError(f"mail {key!r} from learner {header.learner!r} is corrupt: {exc}") from exc
+        raise MailRejectedError(f"state {key!r} (written by {header.learner!r}) is corrupt: {exc}") from exc
     check(tensors, spec, key=key, learner=header.learner)
-    return Mail(key=key, header=header, tensors=tensors)
+    return State(key=key, header=header, tensors=tensors)
 
 
 def check(tensors: Mapping[str, Tensor], spec: Spec, *, key: str, learner: str) -> None:
     """Raise ``MailRejectedError`` naming the first difference between ``tensors`` and ``spec``."""
-    where = f"mail {key!r} from learner {learner!r} does not match this model"
+    where = f"state {key!r} written by learner {learner!r} does not match this model"
     missing = [name for name in spec if name not in tensors]
     extra = sorted(name for name in tensors if name not in spec)
     if missing or extra:
@@ -219,8 +305,13 @@ def check(tensors: Mapping[str, Tensor], spec: Spec, *, key: str, learner: str) 
             raise MailRejectedError(
                 f"{where}: tensor {name!r} has shape {tuple(got.shape)}, expected {shape}"
             )
-        if got.dtype != dtype:
-            raise MailRejectedError(f"{where}: tensor {name!r} has dtype {got.dtype}, expected {dtype}")
+        if dtype is None and not got.is_floating_point():
+            raise MailRejectedError(f"{where}: tensor {name!r} has dtype {got.dtype}, not a float")
+        if dtype is not None and got.dtype != dtype:
+            raise MailRejectedError(
+                f"{where}: tensor {name!r} travels as {got.dtype}, expected {dtype} (every node "
+                "of a run must use the same model dtype and wire_dtype)"
+            )
 
 
 def _names(names: list[str], limit: int = 5) -> str:

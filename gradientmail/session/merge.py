@@ -1,106 +1,16 @@
-"""Sample-weighted parameter averaging over mail, and ``consensus``: the result of a run."""
+"""``consensus``: the run's model, read from the mailbox on any machine, during or after a run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from gradientmail.layout import SESSION_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.session.mail import Mail, Spec, decode, float_state, parse_key, spec_of
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Sums of half-precision tensors are taken in float32; float32/float64 stay as they are."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def latest_keys(mailbox: Mailbox) -> dict[str, tuple[str, int | None]]:
-    """Each learner's newest mail: ``{learner: (key, seq)}``; seq is None for a final mail.
-
-    A final mail is newer than any numbered one (a learner deletes its numbered mail after
-    mailing its final state, and deletes its final mail when it starts again).
-    """
-    latest: dict[str, tuple[str, int | None]] = {}
-    for key in mailbox.list(SESSION_PREFIX):
-        parsed = parse_key(key)
-        if parsed is None:
-            continue
-        learner, seq = parsed
-        current = latest.get(learner)
-        if current is not None and (current[1] is None or (seq is not None and seq <= current[1])):
-            continue
-        latest[learner] = (key, seq)
-    return latest
-
-
-class WeightedSum:
-    """Accumulates ``sum(w * (theta - base))`` (or ``sum(w * theta)`` with no base) per tensor.
-
-    Used for merges (relative to the snapshot, so the result is a delta) and for averages.
-    """
-
-    def __init__(self, spec: Spec, base: Mapping[str, Tensor] | None = None) -> None:
-        self.base = base
-        self.total = 0.0
-        self.count = 0
-        self.sums = {
-            name: torch.zeros(shape, dtype=accumulation_dtype(dtype)) for name, (shape, dtype) in spec.items()
-        }
-
-    def add(self, tensors: Mapping[str, Tensor], weight: float) -> None:
-        for name, acc in self.sums.items():
-            value = tensors[name].to(acc.dtype)
-            if self.base is not None:
-                value = value - self.base[name].to(acc.dtype)
-            acc.add_(value, alpha=weight)
-        self.total += weight
-        self.count += 1
-
-    def result(self, extra_weight: float = 0.0) -> dict[str, Tensor]:
-        """The sums divided by ``total + extra_weight`` (``extra_weight``: the base's own weight)."""
-        denominator = self.total + extra_weight
-        return {name: acc.div_(denominator) for name, acc in self.sums.items()}
-
-
-def download(mailbox: Mailbox, key: str, learner: str, spec: Spec) -> Mail | None:
-    """One checked mail, or None when it vanished between listing and reading."""
-    data = mailbox.get(key)
-    if data is None:
-        return None
-    return decode(data, key=key, spec=spec, learner=learner)
-
-
-def average_latest(
-    mailbox: Mailbox, spec: Spec, learners: Iterable[str] | None = None
-) -> tuple[dict[str, Tensor] | None, dict[str, Mail]]:
-    """Sample-weighted (``samples_total``) average of every learner's newest mail.
-
-    Returns ``(average, mails)``; ``average`` is None when there is no mail. When no mail carries
-    any samples the learners count equally. Raises ``MailRejectedError`` for mail that does not
-    fit ``spec``; nothing is returned partially.
-    """
-    wanted = None if learners is None else set(learners)
-    mails: dict[str, Mail] = {}
-    for learner, (key, seq) in latest_keys(mailbox).items():
-        if wanted is not None and learner not in wanted:
-            continue
-        mail = download(mailbox, key, learner, spec)
-        if mail is None and seq is not None:
-            # Replaced by a newer mail (or the final one) since the listing: read that instead.
-            fresh = latest_keys(mailbox).get(learner)
-            mail = download(mailbox, fresh[0], learner, spec) if fresh else None
-        if mail is not None:
-            mails[learner] = mail
-    if not mails:
-        return None, mails
-    weighted = sum(m.header.samples_total for m in mails.values()) > 0
-    total = WeightedSum(spec)
-    for mail in mails.values():
-        total.add(mail.tensors, float(mail.header.samples_total) if weighted else 1.0)
-    return total.result(), mails
+from gradientmail.session.chain import read_newest
+from gradientmail.session.mail import accumulation_dtype, float_state, spec_of
 
 
 def load_into(model: torch.nn.Module, tensors: Mapping[str, Tensor]) -> None:
@@ -112,28 +22,31 @@ def load_into(model: torch.nn.Module, tensors: Mapping[str, Tensor]) -> None:
 
 
 def consensus(mailbox: Mailbox, model: torch.nn.Module) -> dict[str, int]:
-    """Load the result of a run into ``model``: the sample-weighted average of every learner.
+    """Load the run's model into ``model``: its base plus every learner's folded progress.
 
-    Each learner contributes its final state (``session/{learner}/final.safetensors``), or its
-    newest mail if it never finished, weighted by the samples it processed in the whole run
-    (``samples_total``). Floating-point parameters and buffers are averaged; integer buffers
-    keep the model's values.
+    The newest version of the run's state (``session/state/``) holds every contribution that
+    any learner has folded in, so this is the model of the whole run, not an average of final
+    positions; read during a run, it is the run so far. Floating-point parameters and buffers
+    are loaded; integer buffers keep the model's values.
 
     Returns:
-        ``{learner: samples_total}`` of the learners that were averaged.
+        ``{learner: samples}``: the samples of every learner whose progress it holds.
 
     Raises:
-        LookupError: the mailbox holds no parameter mail.
-        MailRejectedError: a mail does not match ``model`` (names, shapes, dtypes) or is corrupt;
-            ``model`` is not modified.
+        LookupError: the mailbox holds no state of a run.
+        MailRejectedError: the state does not match ``model`` (names, shapes) or is corrupt, or
+            the mailbox holds mail of another format; ``model`` is not modified.
     """
-    spec = spec_of(float_state(model))
-    average, mails = average_latest(mailbox, spec)
-    if average is None:
+    # Any floating dtype is accepted: a run may store its state in bfloat16 (wire_dtype).
+    spec = {name: (shape, None) for name, (shape, _) in spec_of(float_state(model)).items()}
+    state, _ = read_newest(mailbox, spec)
+    if state is None:
         raise LookupError(
-            f"{describe(mailbox)}: no parameter mail under {SESSION_PREFIX!r}; did any node run a "
+            f"{describe(mailbox)}: no run state under {SESSION_PREFIX!r}; did any node run a "
             "Session on this mailbox (and this run prefix)?"
         )
-    load_into(model, average)
-    return {learner: mail.header.samples_total for learner, mail in sorted(mails.items())}
+    load_into(model, state.tensors)
+    return {learner: entry.samples for learner, entry in sorted(state.header.learners.items())}
 
+
+__all__ = ["accumulation_dtype", "consensus", "load_into"]

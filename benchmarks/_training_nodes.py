@@ -1,0 +1,437 @@
+"""The processes of ``benchmarks.training``: the data, the model, the training nodes, the monitor.
+
+Everything a node needs travels in a picklable ``NodeConfig``/``MonitorConfig``; the corpus
+travels as two files (``train.bin``, ``val.bin``) that the parent writes once, so a node starts
+in a fraction of a second (the parent starts nodes from a ``forkserver`` that imported this
+module, and with it torch, once).
+
+A node reports by writing ``result-{name}.json`` in its run folder: its start and end times
+(``time.time()``, one clock for every process of this machine), what it trained and the
+checkpoints it saved, or ``{"error": traceback}``. Nodes of one run start together on a start
+line (files in the run folder; DDP ranks on a barrier), so that their speeds, not their start-up,
+decide who trains what. Every loop here is bounded: by the units, by a deadline, or both.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CONTEXT = 64
+"""Bytes of context; the model predicts the byte that follows them."""
+VOCAB = 256
+EMBED = 16
+HIDDEN = 320
+BATCH = 32
+LEARNING_RATE = 2e-3
+MODEL_SEED = 0
+POSITIONS_SEED = 1
+VALIDATION_SEED = 7
+VALIDATION_CONTEXTS = 4096
+STOP_KEY = "bench/stop"
+"""The monitor's stop marker, a mailbox key: nodes on other machines would see it too."""
+DONE_PREFIX = "bench/done/"
+"""``bench/done/{learner}``: the node has left its Session (its progress is in the run)."""
+OUTERS = ("average", "delayed_nesterov")
+"""Outer optimizers the benchmark compares (``Session(outer=...)``); "average" is the default."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of one benchmark: the full one or ``--quick``."""
+
+    units: int  # units of one pass
+    unit_batches: int  # batches of BATCH contexts per unit
+    sleeps: tuple[float, ...]  # seconds per batch of each node (its emulated speed)
+    every_s: float  # Session exchange interval
+    monitor_s: float  # consensus evaluations, time-to-quality runs
+    checkpoint_s: float  # checkpoints of single/ddp/fixed_split, for the chart
+    timeout_s: float  # longest a run may take, start-up included
+
+    @property
+    def nodes(self) -> int:
+        return len(self.sleeps)
+
+    @property
+    def contexts(self) -> int:
+        """Training contexts of one pass (every pass trains on the same ones)."""
+        return self.units * self.unit_batches * BATCH
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One training process. ``method``: single, ddp, fixed_split or gradientmail."""
+
+    method: str
+    name: str  # result-{name}.json; the learner id for gradientmail
+    rank: int
+    world: int
+    data_dir: str  # train.bin, val.bin
+    run_dir: str  # start line, results, checkpoints, mailbox/ of this run
+    plan: Plan
+    sleep_s: float
+    units: tuple[int, ...] = ()  # pass-1 unit indices (single, ddp, fixed_split)
+    passes: int = 1  # gradientmail: units of passes 1..passes in one queue
+    outer: str | None = None  # gradientmail: Session(outer=...) when Session has it
+    checkpoints: bool = False
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The monitor of a time-to-quality run: evaluates the consensus until the target or the end."""
+
+    name: str
+    run_dir: str
+    data_dir: str
+    plan: Plan
+    nodes: int
+    target: float | None  # stop the nodes at this validation loss; None: never
+    deadline_s: float
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+def read_bytes(path: Path) -> Tensor:
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+
+
+def contexts_at(corpus: Tensor, positions: Tensor) -> Tensor:
+    """``[len(positions), CONTEXT + 1]`` int64: each row a context and the byte after it."""
+    return corpus[positions[:, None] + torch.arange(CONTEXT + 1)].long()
+
+
+class TrainingData:
+    """The training set: ``plan.contexts`` fixed positions in the corpus, cut into units.
+
+    Pass 1 takes the positions in their drawn (random) order, pass ``p`` > 1 in a permutation of
+    its own, so a later pass is the same data in another order. A unit's batches depend only on
+    its pass and index, so any node can load any unit.
+    """
+
+    def __init__(self, data_dir: str | Path, plan: Plan) -> None:
+        self.corpus = read_bytes(Path(data_dir) / "train.bin")
+        self.plan = plan
+        generator = torch.Generator().manual_seed(POSITIONS_SEED)
+        self.positions = torch.randint(0, len(self.corpus) - CONTEXT, (plan.contexts,), generator=generator)
+        self._orders: dict[int, Tensor] = {}
+
+    def order(self, pass_: int) -> Tensor:
+        if pass_ == 1:
+            return torch.arange(self.plan.contexts)
+        if pass_ not in self._orders:
+            generator = torch.Generator().manual_seed(POSITIONS_SEED + pass_)
+            self._orders[pass_] = torch.randperm(self.plan.contexts, generator=generator)
+        return self._orders[pass_]
+
+    def load(self, unit: tuple[int, int]) -> Iterator[tuple[int, Tensor]]:
+        """The batches of unit ``(pass, index)``, labelled with their global step."""
+        pass_, index = unit
+        size = self.plan.unit_batches * BATCH
+        rows = self.order(pass_)[index * size:(index + 1) * size]
+        contexts = contexts_at(self.corpus, self.positions[rows])
+        first = ((pass_ - 1) * self.plan.units + index) * self.plan.unit_batches
+        for offset, batch in enumerate(contexts.split(BATCH)):
+            yield first + offset, batch
+
+
+def unit_id(pass_: int, index: int) -> str:
+    return f"p{pass_}-{index:04d}"
+
+
+def unit_table(plan: Plan, passes: int) -> dict[str, tuple[int, int]]:
+    """The shared queue's units, pass 1 first: ``{"p1-0000": (1, 0), ...}``."""
+    return {unit_id(p, i): (p, i) for p in range(1, passes + 1) for i in range(plan.units)}
+
+
+def validation_set(data_dir: str | Path) -> Tensor:
+    """``VALIDATION_CONTEXTS`` fixed contexts from the held-out files: the same for every method."""
+    corpus = read_bytes(Path(data_dir) / "val.bin")
+    generator = torch.Generator().manual_seed(VALIDATION_SEED)
+    positions = torch.randint(0, len(corpus) - CONTEXT, (VALIDATION_CONTEXTS,), generator=generator)
+    return contexts_at(corpus, positions)
+
+
+# -- model ----------------------------------------------------------------------------------------
+
+
+class ByteMLP(torch.nn.Module):
+    """Next-byte prediction from 64 bytes: embedding, one GELU layer (414k parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, EMBED)
+        self.hidden = torch.nn.Linear(CONTEXT * EMBED, HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, contexts: Tensor) -> Tensor:
+        return self.out(torch.nn.functional.gelu(self.hidden(self.embed(contexts).flatten(1))))
+
+
+def make_model() -> ByteMLP:
+    """The same initial parameters in every process and for every method."""
+    torch.manual_seed(MODEL_SEED)
+    return ByteMLP()
+
+
+def batch_loss(model: torch.nn.Module, batch: Tensor) -> Tensor:
+    return torch.nn.functional.cross_entropy(model(batch[:, :CONTEXT]), batch[:, CONTEXT])
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, validation: Tensor) -> float:
+    """Mean cross-entropy (nats per byte) over the validation contexts."""
+    total = 0.0
+    for chunk in validation.split(1024):
+        total += float(batch_loss(model, chunk)) * len(chunk)
+    return total / len(validation)
+
+
+# -- helpers of every node ------------------------------------------------------------------------
+
+
+def start_line(run_dir: Path, rank: int, count: int, timeout_s: float = 120.0) -> float:
+    """Wait until ``count`` nodes reached the line; return this node's start time."""
+    line = run_dir / "ready"
+    line.mkdir(exist_ok=True)
+    (line / str(rank)).touch()
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for _ in line.iterdir()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other nodes never reached the start line")
+        time.sleep(0.002)
+    return time.time()
+
+
+def pad(began: float, seconds: float) -> None:
+    """Emulate a slower machine: a batch takes at least ``seconds`` from ``began`` (monotonic)."""
+    left = began + seconds - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
+class Checkpoints:
+    """Saves the model every ``interval`` seconds from ``start``, for the loss-over-time chart.
+
+    A save costs a few milliseconds once per interval; the parent evaluates them after the run.
+    """
+
+    def __init__(self, config: NodeConfig, model: torch.nn.Module, start: float) -> None:
+        self.enabled = config.checkpoints
+        self.directory = Path(config.run_dir) / "checkpoints"
+        self.directory.mkdir(exist_ok=True)
+        self.prefix = config.name
+        self.model = model
+        self.start = start
+        self.interval = config.plan.checkpoint_s
+        self.saved: list[tuple[float, str]] = []  # (time.time() at the save, path)
+
+    def maybe_save(self) -> None:
+        if self.enabled and time.time() >= self.start + (len(self.saved) + 1) * self.interval:
+            self.save()
+
+    def save(self) -> None:
+        if not self.enabled:
+            return
+        path = self.directory / f"{self.prefix}-{len(self.saved):04d}.pt"
+        at = time.time()
+        torch.save(self.model.state_dict(), path)
+        self.saved.append((at, str(path)))
+
+
+def adam(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor) -> None:
+    batch_loss(model, batch).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# -- the methods ----------------------------------------------------------------------------------
+
+
+def run_fixed(config: NodeConfig, model: torch.nn.Module, data: TrainingData, start: float,
+              net: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Train on this node's fixed units in order (single, fixed_split and each DDP rank).
+
+    ``net`` is what the batches go through (the DDP wrapper), ``model`` what is checkpointed.
+    The data is read before the start, as every method does, so the makespans compare training.
+    """
+    optimizer = adam(model)
+    net = model if net is None else net
+    checkpoints = Checkpoints(config, model, start)
+    batches = 0
+    for index in config.units:
+        for _, batch in data.load((1, index)):
+            began = time.monotonic()
+            train_step(net, optimizer, batch)
+            batches += 1
+            checkpoints.maybe_save()
+            pad(began, config.sleep_s)
+    end = time.time()
+    checkpoints.save()
+    torch.save(model.state_dict(), Path(config.run_dir) / f"final-{config.name}.pt")
+    return {"batches": batches, "units": len(config.units), "end": end, "checkpoints": checkpoints.saved}
+
+
+def single(config: NodeConfig) -> dict[str, Any]:
+    model, data = make_model(), TrainingData(config.data_dir, config.plan)
+    start = time.time()
+    return {"start": start, **run_fixed(config, model, data, start)}
+
+
+def fixed_split(config: NodeConfig) -> dict[str, Any]:
+    model, data = make_model(), TrainingData(config.data_dir, config.plan)
+    start = start_line(Path(config.run_dir), config.rank, config.world)
+    return {"start": start, **run_fixed(config, model, data, start)}
+
+
+def ddp(config: NodeConfig) -> dict[str, Any]:
+    """One rank of ``DistributedDataParallel`` over gloo: gradients all-reduced every step.
+
+    Each rank pads its step to its own speed after ``optimizer.step()``; the all-reduce waits
+    for the slowest rank, so every step takes the slowest rank's time (its communication hides
+    inside that rank's pad, which flatters DDP on this machine).
+    """
+    import torch.distributed as dist
+
+    store = Path(config.run_dir) / "ddp-store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=config.rank,
+                            world_size=config.world, timeout=timedelta(seconds=120))
+    try:
+        model, data = make_model(), TrainingData(config.data_dir, config.plan)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        if config.rank != 0:  # every rank holds the same model: rank 0 checkpoints it
+            config = replace(config, checkpoints=False)
+        dist.barrier()
+        start = time.time()
+        result = run_fixed(config, model, data, start, net=wrapped)
+        dist.barrier()
+        return {"start": start, **result}
+    finally:
+        dist.destroy_process_group()
+
+
+def session_options(outer: str | None) -> dict[str, Any]:
+    """``{"outer": outer}`` when this ``Session`` takes ``outer=``, else nothing (older code)."""
+    from gradientmail import Session
+
+    if outer is not None and "outer" in inspect.signature(Session).parameters:
+        return {"outer": outer}
+    return {}
+
+
+def gradientmail(config: NodeConfig) -> dict[str, Any]:
+    """The documented loop: ``shared_queue`` + ``Session``; leaves early on the stop marker."""
+    from gradientmail import LocalMailbox, Session
+    from gradientmail.patterns.shared_queue import shared_queue, units_claimed_by
+
+    box = LocalMailbox(Path(config.run_dir) / "mailbox")
+    data = TrainingData(config.data_dir, config.plan)
+    model = make_model()
+    optimizer = adam(model)
+    session = Session(model, mailbox=box, learner_id=config.name,
+                      every=timedelta(seconds=config.plan.every_s), every_steps=None,
+                      **session_options(config.outer))
+    units = unit_table(config.plan, config.passes)
+    start = start_line(Path(config.run_dir), config.rank, config.world)
+    batches, stopped, next_check = 0, False, 0.0
+    with session, shared_queue(units, mailbox=box, learner_id=config.name, load=data.load,
+                               workers=0, shutdown_timeout=60.0) as queue:
+        for _, batch in queue:
+            began = time.monotonic()
+            train_step(model, optimizer, batch)
+            session.step(samples=len(batch))
+            batches += 1
+            if began >= next_check:  # a store read per 50 ms, not per batch
+                next_check = began + 0.05
+                if box.get(STOP_KEY) is not None:
+                    stopped = True
+                    break
+            pad(began, config.sleep_s)
+    end = time.time()
+    box.put(f"{DONE_PREFIX}{config.name}", b"")
+    return {"start": start, "end": end, "batches": batches, "units": units_claimed_by(config.name),
+            "exchanges": getattr(session, "exchanges", None), "merges": getattr(session, "merges", None),
+            "stopped": stopped,
+            "outer": session_options(config.outer).get("outer", "average")}
+
+
+METHODS = {"single": single, "ddp": ddp, "fixed_split": fixed_split, "gradientmail": gradientmail}
+
+
+def node_main(config: NodeConfig) -> None:
+    """A node process: run the method, write the result (or the error) for the parent."""
+    launched = time.time()
+    _run_and_report(Path(config.run_dir) / f"result-{config.name}.json",
+                    lambda: {"launched": launched, **METHODS[config.method](config)})
+
+
+def _run_and_report(path: Path, run: Any) -> None:
+    torch.set_num_threads(1)  # 4 nodes share 2 cores
+    try:
+        result = run()
+    except BaseException:
+        path.write_text(json.dumps({"error": traceback.format_exc()}))
+        raise
+    path.write_text(json.dumps(result))
+
+
+# -- the monitor ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Monitor:
+    """Evaluates ``consensus(box, model)`` every ``plan.monitor_s`` seconds: the run's curve.
+
+    Writes the stop marker once the loss is at or below ``target``; ends after evaluating the
+    final consensus (every node wrote its done marker) or at the deadline.
+    """
+
+    config: MonitorConfig
+    points: list[tuple[float, float]] = field(default_factory=list)
+    reached_at: float | None = None
+
+    def run(self) -> dict[str, Any]:
+        from gradientmail import LocalMailbox, consensus
+
+        box = LocalMailbox(Path(self.config.run_dir) / "mailbox")
+        model = make_model()
+        validation = validation_set(self.config.data_dir)
+        deadline = time.monotonic() + self.config.deadline_s
+        while time.monotonic() < deadline:
+            tick = time.monotonic()
+            finished = sum(1 for _ in box.list(DONE_PREFIX)) >= self.config.nodes
+            at = time.time()
+            try:
+                consensus(box, model)
+            except LookupError:  # no mail yet
+                time.sleep(0.02)
+                continue
+            loss = validation_loss(model, validation)
+            self.points.append((at, loss))
+            target = self.config.target
+            if self.reached_at is None and target is not None and loss <= target:
+                self.reached_at = at
+                box.put(STOP_KEY, b"")
+            if finished:
+                break
+            time.sleep(max(0.0, tick + self.config.plan.monitor_s - time.monotonic()))
+        return {"points": self.points, "reached_at": self.reached_at}
+
+
+def monitor_main(config: MonitorConfig) -> None:
+    _run_and_report(Path(config.run_dir) / f"result-{config.name}.json", lambda: Monitor(config).run())
+

@@ -1,0 +1,555 @@
+"""Does GradientMail reach DDP's model quality in a fraction of DDP's time? Real training, 4 nodes.
+
+A byte-level MLP (414k parameters: 64 bytes of context, embedding 16, one GELU layer of 320)
+learns to predict the next byte of the Python standard library's own ``.py`` files (every 10th
+file held out for validation; nothing is downloaded). Four node processes emulate machines of
+speeds 1:2:2:4 by padding each batch to 12/24/24/48 ms (``--quick``: 1/2/2/4 ms), and every method
+starts from the same initial parameters with Adam (lr 2e-3) on the same 96 units of 20 batches:
+
+- ``single``: one process trains all 96 units in order, no padding: the quality yardstick;
+- ``ddp``: ``torch.distributed`` (gloo, 4 ranks), a fixed quarter of the units per rank,
+  gradients all-reduced every step, so every step waits for the slowest rank;
+- ``fixed_split``: the same quarters without any exchange, the 4 models averaged at the end;
+- ``gradientmail:<outer>``: ``shared_queue`` over the 96 units (fast nodes take more) and a
+  ``Session`` exchanging every 0.25 s, one run per outer optimizer; its model is ``consensus``;
+- time to quality: GradientMail again over two passes of the data while a monitor process
+  evaluates ``consensus`` every 0.5 s and stops the nodes once DDP's final loss is reached.
+
+Validation loss is the mean cross-entropy (nats per byte) over 4,096 fixed held-out contexts.
+Makespan is first start to last node finished (start-up excluded, every method alike).
+Figures: ``loss_over_ddp`` and ``loss_over_single`` (GradientMail's one-pass loss over theirs),
+``makespan_over_ddp``, ``time_to_ddp_loss`` (seconds to DDP's loss / DDP's makespan); each also
+per outer optimizer, with its min and max over ``--repeats`` (the plain key is the median).
+
+Usage: ``python -m benchmarks.training [--quick] [--repeats K] [--png PATH]``. The full run
+(3 repeats, about 2 minutes each on 2 cores) draws ``docs/training-loss.png``; ``--quick`` (CI:
+``tests/test_training_benchmark.py``) runs every method on 8 units of 4 batches at 1-4 ms per
+batch in about 10 s, and judges nothing. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import multiprocessing
+import multiprocessing.context
+import os
+import shutil
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._common import emit, table
+from benchmarks._training_nodes import (
+    BATCH,
+    OUTERS,
+    MonitorConfig,
+    NodeConfig,
+    Plan,
+    make_model,
+    monitor_main,
+    node_main,
+    validation_loss,
+    validation_set,
+)
+
+FULL = Plan(units=96, unit_batches=20, sleeps=(0.012, 0.024, 0.024, 0.048), every_s=0.25,
+            monitor_s=0.5, checkpoint_s=1.0, timeout_s=240.0)
+QUICK = Plan(units=8, unit_batches=4, sleeps=(0.001, 0.002, 0.002, 0.004), every_s=0.1,
+             monitor_s=0.2, checkpoint_s=0.25, timeout_s=60.0)
+DEFAULT_OUTER = OUTERS[0]
+DEFAULT_PNG = Path(__file__).resolve().parent.parent / "docs" / "training-loss.png"
+MAX_FILE_BYTES = 200_000
+VALIDATION_EVERY = 10
+"""Every 10th file (sorted by path) is held out for validation."""
+
+RATIOS = ("loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss")
+
+Curve = list[tuple[float, float]]
+"""(seconds since the run's start, validation loss)"""
+
+
+# -- the corpus ----------------------------------------------------------------------------------
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, sorted, without tests, site-packages or huge files."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "__pycache__"}
+    found = []
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = sorted(name for name in subdirectories if name not in skip)
+        for name in files:
+            path = Path(directory, name)
+            if name.endswith(".py") and path.stat().st_size <= MAX_FILE_BYTES:
+                found.append(path)
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    files: int
+    train_bytes: int
+    validation_bytes: int
+
+
+def write_corpus(data_dir: Path) -> Corpus:
+    """``train.bin`` and ``val.bin`` (every 10th file), the files separated by a blank line."""
+    files = stdlib_files()
+    train = b"\n\n".join(p.read_bytes() for i, p in enumerate(files) if i % VALIDATION_EVERY)
+    held_out = b"\n\n".join(p.read_bytes() for i, p in enumerate(files) if not i % VALIDATION_EVERY)
+    (data_dir / "train.bin").write_bytes(train)
+    (data_dir / "val.bin").write_bytes(held_out)
+    return Corpus(len(files), len(train), len(held_out))
+
+
+# -- running node processes ----------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What one method's run produced."""
+
+    method: str
+    loss: float  # final validation loss
+    makespan: float  # seconds, first start to last end
+    curve: Curve = field(default_factory=list)
+    seconds_to_target: float | None = None  # time-to-quality runs: None = never reached
+    detail: str = ""
+
+
+def pick_temp_root() -> str | None:
+    """``/dev/shm`` when writable (mail then costs no disk time), else the default temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def node_context() -> multiprocessing.context.BaseContext:
+    """Fresh processes forked from a server that imported torch once (4 imports cost ~10 s here)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "benchmarks._training_nodes",
+                                    "gradientmail.session", "gradientmail.patterns.shared_queue"])
+    return context
+
+
+def stop(processes: Iterable[multiprocessing.process.BaseProcess]) -> None:
+    """End what is still running (after a failure or a timeout), politely first."""
+    started = [process for process in processes if process.pid is not None]
+    for process in started:
+        if process.is_alive():
+            process.terminate()
+    for process in started:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+
+
+class Bench:
+    """Runs each method in fresh processes and evaluates the models they leave behind."""
+
+    def __init__(self, plan: Plan, base: Path, data_dir: Path) -> None:
+        self.plan = plan
+        self.base = base
+        self.data_dir = data_dir
+        self.context = node_context()
+        self.validation = validation_set(data_dir)
+        self.model = make_model()
+        self.initial_loss = validation_loss(self.model, self.validation)
+        self.runs = 0
+
+    # -- plumbing --
+
+    def run_dir(self, label: str) -> Path:
+        self.runs += 1
+        path = self.base / f"{self.runs:02d}-{label.replace(':', '-')}"
+        path.mkdir()
+        return path
+
+    def start(self, jobs: Sequence[tuple[Callable[[Any], None], Any]], run_dir: Path) -> list[dict]:
+        """Run ``target(config)`` for each job in its own process; their results, in order."""
+        processes = [self.context.Process(target=target, args=(config,), name=config.name, daemon=True)
+                     for target, config in jobs]
+        try:
+            for process in processes:
+                process.start()
+            deadline = time.monotonic() + self.plan.timeout_s
+            while any(process.is_alive() for process in processes):
+                failed = [p for p in processes if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(self.failure(run_dir, failed[0].name, failed[0].exitcode))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{run_dir.name}: still running after {self.plan.timeout_s:.0f}s")
+                time.sleep(0.05)
+            for process in processes:
+                if process.exitcode != 0:
+                    raise RuntimeError(self.failure(run_dir, process.name, process.exitcode))
+            return [json.loads((run_dir / f"result-{config.name}.json").read_text()) for _, config in jobs]
+        finally:
+            stop(processes)
+
+    @staticmethod
+    def failure(run_dir: Path, name: str, exitcode: int | None) -> str:
+        report = run_dir / f"result-{name}.json"
+        error = json.loads(report.read_text()).get("error", "") if report.exists() else ""
+        return f"{run_dir.name}: {name} exited with code {exitcode}\n{error}"
+
+    def node(self, method: str, rank: int, run_dir: Path, **options: Any) -> NodeConfig:
+        return NodeConfig(method=method, name=f"node-{rank}", rank=rank, world=self.plan.nodes,
+                          data_dir=str(self.data_dir), run_dir=str(run_dir), plan=self.plan,
+                          sleep_s=self.plan.sleeps[rank], **options)
+
+    def quarters(self) -> list[tuple[int, ...]]:
+        """Rank r trains units r, r + 4, ... (a DistributedSampler-style fixed split)."""
+        return [tuple(range(rank, self.plan.units, self.plan.nodes)) for rank in range(self.plan.nodes)]
+
+    # -- evaluation --
+
+    def loss_of(self, states: Sequence[dict[str, torch.Tensor]]) -> float:
+        """Validation loss of the parameter average of ``states`` (one state: that model)."""
+        averaged = {name: sum(state[name].float() for state in states) / len(states) for name in states[0]}
+        self.model.load_state_dict(averaged)
+        return validation_loss(self.model, self.validation)
+
+    def checkpoint_curve(self, results: Sequence[dict], start: float) -> Curve:
+        """The average of every node's k-th checkpoint (or its last, if it finished), for each k."""
+        saved = [result["checkpoints"] for result in results if result["checkpoints"]]
+        curve = [(0.0, self.initial_loss)]
+        for k in range(max((len(s) for s in saved), default=0)):
+            picks = [s[min(k, len(s) - 1)] for s in saved]
+            states = [torch.load(path, weights_only=True) for _, path in picks]
+            curve.append((max(at for at, _ in picks) - start, self.loss_of(states)))
+        return curve
+
+    def consensus_loss(self, run_dir: Path) -> float:
+        from gradientmail import LocalMailbox, consensus
+
+        consensus(LocalMailbox(run_dir / "mailbox"), self.model)
+        return validation_loss(self.model, self.validation)
+
+    # -- the methods --
+
+    def fixed(self, method: str, checkpoints: bool) -> Run:
+        """single, ddp or fixed_split: fixed units per process, then the final model(s)."""
+        run_dir = self.run_dir(method)
+        if method == "single":
+            configs = [replace(self.node(method, 0, run_dir, checkpoints=checkpoints), world=1,
+                               sleep_s=0.0, units=tuple(range(self.plan.units)))]
+        else:
+            configs = [self.node(method, rank, run_dir, units=units, checkpoints=checkpoints)
+                       for rank, units in enumerate(self.quarters())]
+        results = self.start([(node_main, config) for config in configs], run_dir)
+        start = min(r["start"] for r in results)
+        makespan = max(r["end"] for r in results) - start
+        finals = [torch.load(run_dir / f"final-{c.name}.pt", weights_only=True) for c in configs]
+        loss = self.loss_of(finals[:1] if method == "ddp" else finals)
+        curve = self.checkpoint_curve(results[:1] if method == "ddp" else results, start) if checkpoints else []
+        shutil.rmtree(run_dir)
+        return Run(method, loss, makespan, curve)
+
+    def gradientmail(self, outer: str, target: float | None = None) -> Run:
+        """One pass (``target`` None) or two passes with a monitor that stops at ``target``."""
+        passes = 1 if target is None else 2
+        label = f"gradientmail:{outer}" + ("" if target is None else ":to-target")
+        run_dir = self.run_dir(label)
+        configs = [self.node("gradientmail", rank, run_dir, passes=passes, outer=outer)
+                   for rank in range(self.plan.nodes)]
+        jobs: list[tuple[Callable[[Any], None], Any]] = [(node_main, c) for c in configs]
+        if target is not None:
+            monitor = MonitorConfig(name="monitor", run_dir=str(run_dir), data_dir=str(self.data_dir),
+                                    plan=self.plan, nodes=self.plan.nodes, target=target,
+                                    deadline_s=self.plan.timeout_s - 10)
+            jobs.append((monitor_main, monitor))
+        results = self.start(jobs, run_dir)
+        nodes = results[:self.plan.nodes]
+        start = min(r["start"] for r in nodes)
+        makespan = max(r["end"] for r in nodes) - start
+        detail = (f"units {'/'.join(str(r['units']) for r in nodes)}, "
+                  f"batches {'/'.join(str(r['batches']) for r in nodes)}, "
+                  f"merges {'/'.join(str(r['merges']) for r in nodes)}, outer {nodes[0]['outer']}"
+                  + (", stopped at the target" if any(r["stopped"] for r in nodes) else ""))
+        if target is None:
+            run = Run(label, self.consensus_loss(run_dir), makespan, detail=detail)
+        else:
+            watched = results[-1]
+            curve = [(0.0, self.initial_loss)] + [(at - start, loss) for at, loss in watched["points"]]
+            reached = watched["reached_at"]
+            run = Run(label, curve[-1][1], makespan, curve,
+                      None if reached is None else reached - start, detail)
+        shutil.rmtree(run_dir)
+        return run
+
+
+# -- figures -------------------------------------------------------------------------------------
+
+
+def fluid_bounds(plan: Plan) -> tuple[float, float]:
+    """Seconds of padding a pass needs: shared by speed (no schedule beats it), fixed quarters."""
+    batches = plan.units * plan.unit_batches
+    return batches / sum(1 / s for s in plan.sleeps), batches / plan.nodes * max(plan.sleeps)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None:
+        return None
+    return numerator / denominator
+
+
+def repeat_figures(runs: dict[str, Run], single: Run) -> dict[str, float | None]:
+    """The ratios of one repeat, per outer (``_{outer}``), the default outer's also unsuffixed."""
+    ddp = runs["ddp"]
+    figures: dict[str, float | None] = {}
+    for outer in OUTERS:
+        one_pass = runs.get(f"gradientmail:{outer}")
+        to_target = runs.get(f"gradientmail:{outer}:to-target")
+        seconds = None
+        if to_target is not None:
+            seconds = math.inf if to_target.seconds_to_target is None else to_target.seconds_to_target
+        loss = None if one_pass is None else one_pass.loss
+        figures[f"loss_over_ddp_{outer}"] = ratio(loss, ddp.loss)
+        figures[f"loss_over_single_{outer}"] = ratio(loss, single.loss)
+        figures[f"makespan_over_ddp_{outer}"] = ratio(None if one_pass is None else one_pass.makespan,
+                                                      ddp.makespan)
+        figures[f"time_to_ddp_loss_{outer}"] = ratio(seconds, ddp.makespan)
+    for name in RATIOS:
+        figures[name] = figures[f"{name}_{DEFAULT_OUTER}"]
+    fixed = runs.get("fixed_split")
+    figures["fixed_split_loss_over_ddp"] = ratio(None if fixed is None else fixed.loss, ddp.loss)
+    figures["fixed_split_makespan_over_ddp"] = ratio(None if fixed is None else fixed.makespan, ddp.makespan)
+    return figures
+
+
+def spread(values: Sequence[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(min, median, max) of the repeats that measured it; None if none did."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, None
+    return min(present), statistics.median(present), max(present)
+
+
+def session_figures(quick: bool) -> dict[str, float | None]:
+    """``drag`` and ``read_per_exchange`` from ``benchmarks.session_figures``, when it exists."""
+    figures: dict[str, float | None] = {"drag": None, "read_per_exchange": None}
+    try:
+        module = importlib.import_module("benchmarks.session_figures")
+    except ModuleNotFoundError as error:
+        if error.name != "benchmarks.session_figures":
+            raise
+        return figures
+    for key in figures:
+        function = getattr(module, f"measure_{key}", None)
+        if function is None:
+            continue
+        options = {"quick": quick} if "quick" in inspect.signature(function).parameters else {}
+        try:
+            figures[key] = float(function(**options))
+        except Exception as error:  # its own module's failure: reported, not fatal here
+            print(f"{key}: measure_{key}() failed: {error!r}", file=sys.stderr)
+    return figures
+
+
+def draw(path: Path, curves: dict[str, Curve], finals: dict[str, tuple[float, float]],
+         ddp_loss: float, title: str) -> None:
+    """Validation loss against wall-clock seconds, DDP's final loss dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(9, 5.5))
+    axes = figure.subplots()
+    for label, curve in curves.items():
+        if curve:
+            axes.plot([s for s, _ in curve], [loss for _, loss in curve], marker=".", label=label)
+    for label, (seconds, loss) in finals.items():
+        axes.plot([seconds], [loss], marker="*", markersize=12, linestyle="none", label=label)
+    axes.axhline(ddp_loss, color="black", linestyle="--", linewidth=1, label=f"DDP final loss {ddp_loss:.3f}")
+    lows = [loss for curve in curves.values() for _, loss in curve]
+    axes.set_ylim(min(lows + [ddp_loss]) - 0.05, ddp_loss + 1.0)
+    axes.set_xlabel("wall-clock seconds since the start")
+    axes.set_ylabel("validation loss (nats per byte)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "never"
+    return f"{value:.{digits}f}"
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def run_repeats(bench: Bench, outers: Sequence[str], repeats: int, curves: bool) -> list[dict[str, Run]]:
+    """Every method once per repeat (the curves in the first only); DDP first: its loss is the target."""
+    repeat_runs: list[dict[str, Run]] = []
+    for repeat in range(repeats):
+        checkpoints = curves and repeat == 0
+        runs = {"ddp": bench.fixed("ddp", checkpoints=checkpoints),
+                "fixed_split": bench.fixed("fixed_split", checkpoints=checkpoints)}
+        for outer in outers:
+            runs[f"gradientmail:{outer}"] = bench.gradientmail(outer)
+        for outer in outers:
+            runs[f"gradientmail:{outer}:to-target"] = bench.gradientmail(outer, target=runs["ddp"].loss)
+        repeat_runs.append(runs)
+        shown = ", ".join(f"{name} {run.loss:.4f}/{run.makespan:.1f}s" for name, run in runs.items())
+        print(f"repeat {repeat + 1}/{repeats} (val loss/makespan): {shown}", flush=True)
+        for name, run in runs.items():
+            if run.detail:
+                print(f"  {name}: {run.detail}", flush=True)
+    return repeat_runs
+
+
+Spread = tuple[float | None, float | None, float | None]
+
+
+def collect(single: Run, repeat_runs: list[dict[str, Run]], initial: float) -> tuple[dict[str, Any], dict[str, Spread]]:
+    """The JSON figures: ratios (median, min, max over the repeats), then raw medians."""
+    per_repeat = [repeat_figures(runs, single) for runs in repeat_runs]
+    figures: dict[str, Any] = {}
+    spreads: dict[str, Spread] = {}
+    for name in per_repeat[0]:
+        spreads[name] = spread([f[name] for f in per_repeat])
+        low, middle, high = spreads[name]
+        figures[name], figures[f"{name}_min"], figures[f"{name}_max"] = middle, low, high
+
+    def raw(method: str, attribute: str) -> float | None:
+        values = [getattr(r[method], attribute) for r in repeat_runs if method in r]
+        return statistics.median(values) if values else None
+
+    figures["val_loss_initial"] = initial
+    figures["val_loss_single"] = single.loss
+    figures["seconds_single"] = single.makespan
+    for method in ("ddp", "fixed_split"):
+        figures[f"val_loss_{method}"] = raw(method, "loss")
+        figures[f"makespan_s_{method}"] = raw(method, "makespan")
+    for outer in OUTERS:
+        figures[f"val_loss_gradientmail_{outer}"] = raw(f"gradientmail:{outer}", "loss")
+        figures[f"makespan_s_gradientmail_{outer}"] = raw(f"gradientmail:{outer}", "makespan")
+        times = [r[f"gradientmail:{outer}:to-target"].seconds_to_target for r in repeat_runs
+                 if f"gradientmail:{outer}:to-target" in r]
+        figures[f"seconds_to_ddp_loss_{outer}"] = (
+            None if not times else statistics.median([math.inf if t is None else t for t in times]))
+        figures[f"val_loss_to_target_{outer}"] = raw(f"gradientmail:{outer}:to-target", "loss")
+    figures["repeats"] = len(repeat_runs)
+    return figures, spreads
+
+
+def print_tables(figures: dict[str, Any], spreads: dict[str, Spread], outers: Sequence[str]) -> None:
+    """Per method: loss, time and both against DDP (medians); then each ratio's spread."""
+    rows = [["single (1 process, no padding)", fmt(figures["val_loss_single"], 4), fmt(figures["seconds_single"], 1),
+             fmt(ratio(figures["val_loss_single"], figures["val_loss_ddp"])), "-"],
+            ["ddp (gloo, fixed quarters)", fmt(figures["val_loss_ddp"], 4), fmt(figures["makespan_s_ddp"], 1),
+             "1.000", "1.000"],
+            ["fixed_split (4 models averaged)", fmt(figures["val_loss_fixed_split"], 4),
+             fmt(figures["makespan_s_fixed_split"], 1), fmt(figures["fixed_split_loss_over_ddp"]),
+             fmt(figures["fixed_split_makespan_over_ddp"])]]
+    for outer in outers:
+        rows.append([f"gradientmail:{outer} (1 pass)", fmt(figures[f"val_loss_gradientmail_{outer}"], 4),
+                     fmt(figures[f"makespan_s_gradientmail_{outer}"], 1),
+                     fmt(figures[f"loss_over_ddp_{outer}"]), fmt(figures[f"makespan_over_ddp_{outer}"])])
+    for outer in outers:  # val loss: the consensus when the run ended (at the stop, or pass 2 done)
+        rows.append([f"gradientmail:{outer} to DDP's loss (<= 2 passes)",
+                     fmt(figures[f"val_loss_to_target_{outer}"], 4), fmt(figures[f"seconds_to_ddp_loss_{outer}"], 1),
+                     "-", fmt(figures[f"time_to_ddp_loss_{outer}"])])
+    print()
+    print(f"validation loss (initial {figures['val_loss_initial']:.4f}) and wall time, "
+          f"median of {figures['repeats']} repeat(s)")
+    print(table(["method", "val loss", "time s", "loss/DDP", "time/DDP"], rows))
+    print()
+    names = [*RATIOS, *(f"{n}_{o}" for o in outers if o != DEFAULT_OUTER for n in RATIOS),
+             "fixed_split_loss_over_ddp", "fixed_split_makespan_over_ddp"]
+    print(table(["figure", "min", "median", "max"], [[name, *(fmt(v) for v in spreads[name])] for name in names]))
+    print(f"drag {fmt(figures['drag'])}, read_per_exchange {fmt(figures['read_per_exchange'])}"
+          " (benchmarks.session_figures)")
+
+
+def chart(path: Path, single: Run, first: dict[str, Run], title: str) -> None:
+    """The first repeat's curves, the one-pass consensus losses as stars, DDP's loss dashed."""
+    curves = {"single (1 process, no padding)": single.curve}
+    for name, run in first.items():
+        if run.curve:
+            label = (f"{name.removesuffix(':to-target')} (consensus; 2 passes, stops at DDP's loss)"
+                     if name.endswith(":to-target") else name)
+            curves[label] = run.curve
+    finals = {f"{name} (1 pass, final consensus)": (run.makespan, run.loss)
+              for name, run in first.items() if name.startswith("gradientmail:") and not run.curve}
+    draw(path, curves, finals, first["ddp"].loss, title)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a few units and 1-4 ms per batch, every method (CI: runs, not judged)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repeat sets (default 3; --quick: 1); ratios are given as min/median/max")
+    parser.add_argument("--png", type=Path, default=None,
+                        help="draw the loss curves here (default: docs/training-loss.png, full run only)")
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+    plan = QUICK if args.quick else FULL
+    repeats = max(1, args.repeats if args.repeats is not None else (1 if args.quick else 3))
+    png = args.png if args.png is not None else (None if args.quick else DEFAULT_PNG)
+    torch.set_num_threads(1)  # evaluations are small; one thread keeps them reproducible
+
+    from gradientmail import Session
+
+    has_outer = "outer" in inspect.signature(Session).parameters
+    outers = list(OUTERS) if has_outer else [DEFAULT_OUTER]
+    base = Path(tempfile.mkdtemp(prefix="gm-training-", dir=pick_temp_root()))
+    try:
+        data_dir = base / "data"
+        data_dir.mkdir()
+        corpus = write_corpus(data_dir)
+        bench = Bench(plan, base, data_dir)
+        params = sum(p.numel() for p in bench.model.parameters())
+        speeds = "/".join(f"{s * 1000:g}" for s in plan.sleeps)
+        shared, quarters = fluid_bounds(plan)
+        print(f"byte-level MLP ({params:,} parameters), Adam lr 2e-3; stdlib corpus: {corpus.files} files, "
+              f"{corpus.train_bytes / 1e6:.1f} MB train, {corpus.validation_bytes / 1e6:.1f} MB held out")
+        print(f"{plan.units} units x {plan.unit_batches} batches x {BATCH} contexts per pass; "
+              f"{plan.nodes} nodes at {speeds} ms per batch; Session every {plan.every_s:g}s; "
+              f"{repeats} repeat(s){' (quick)' if args.quick else ''}")
+        print(f"padding alone: {shared:.2f}s for a shared queue (fluid bound), {quarters:.2f}s for fixed quarters")
+        if not has_outer:
+            print(f"note: Session has no outer= yet: only '{DEFAULT_OUTER}' runs, the other outers are null")
+        sys.stdout.flush()
+
+        single = bench.fixed("single", checkpoints=png is not None)  # deterministic: once
+        print(f"single: val loss {single.loss:.4f}, {single.makespan:.1f}s", flush=True)
+        repeat_runs = run_repeats(bench, outers, repeats, curves=png is not None)
+        figures, spreads = collect(single, repeat_runs, bench.initial_loss)
+        figures.update(session_figures(args.quick))
+        print_tables(figures, spreads, outers)
+        if png is not None:
+            chart(png, single, repeat_runs[0],
+                  f"{params:,}-parameter byte MLP, 4 nodes at {speeds} ms/batch (first repeat)")
+            print(f"chart: {png}")
+        figures["wall_s"] = time.perf_counter() - began
+        print(f"wall time {figures['wall_s']:.0f}s")
+        emit(figures)
+        return figures
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

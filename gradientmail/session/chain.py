@@ -1,0 +1,250 @@
+"""The run's state as a chain of versions on the store, advanced by ``put_if_absent``.
+
+``session/state/{version}`` holds the run's model with every contribution folded in so far.
+A learner folds its progress by reading the newest version ``v``, adding its contribution and
+creating ``v + 1`` with ``put_if_absent``: exactly one writer wins each version, so every
+contribution lands exactly once, and a loser simply folds again onto the winner's version.
+That is compare-and-swap built from the one primitive every mailbox has, and it keeps the cost
+of an exchange at one state read and one state write however many learners there are.
+
+A version number must never be created twice, or a writer holding an old version could create a
+"next" one that nobody builds on. So old versions are *retired*, not deleted: the writer of
+version ``v`` overwrites ``v - KEEP`` with a few-byte tombstone (and deletes ``v - RETIRE``,
+whose tombstone no writer can still race: a writer re-reads a base older than
+``MAX_BASE_AGE_S`` before writing). Listings during a run start after the version a node holds,
+so tombstones cost nothing.
+
+Membership is a key per learner, ``session/members/{learner}.{joined}``: listing ``session/``
+(which finds the newest version anyway) shows who is in, for the ``1/N`` scale of progress.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from gradientmail.errors import MailRejectedError, SessionError
+from gradientmail.layout import SESSION_PREFIX
+from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.session.mail import (
+    MEMBERS_PREFIX,
+    STATE_PREFIX,
+    Contribution,
+    Spec,
+    State,
+    StateHeader,
+    decode,
+    encode,
+    format_refusal,
+    is_old_mail_key,
+    parse_member_key,
+    parse_state_key,
+    read_format,
+    state_key,
+)
+
+KEEP = 4
+"""Versions kept behind the newest: a reader that listed an older one can usually still read it."""
+RETIRE = 10_000
+"""Tombstones kept behind the newest (a few bytes each), so that no version is created twice."""
+MAX_BASE_AGE_S = 30.0
+"""A writer whose base was read longer ago than this re-lists before writing."""
+TOMBSTONE = b"gradientmail: retired version of the run's state\n"
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One listing of ``session/``: the versions present and who is a member."""
+
+    versions: list[int]
+    members: dict[str, float]  # learner -> joined (its newest member key)
+    member_keys: dict[str, list[str]]  # learner -> all its member keys
+    after: int | None = None  # versions up to this one were not listed (the node holds it)
+
+    @property
+    def newest(self) -> int | None:
+        return self.versions[-1] if self.versions else self.after
+
+
+def list_session(mailbox: Mailbox, after: int | None = None) -> Listing:
+    """List ``session/``: the versions (after ``after`` only, if given) and the members.
+
+    A full listing (``after=None``) also refuses mail of the first Session format with a clear
+    error; a listing after a known version reads the member keys and the newer versions only.
+    """
+    versions: list[int] = []
+    members: dict[str, float] = {}
+    member_keys: dict[str, list[str]] = {}
+    if after is None:
+        keys = mailbox.list(SESSION_PREFIX)
+    else:
+        keys = itertools.chain(mailbox.list(MEMBERS_PREFIX),
+                               mailbox.list(STATE_PREFIX, start_after=state_key(after)))
+    for key in keys:
+        version = parse_state_key(key)
+        if version is not None:
+            versions.append(version)
+            continue
+        member = parse_member_key(key)
+        if member is not None:
+            learner, joined = member
+            members[learner] = max(joined, members.get(learner, joined))
+            member_keys.setdefault(learner, []).append(key)
+            continue
+        if is_old_mail_key(key):
+            data = mailbox.get(key)
+            found = read_format(data) if data is not None else "gradientmail.session/1"
+            raise MailRejectedError(format_refusal(key, found))
+    versions.sort()
+    return Listing(versions=versions, members=members, member_keys=member_keys, after=after)
+
+
+def read_state(mailbox: Mailbox, version: int, spec: Spec) -> State | None:
+    """One checked version, or None when it was deleted (it is no longer among the newest)."""
+    key = state_key(version)
+    data = mailbox.get(key)
+    if data is None or data == TOMBSTONE:
+        return None
+    state = decode(data, key=key, spec=spec)
+    if state.header.version != version:
+        raise MailRejectedError(f"state {key!r} says it is version {state.header.version}")
+    return state
+
+
+def read_newest(mailbox: Mailbox, spec: Spec, *, attempts: int = 20) -> tuple[State | None, Listing]:
+    """The newest version (None when the run has none yet) and the listing that found it."""
+    for _ in range(attempts):
+        listing = list_session(mailbox)
+        if listing.newest is None:
+            return None, listing
+        state = read_state(mailbox, listing.newest, spec)
+        if state is not None:
+            return state, listing
+        # Deleted between listing and reading: KEEP newer versions exist; list again.
+    raise SessionError(f"{describe(mailbox)}: the newest state kept vanishing while being read "
+                       f"({attempts} listings); is something deleting {SESSION_PREFIX!r}?")
+
+
+def active_learners(listing: Listing, header: StateHeader | None, me: str, now: float,
+                    max_staleness: float) -> set[str]:
+    """Who counts in ``N``: this learner, and every member that joined or folded recently.
+
+    A member whose last sign of life (joining, or its newest fold by its own clock) is older than
+    ``max_staleness`` has stopped counting: a crashed node leaves its member key behind.
+    """
+    learners = header.learners if header is not None else {}
+    active = {me}
+    for learner, joined in listing.members.items():
+        entry = learners.get(learner)
+        last = max(joined, entry.time) if entry is not None else joined
+        if entry is not None and entry.final and entry.time >= joined:
+            continue
+        if now - last <= max_staleness:
+            active.add(learner)
+    return active
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A contribution that landed: the version it created and that version's content."""
+
+    state: State  # the new version, as written (tensors in wire dtype)
+    previous: StateHeader | None  # the header of the version it was folded onto
+    conflicts: int  # versions lost to other writers before this one won
+    active: int  # N: learners counted in the scale of this contribution
+
+
+def fold(
+    mailbox: Mailbox,
+    spec: Spec,
+    *,
+    me: str,
+    known: State | None,
+    increment_for: Callable[[int], Mapping[str, Tensor]],
+    entry: Callable[[StateHeader], Contribution],
+    add: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], dict[str, Tensor]],
+    max_staleness: float,
+    deadline: float,
+) -> Fold:
+    """Fold this learner's contribution into the newest version, exactly once.
+
+    ``known`` is the version this learner holds (its anchor): while it is still the newest it is
+    not downloaded again. ``increment_for(N)`` gives the increment for ``N`` active learners,
+    ``entry(previous)`` this learner's header line and ``add(base, increment)`` the tensors of
+    the next version, as stored. Losing a version to another writer costs one read of the
+    winner's version and one more attempt, never a lost or doubled contribution. Raises
+    ``SessionError`` past ``deadline`` (``time.monotonic``).
+    """
+    listing = list_session(mailbox, after=None if known is None else known.header.version)
+    newest = listing.newest
+    listed = time.monotonic()
+    conflicts = 0
+    increment: Mapping[str, Tensor] | None = None
+    active = 1
+    while True:
+        if newest is None:
+            raise SessionError(f"learner {me!r}: the run's state under {STATE_PREFIX!r} on "
+                               f"{describe(mailbox)} is gone (was the prefix deleted mid-run?)")
+        attempt_started = time.monotonic()
+        if known is not None and known.header.version == newest:
+            base = known
+        else:
+            base = read_state(mailbox, newest, spec)
+            if base is None:  # retired since the listing: newer versions exist
+                listing, listed = list_session(mailbox), time.monotonic()
+                newest = listing.newest
+                continue
+        if increment is None:
+            active_set = active_learners(listing, base.header, me, time.time(), max_staleness)
+            active = len(active_set)
+            increment = increment_for(active)
+        header = base.header.followed_by(me, entry(base.header), time.time())
+        tensors = add(base.tensors, increment)
+        data = encode(tensors, header)
+        if time.monotonic() - listed > MAX_BASE_AGE_S:  # stalled: the base may be long retired
+            listing, listed = list_session(mailbox), time.monotonic()
+            newest = listing.newest
+            continue
+        if mailbox.put_if_absent(state_key(header.version), data):
+            _retire(mailbox, header.version)
+            written = State(key=state_key(header.version), header=header, tensors=tensors)
+            return Fold(state=written, previous=base.header, conflicts=conflicts, active=active)
+        conflicts += 1
+        if time.monotonic() > deadline:
+            raise SessionError(
+                f"learner {me!r}: lost {conflicts} versions in a row to other writers on "
+                f"{describe(mailbox)}; too many learners exchange too often for this store "
+                "(raise `every`)"
+            )
+        newest = header.version  # somebody else wrote it: fold onto theirs
+        listed = time.monotonic()
+        # Exponential backoff in units of one attempt's duration: colliding writers spread out
+        # until about one at a time tries, so a busy chain costs a few reads, not one per rival.
+        window = max(time.monotonic() - attempt_started, 0.001)
+        time.sleep(random.uniform(0, window * 2 ** min(conflicts, 6)))
+
+
+def create_base(mailbox: Mailbox, spec: Spec, tensors: Mapping[str, Tensor], me: str) -> State:
+    """Version 0, the run's starting point: this learner's tensors if it is first, else the
+    winner's (so every node starts from one base whatever its own initialisation)."""
+    header = StateHeader(version=0, learner=me, time=time.time())
+    stored = {name: tensor.to(spec[name][1]) for name, tensor in tensors.items()}
+    if mailbox.put_if_absent(state_key(0), encode(stored, header)):
+        return State(key=state_key(0), header=header, tensors=stored)
+    state, _ = read_newest(mailbox, spec)
+    if state is None:
+        raise SessionError(f"{describe(mailbox)}: version 0 of the run's state exists but cannot be read")
+    return state
+
+
+def _retire(mailbox: Mailbox, version: int) -> None:
+    """After writing ``version``: tombstone the one ``KEEP`` back, delete the one ``RETIRE`` back."""
+    if version >= KEEP:
+        mailbox.put(state_key(version - KEEP), TOMBSTONE)
+    if version >= RETIRE:
+        mailbox.delete(state_key(version - RETIRE))
