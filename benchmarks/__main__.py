@@ -1,6 +1,8 @@
 """Run every benchmark, print each one's table, then the summary, and write ``RESULTS.md``.
 
-Usage: ``python -m benchmarks [--quick] [--only NAME ...] [--output PATH]``. Each script runs in
+Usage: ``python -m benchmarks [--quick] [--full] [--only NAME ...] [--output PATH]``. ``--full``
+adds the training benchmark (about 6 minutes: real training in four processes, three repeats).
+Each script runs in
 its own process, one after another (the timing ones must not share the cores with the others).
 The full run writes ``benchmarks/RESULTS.md`` (the table the README shows); ``--quick`` writes
 nothing unless ``--output`` is given. The last line printed is one JSON object: every script's
@@ -22,7 +24,10 @@ from pathlib import Path
 
 from benchmarks._common import TARGETS
 
-SCRIPTS = ("balance", "requests", "throughput", "stall", "session")
+SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_figures")
+"""What ``python -m benchmarks`` runs (within its 3-minute budget)."""
+FULL_SCRIPTS = (*SCRIPTS, "training")
+"""What ``--full`` runs: also the model-quality benchmark, which trains for minutes."""
 
 SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("balance", "shared_over_bound", "shared-queue makespan / fluid bound, 64 nodes, 10k units"),
@@ -44,6 +49,12 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("stall", "stall_fraction_workers0", "the same for shared_queue(workers=0)"),
     ("session", "step_overhead", "Session.step, nothing due / one training step of a small MLP"),
     ("session", "step_overhead_exchange", "Session.step that starts an exchange / one training step"),
+    ("session_figures", "drag", "consensus advance per node step, the toy: 4 equal nodes, staggered exchanges"),
+    ("session_figures", "read_per_exchange", "model sizes a node reads per exchange, worst of 4, 16, 64 learners"),
+    ("training", "loss_over_ddp", "validation loss of the consensus / DDP's, one pass, 4 nodes at speeds 1:2:2:4"),
+    ("training", "time_to_ddp_loss", "wall time until the consensus reaches DDP's final loss / DDP's wall time"),
+    ("training", "makespan_over_ddp", "one pass: last node done / DDP's makespan"),
+    ("training", "loss_over_single", "validation loss of the consensus / one node trained on all the data"),
 )
 """The figures the summary table shows, with what each means; targets come from ``TARGETS``."""
 
@@ -146,20 +157,23 @@ def render(outcomes: dict[str, Outcome], wall: float, quick: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every script in its quick mode (CI)")
-    parser.add_argument("--only", nargs="+", choices=SCRIPTS, help="run only these scripts")
+    parser.add_argument("--full", action="store_true",
+                        help="also the training benchmark (model quality; about 6 minutes)")
+    parser.add_argument("--only", nargs="+", choices=FULL_SCRIPTS, help="run only these scripts")
     parser.add_argument("--output", type=Path, default=None,
                         help=f"where to write the results (default {DEFAULT_OUTPUT.name}; --quick: nowhere)")
     args = parser.parse_args(argv)
     output = args.output or (None if args.quick else DEFAULT_OUTPUT)
     start = time.perf_counter()
-    outcomes = {name: run_script(name, args.quick) for name in (args.only or SCRIPTS)}
+    chosen = args.only or (FULL_SCRIPTS if args.full else SCRIPTS)
+    outcomes = {name: run_script(name, args.quick) for name in chosen}
     wall = time.perf_counter() - start
     text = render(outcomes, wall, args.quick)
     if output is not None:
         output.write_text(text)
     summary = markdown_table(["figure", "value", "target", "", "meaning"], summary_rows(outcomes))
     print(summary)
-    over = "" if args.quick or wall <= BUDGET_S else f" (over the {BUDGET_S:.0f} s budget)"
+    over = "" if args.quick or args.full or wall <= BUDGET_S else f" (over the {BUDGET_S:.0f} s budget)"
     print(f"\n{wall:.0f}s in all{over}" + (f"; wrote {output}" if output is not None else ""))
     failed = [name for name, outcome in outcomes.items() if not outcome.ok]
     if failed:

@@ -48,6 +48,11 @@ TARGETS: dict[str, Target] = {
     "ratio_latency_20ms": Target(">=", 0.90, "the same with 20 ms per mailbox request"),
     "stall_fraction": Target("<", 0.01, "share of wall time the training loop waits for data, after the first batch"),
     "step_overhead": Target("<", 0.01, "Session.step with nothing due / one training step"),
+    "drag": Target(">=", 0.95, "consensus advance per node step in the toy (no progress lost)"),
+    "read_per_exchange": Target("<=", 3.0, "model sizes read per node per exchange at 4, 16, 64 learners"),
+    "loss_over_ddp": Target("<=", 1.02, "consensus validation loss / DDP's at equal samples"),
+    "time_to_ddp_loss": Target("<=", 0.60, "wall time to DDP's final loss / DDP's wall time"),
+    "makespan_over_ddp": Target("<=", 0.55, "one pass: makespan / DDP's"),
 }
 """The issue's targets, by figure name (the figures every script names in its JSON line)."""
 

@@ -42,8 +42,10 @@ STOP_KEY = "bench/stop"
 """The monitor's stop marker, a mailbox key: nodes on other machines would see it too."""
 DONE_PREFIX = "bench/done/"
 """``bench/done/{learner}``: the node has left its Session (its progress is in the run)."""
-OUTERS = ("average", "delayed_nesterov")
-"""Outer optimizers the benchmark compares (``Session(outer=...)``); "average" is the default."""
+OUTERS = ("delayed_nesterov", "average")
+"""Outer optimizers the benchmark compares (``Session(outer=...)``); the first is the default."""
+WIRE_VARIANTS = ("delayed_nesterov+bf16",)
+"""The default outer with the run's state in bfloat16 (``Session(wire_dtype=torch.bfloat16)``)."""
 
 
 @dataclass(frozen=True)
@@ -325,12 +327,19 @@ def ddp(config: NodeConfig) -> dict[str, Any]:
 
 
 def session_options(outer: str | None) -> dict[str, Any]:
-    """``{"outer": outer}`` when this ``Session`` takes ``outer=``, else nothing (older code)."""
+    """``Session`` keywords for a variant name: ``"average"``, or ``"delayed_nesterov+bf16"`` for
+    that outer with the run's state kept in bfloat16 (``wire_dtype``). Nothing for older code."""
     from gradientmail import Session
 
-    if outer is not None and "outer" in inspect.signature(Session).parameters:
+    if outer is None or "outer" not in inspect.signature(Session).parameters:
+        return {}
+    if not isinstance(outer, str):  # an OuterOptimizer object (experiments)
         return {"outer": outer}
-    return {}
+    name, _, wire = outer.partition("+")
+    options: dict[str, Any] = {"outer": name}
+    if wire:
+        options["wire_dtype"] = {"bf16": torch.bfloat16}[wire]
+    return options
 
 
 def gradientmail(config: NodeConfig) -> dict[str, Any]:
@@ -366,7 +375,7 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
     return {"start": start, "end": end, "batches": batches, "units": units_claimed_by(config.name),
             "exchanges": getattr(session, "exchanges", None), "merges": getattr(session, "merges", None),
             "stopped": stopped,
-            "outer": session_options(config.outer).get("outer", "average")}
+            "outer": str(config.outer or "average")}
 
 
 METHODS = {"single": single, "ddp": ddp, "fixed_split": fixed_split, "gradientmail": gradientmail}

@@ -11,7 +11,8 @@ starts from the same initial parameters with Adam (lr 2e-3) on the same 96 units
   gradients all-reduced every step, so every step waits for the slowest rank;
 - ``fixed_split``: the same quarters without any exchange, the 4 models averaged at the end;
 - ``gradientmail:<outer>``: ``shared_queue`` over the 96 units (fast nodes take more) and a
-  ``Session`` exchanging every 0.25 s, one run per outer optimizer; its model is ``consensus``;
+  ``Session`` exchanging every 0.05 s (1 to 4 local steps: ``--every`` to change it), one run
+  per outer optimizer and one with the state in bfloat16; its model is ``consensus``;
 - time to quality: GradientMail again over two passes of the data while a monitor process
   evaluates ``consensus`` every 0.5 s and stops the nodes once DDP's final loss is reached.
 
@@ -21,8 +22,8 @@ Figures: ``loss_over_ddp`` and ``loss_over_single`` (GradientMail's one-pass los
 ``makespan_over_ddp``, ``time_to_ddp_loss`` (seconds to DDP's loss / DDP's makespan); each also
 per outer optimizer, with its min and max over ``--repeats`` (the plain key is the median).
 
-Usage: ``python -m benchmarks.training [--quick] [--repeats K] [--png PATH]``. The full run
-(3 repeats, about 2 minutes each on 2 cores) draws ``docs/training-loss.png``; ``--quick`` (CI:
+Usage: ``python -m benchmarks.training [--quick] [--repeats K] [--every S] [--png PATH]``. The
+full run (3 repeats, about 2 minutes each on 2 cores) draws ``docs/training-loss.png``; ``--quick`` (CI:
 ``tests/test_training_benchmark.py``) runs every method on 8 units of 4 batches at 1-4 ms per
 batch in about 10 s, and judges nothing. The last line is one JSON object.
 """
@@ -30,8 +31,6 @@ batch in about 10 s, and judges nothing. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 import math
 import multiprocessing
@@ -54,6 +53,7 @@ from benchmarks._common import emit, table
 from benchmarks._training_nodes import (
     BATCH,
     OUTERS,
+    WIRE_VARIANTS,
     MonitorConfig,
     NodeConfig,
     Plan,
@@ -64,11 +64,13 @@ from benchmarks._training_nodes import (
     validation_set,
 )
 
-FULL = Plan(units=96, unit_batches=20, sleeps=(0.012, 0.024, 0.024, 0.048), every_s=0.25,
+FULL = Plan(units=96, unit_batches=20, sleeps=(0.012, 0.024, 0.024, 0.048), every_s=0.05,
             monitor_s=0.5, checkpoint_s=1.0, timeout_s=240.0)
 QUICK = Plan(units=8, unit_batches=4, sleeps=(0.001, 0.002, 0.002, 0.004), every_s=0.1,
              monitor_s=0.2, checkpoint_s=0.25, timeout_s=60.0)
 DEFAULT_OUTER = OUTERS[0]
+VARIANTS = (*OUTERS, *WIRE_VARIANTS)
+"""Every Session variant run for one pass; the time-to-quality runs are for ``OUTERS``."""
 DEFAULT_PNG = Path(__file__).resolve().parent.parent / "docs" / "training-loss.png"
 MAX_FILE_BYTES = 200_000
 VALIDATION_EVERY = 10
@@ -311,9 +313,10 @@ def repeat_figures(runs: dict[str, Run], single: Run) -> dict[str, float | None]
     """The ratios of one repeat, per outer (``_{outer}``), the default outer's also unsuffixed."""
     ddp = runs["ddp"]
     figures: dict[str, float | None] = {}
-    for outer in OUTERS:
+    for outer in VARIANTS:
         one_pass = runs.get(f"gradientmail:{outer}")
         to_target = runs.get(f"gradientmail:{outer}:to-target")
+        outer = suffix(outer)
         seconds = None
         if to_target is not None:
             seconds = math.inf if to_target.seconds_to_target is None else to_target.seconds_to_target
@@ -339,25 +342,11 @@ def spread(values: Sequence[float | None]) -> tuple[float | None, float | None, 
     return min(present), statistics.median(present), max(present)
 
 
-def session_figures(quick: bool) -> dict[str, float | None]:
-    """``drag`` and ``read_per_exchange`` from ``benchmarks.session_figures``, when it exists."""
-    figures: dict[str, float | None] = {"drag": None, "read_per_exchange": None}
-    try:
-        module = importlib.import_module("benchmarks.session_figures")
-    except ModuleNotFoundError as error:
-        if error.name != "benchmarks.session_figures":
-            raise
-        return figures
-    for key in figures:
-        function = getattr(module, f"measure_{key}", None)
-        if function is None:
-            continue
-        options = {"quick": quick} if "quick" in inspect.signature(function).parameters else {}
-        try:
-            figures[key] = float(function(**options))
-        except Exception as error:  # its own module's failure: reported, not fatal here
-            print(f"{key}: measure_{key}() failed: {error!r}", file=sys.stderr)
-    return figures
+def session_figures(quick: bool) -> dict[str, float]:
+    """``drag`` and ``read_per_exchange``, measured by ``benchmarks.session_figures``."""
+    from benchmarks.session_figures import measure_drag, measure_read_per_exchange
+
+    return {"drag": measure_drag(quick), "read_per_exchange": measure_read_per_exchange(quick)}
 
 
 def draw(path: Path, curves: dict[str, Curve], finals: dict[str, tuple[float, float]],
@@ -398,6 +387,11 @@ def fmt(value: float | None, digits: int = 3) -> str:
 # -- main ----------------------------------------------------------------------------------------
 
 
+def suffix(variant: str) -> str:
+    """A variant's figure-name suffix: ``delayed_nesterov+bf16`` -> ``delayed_nesterov_bf16``."""
+    return variant.replace("+", "_")
+
+
 def run_repeats(bench: Bench, outers: Sequence[str], repeats: int, curves: bool) -> list[dict[str, Run]]:
     """Every method once per repeat (the curves in the first only); DDP first: its loss is the target."""
     repeat_runs: list[dict[str, Run]] = []
@@ -405,7 +399,7 @@ def run_repeats(bench: Bench, outers: Sequence[str], repeats: int, curves: bool)
         checkpoints = curves and repeat == 0
         runs = {"ddp": bench.fixed("ddp", checkpoints=checkpoints),
                 "fixed_split": bench.fixed("fixed_split", checkpoints=checkpoints)}
-        for outer in outers:
+        for outer in (*outers, *WIRE_VARIANTS):
             runs[f"gradientmail:{outer}"] = bench.gradientmail(outer)
         for outer in outers:
             runs[f"gradientmail:{outer}:to-target"] = bench.gradientmail(outer, target=runs["ddp"].loss)
@@ -441,9 +435,10 @@ def collect(single: Run, repeat_runs: list[dict[str, Run]], initial: float) -> t
     for method in ("ddp", "fixed_split"):
         figures[f"val_loss_{method}"] = raw(method, "loss")
         figures[f"makespan_s_{method}"] = raw(method, "makespan")
-    for outer in OUTERS:
-        figures[f"val_loss_gradientmail_{outer}"] = raw(f"gradientmail:{outer}", "loss")
-        figures[f"makespan_s_gradientmail_{outer}"] = raw(f"gradientmail:{outer}", "makespan")
+    for variant in VARIANTS:
+        outer = suffix(variant)
+        figures[f"val_loss_gradientmail_{outer}"] = raw(f"gradientmail:{variant}", "loss")
+        figures[f"makespan_s_gradientmail_{outer}"] = raw(f"gradientmail:{variant}", "makespan")
         times = [r[f"gradientmail:{outer}:to-target"].seconds_to_target for r in repeat_runs
                  if f"gradientmail:{outer}:to-target" in r]
         figures[f"seconds_to_ddp_loss_{outer}"] = (
@@ -462,8 +457,9 @@ def print_tables(figures: dict[str, Any], spreads: dict[str, Spread], outers: Se
             ["fixed_split (4 models averaged)", fmt(figures["val_loss_fixed_split"], 4),
              fmt(figures["makespan_s_fixed_split"], 1), fmt(figures["fixed_split_loss_over_ddp"]),
              fmt(figures["fixed_split_makespan_over_ddp"])]]
-    for outer in outers:
-        rows.append([f"gradientmail:{outer} (1 pass)", fmt(figures[f"val_loss_gradientmail_{outer}"], 4),
+    for variant in (*outers, *WIRE_VARIANTS):
+        outer = suffix(variant)
+        rows.append([f"gradientmail:{variant} (1 pass)", fmt(figures[f"val_loss_gradientmail_{outer}"], 4),
                      fmt(figures[f"makespan_s_gradientmail_{outer}"], 1),
                      fmt(figures[f"loss_over_ddp_{outer}"]), fmt(figures[f"makespan_over_ddp_{outer}"])])
     for outer in outers:  # val loss: the consensus when the run ended (at the stop, or pass 2 done)
@@ -476,6 +472,7 @@ def print_tables(figures: dict[str, Any], spreads: dict[str, Spread], outers: Se
     print(table(["method", "val loss", "time s", "loss/DDP", "time/DDP"], rows))
     print()
     names = [*RATIOS, *(f"{n}_{o}" for o in outers if o != DEFAULT_OUTER for n in RATIOS),
+             *(f"loss_over_ddp_{suffix(v)}" for v in WIRE_VARIANTS),
              "fixed_split_loss_over_ddp", "fixed_split_makespan_over_ddp"]
     print(table(["figure", "min", "median", "max"], [[name, *(fmt(v) for v in spreads[name])] for name in names]))
     print(f"drag {fmt(figures['drag'])}, read_per_exchange {fmt(figures['read_per_exchange'])}"
@@ -501,19 +498,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="a few units and 1-4 ms per batch, every method (CI: runs, not judged)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repeat sets (default 3; --quick: 1); ratios are given as min/median/max")
+    parser.add_argument("--every", type=float, default=None,
+                        help="seconds between a node's exchanges (default 0.05; --quick: 0.1)")
     parser.add_argument("--png", type=Path, default=None,
                         help="draw the loss curves here (default: docs/training-loss.png, full run only)")
     args = parser.parse_args(argv)
     began = time.perf_counter()
     plan = QUICK if args.quick else FULL
+    if args.every is not None:
+        if not args.every > 0:
+            parser.error(f"--every must be a positive number of seconds, not {args.every}")
+        plan = replace(plan, every_s=args.every)
     repeats = max(1, args.repeats if args.repeats is not None else (1 if args.quick else 3))
     png = args.png if args.png is not None else (None if args.quick else DEFAULT_PNG)
     torch.set_num_threads(1)  # evaluations are small; one thread keeps them reproducible
 
-    from gradientmail import Session
-
-    has_outer = "outer" in inspect.signature(Session).parameters
-    outers = list(OUTERS) if has_outer else [DEFAULT_OUTER]
+    outers = list(OUTERS)
     base = Path(tempfile.mkdtemp(prefix="gm-training-", dir=pick_temp_root()))
     try:
         data_dir = base / "data"
@@ -529,8 +529,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{plan.nodes} nodes at {speeds} ms per batch; Session every {plan.every_s:g}s; "
               f"{repeats} repeat(s){' (quick)' if args.quick else ''}")
         print(f"padding alone: {shared:.2f}s for a shared queue (fluid bound), {quarters:.2f}s for fixed quarters")
-        if not has_outer:
-            print(f"note: Session has no outer= yet: only '{DEFAULT_OUTER}' runs, the other outers are null")
         sys.stdout.flush()
 
         single = bench.fixed("single", checkpoints=png is not None)  # deterministic: once

@@ -66,3 +66,11 @@ class MailRejectedError(GradientMailError, ValueError):
 
 class SessionError(GradientMailError, RuntimeError):
     """A background exchange of a ``Session`` failed; raised on the training thread."""
+
+
+class MailSkippedWarning(UserWarning):
+    """Mail that could not be used (corrupt, non-finite, inconsistent) was skipped.
+
+    A warning, not an error: one bad file must not stop every node, so the run goes on from the
+    newest good mail; the message names the key, the writer and what was wrong.
+    """

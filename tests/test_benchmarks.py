@@ -37,7 +37,11 @@ FIGURES = {
         "stall_fraction_workers0", "handoff_ms",
     ],
     "session": ["step_overhead", "step_overhead_exchange", "step_overhead_merge"],
+    "session_figures": ["drag", "read_per_exchange", "drag_every_1", "drag_every_4", "drag_every_16",
+                        "read_per_exchange_4", "read_per_exchange_16", "read_per_exchange_64"],
 }
+SLOW = {"training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"]}
+"""Run by ``--full`` only; its quick mode is tested in ``test_training_benchmark.py``."""
 
 
 def finite_numbers(value: object) -> bool:
@@ -66,11 +70,12 @@ def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
 
 
 def test_every_script_is_run_by_python_m_benchmarks() -> None:
-    from benchmarks.__main__ import SCRIPTS, SUMMARY
+    from benchmarks.__main__ import FULL_SCRIPTS, SCRIPTS, SUMMARY
 
     assert sorted(SCRIPTS) == sorted(FIGURES)
+    assert sorted(FULL_SCRIPTS) == sorted({**FIGURES, **SLOW})
     for script, figure, _ in SUMMARY:
-        assert figure in FIGURES[script], (script, figure)
+        assert figure in {**FIGURES, **SLOW}[script], (script, figure)
 
 
 def test_results_table_marks_targets() -> None:

@@ -89,8 +89,10 @@ def state_bytes(model: torch.nn.Module, *, version: int = 0, learner: str = "w",
 
 
 def session(model, mailbox, learner="me", **kwargs) -> Session:
+    """A session exchanging at every step; the plain outer rule, so that arithmetic is exact."""
     kwargs.setdefault("every", None)
     kwargs.setdefault("every_steps", 1)
+    kwargs.setdefault("outer", "average")
     return Session(model, mailbox=mailbox, learner_id=learner, **kwargs)
 
 
@@ -229,10 +231,14 @@ def test_mail_of_the_old_format_in_the_prefix_is_refused_naming_it(memory_mailbo
 
 
 # -- the merge rule: every learner's progress exactly once ----------------------------------------
-def run_toy(mailbox, *, nodes: int = 4, every_steps: int = 4, rounds: int = 40) -> float:
-    """Equal nodes, each step +1, exchanges staggered: the consensus advance per node step."""
+def run_toy(mailbox, *, nodes: int = 4, every_steps: int = 4, rounds: int = 40,
+            outer: str | None = "average") -> float:
+    """Equal nodes, each step +1, exchanges staggered: the consensus advance per node step.
+    ``outer=None``: the session's default outer optimizer."""
     models = [scalar(0.0) for _ in range(nodes)]
-    sessions = [session(m, mailbox, learner=f"n{i}", every_steps=every_steps) for i, m in enumerate(models)]
+    options = {} if outer is None else {"outer": outer}
+    sessions = [Session(m, mailbox=mailbox, learner_id=f"n{i}", every=None, every_steps=every_steps,
+                        **options) for i, m in enumerate(models)]
     for s in sessions:
         s.__enter__()
     steps = [0] * nodes
@@ -485,6 +491,15 @@ def test_an_exchange_reads_about_one_state_whatever_the_number_of_learners(memor
 
 
 # -- outer optimizers ------------------------------------------------------------------------------
+def test_the_default_outer_is_delayed_nesterov(memory_mailbox):
+    # Measured best by benchmarks/training.py; momentum moves the toy further than plain folds.
+    model = scalar()
+    with Session(model, mailbox=memory_mailbox, learner_id="me", every=None, every_steps=1):
+        pass
+    assert Session(model, mailbox=memory_mailbox, learner_id="x").outer == DelayedNesterov()
+    assert run_toy(memory_mailbox, every_steps=1, rounds=8, outer=None) > 1.0
+
+
 def test_outer_optimizer_is_chosen_by_name_or_object():
     assert resolve_outer("average").name == "average"
     assert resolve_outer("delayed_nesterov") == DelayedNesterov()

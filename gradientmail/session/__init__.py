@@ -34,7 +34,8 @@ joined nor folded within ``max_staleness`` stops counting, so the rule needs no 
 Cost: one listing, one state read (none when nobody else folded meanwhile) and one state write
 per exchange, whatever the number of learners; a node holds about three copies of the model.
 ``outer=`` chooses how progress becomes a contribution (``gradientmail.session.outer``):
-``"average"`` (default, measured best) or ``"delayed_nesterov"``. ``wire_dtype=torch.bfloat16``
+``"delayed_nesterov"`` (default, measured best: ``progress / N`` plus a Nesterov momentum step
+once every 4 folds, after Liu et al. 2024) or ``"average"`` (``progress / N`` alone). ``wire_dtype=torch.bfloat16``
 stores the state in half the bytes, stochastically rounded.
 
 Enter and exit

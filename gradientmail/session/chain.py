@@ -16,6 +16,14 @@ so tombstones cost nothing.
 
 Membership is a key per learner, ``session/members/{learner}.{joined}``: listing ``session/``
 (which finds the newest version anyway) shows who is in, for the ``1/N`` scale of progress.
+
+Everything read here is untrusted. A version that is corrupt, truncated or holds NaN or Inf is
+*skipped* with a ``MailSkippedWarning``: readers walk back to the newest usable version and a
+writer folds onto that one, creating the version after the newest listed, so the chain goes on
+and one bad file blocks nobody. Every node judges a version by its bytes alone, so all nodes
+skip the same ones. Times in headers and member keys only decide who counts in ``N``; a time
+further in the future than ``MAX_CLOCK_SKEW_S`` is not trusted, so a forged date cannot keep a
+member counted forever.
 """
 
 from __future__ import annotations
@@ -23,12 +31,13 @@ from __future__ import annotations
 import itertools
 import random
 import time
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from gradientmail.errors import MailRejectedError, SessionError
+from gradientmail.errors import MailRejectedError, MailSkippedWarning, SessionError
 from gradientmail.layout import SESSION_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.session.mail import (
@@ -38,6 +47,7 @@ from gradientmail.session.mail import (
     Spec,
     State,
     StateHeader,
+    UnusableStateError,
     decode,
     encode,
     format_refusal,
@@ -55,6 +65,9 @@ RETIRE = 10_000
 MAX_BASE_AGE_S = 30.0
 """A writer whose base was read longer ago than this re-lists before writing."""
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
+MAX_CLOCK_SKEW_S = 300.0
+"""How far in the future (by this node's clock) a peer's time may lie and still count as a sign
+of life. Beyond it the time is not trusted: a member dated in the year 3000 stops counting."""
 
 
 @dataclass(frozen=True)
@@ -99,33 +112,79 @@ def list_session(mailbox: Mailbox, after: int | None = None) -> Listing:
         if is_old_mail_key(key):
             data = mailbox.get(key)
             found = read_format(data) if data is not None else "gradientmail.session/1"
+            if found is None:  # not safetensors with a format at all: junk, not another format
+                skipped(UnusableStateError(f"{key!r} under {SESSION_PREFIX!r} is not readable "
+                                           "mail of any format; ignored"))
+                continue
             raise MailRejectedError(format_refusal(key, found))
     versions.sort()
     return Listing(versions=versions, members=members, member_keys=member_keys, after=after)
 
 
+def skipped(error: UnusableStateError) -> None:
+    """Report a version (or file) that was skipped: a warning, the run goes on."""
+    warnings.warn(str(error), MailSkippedWarning, stacklevel=3)
+
+
 def read_state(mailbox: Mailbox, version: int, spec: Spec) -> State | None:
-    """One checked version, or None when it was deleted (it is no longer among the newest)."""
+    """One checked version, or None when it was deleted (it is no longer among the newest).
+
+    Raises ``UnusableStateError`` for a corrupt or non-finite version (to be skipped) and
+    ``MailRejectedError`` for a state of another model or format (a configuration error).
+    """
     key = state_key(version)
     data = mailbox.get(key)
     if data is None or data == TOMBSTONE:
         return None
     state = decode(data, key=key, spec=spec)
     if state.header.version != version:
-        raise MailRejectedError(f"state {key!r} says it is version {state.header.version}")
+        raise UnusableStateError(f"state {key!r} says it is version {state.header.version}")
     return state
 
 
+class _Unreachable(Exception):
+    """The newest version was retired between the listing and the read: list again."""
+
+
+def read_usable(mailbox: Mailbox, newest: int, spec: Spec, known: State | None = None) -> State:
+    """The newest usable version at or below ``newest``, skipping unusable ones with a warning.
+
+    ``known`` (a version this node already holds, checked) ends the walk without a download.
+    Raises ``_Unreachable`` when ``newest`` itself is retired (newer versions exist), and
+    ``MailRejectedError`` when every version still kept is unusable.
+    """
+    version = newest
+    while version >= 0:
+        if known is not None and known.header.version == version:
+            return known
+        try:
+            state = read_state(mailbox, version, spec)
+        except UnusableStateError as error:
+            skipped(error)
+            version -= 1
+            continue
+        if state is not None:
+            return state
+        if version == newest:
+            raise _Unreachable
+        break  # retired: nothing older is kept either
+    raise MailRejectedError(
+        f"{describe(mailbox)}: no usable version of the run's state at or below {state_key(newest)!r} "
+        "(the newest ones are corrupt or not finite and older ones are retired); the run cannot "
+        "continue from this prefix"
+    )
+
+
 def read_newest(mailbox: Mailbox, spec: Spec, *, attempts: int = 20) -> tuple[State | None, Listing]:
-    """The newest version (None when the run has none yet) and the listing that found it."""
+    """The newest usable version (None when the run has none yet) and the listing that found it."""
     for _ in range(attempts):
         listing = list_session(mailbox)
         if listing.newest is None:
             return None, listing
-        state = read_state(mailbox, listing.newest, spec)
-        if state is not None:
-            return state, listing
-        # Deleted between listing and reading: KEEP newer versions exist; list again.
+        try:
+            return read_usable(mailbox, listing.newest, spec), listing
+        except _Unreachable:
+            continue  # retired between listing and reading: KEEP newer versions exist
     raise SessionError(f"{describe(mailbox)}: the newest state kept vanishing while being read "
                        f"({attempts} listings); is something deleting {SESSION_PREFIX!r}?")
 
@@ -135,18 +194,36 @@ def active_learners(listing: Listing, header: StateHeader | None, me: str, now: 
     """Who counts in ``N``: this learner, and every member that joined or folded recently.
 
     A member whose last sign of life (joining, or its newest fold by its own clock) is older than
-    ``max_staleness`` has stopped counting: a crashed node leaves its member key behind.
+    ``max_staleness`` has stopped counting: a crashed node leaves its member key behind. A time
+    more than ``MAX_CLOCK_SKEW_S`` ahead of ``now`` is no sign of life (a broken clock or a
+    forged date would otherwise count forever).
     """
     learners = header.learners if header is not None else {}
     active = {me}
     for learner, joined in listing.members.items():
         entry = learners.get(learner)
-        last = max(joined, entry.time) if entry is not None else joined
         if entry is not None and entry.final and entry.time >= joined:
             continue
-        if now - last <= max_staleness:
+        signs = [joined] if entry is None else [joined, entry.time]
+        trusted = [t for t in signs if t <= now + MAX_CLOCK_SKEW_S]
+        if len(trusted) < len(signs):
+            _warn_clock(learner, max(signs) - now)
+        if trusted and now - max(trusted) <= max_staleness:
             active.add(learner)
     return active
+
+
+_CLOCKS_WARNED: set[str] = set()
+
+
+def _warn_clock(learner: str, ahead: float) -> None:
+    if learner in _CLOCKS_WARNED:
+        return
+    _CLOCKS_WARNED.add(learner)
+    warnings.warn(
+        f"learner {learner!r} dates its mail {ahead:.0f} s in the future (more than "
+        f"{MAX_CLOCK_SKEW_S:.0f} s of clock skew): its times are not trusted as signs of life, so it "
+        "does not count in N; fix that machine's clock (NTP)", MailSkippedWarning, stacklevel=4)
 
 
 @dataclass(frozen=True)
@@ -191,19 +268,18 @@ def fold(
             raise SessionError(f"learner {me!r}: the run's state under {STATE_PREFIX!r} on "
                                f"{describe(mailbox)} is gone (was the prefix deleted mid-run?)")
         attempt_started = time.monotonic()
-        if known is not None and known.header.version == newest:
-            base = known
-        else:
-            base = read_state(mailbox, newest, spec)
-            if base is None:  # retired since the listing: newer versions exist
-                listing, listed = list_session(mailbox), time.monotonic()
-                newest = listing.newest
-                continue
+        try:
+            base = read_usable(mailbox, newest, spec, known)
+        except _Unreachable:  # retired since the listing: newer versions exist
+            listing, listed = list_session(mailbox), time.monotonic()
+            newest = listing.newest
+            continue
         if increment is None:
             active_set = active_learners(listing, base.header, me, time.time(), max_staleness)
             active = len(active_set)
             increment = increment_for(active)
-        header = base.header.followed_by(me, entry(base.header), time.time())
+        # After the newest listed version, even when that one was skipped as unusable.
+        header = replace(base.header.followed_by(me, entry(base.header), time.time()), version=newest + 1)
         tensors = add(base.tensors, increment)
         data = encode(tensors, header)
         if time.monotonic() - listed > MAX_BASE_AGE_S:  # stalled: the base may be long retired

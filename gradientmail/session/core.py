@@ -181,8 +181,9 @@ class Session:
         timeout: the longest wait for the background thread on enter and exit.
         catch_up: on enter, load the run's state (a late or restarted node joins the run
             instead of starting cold). The first node's model becomes the run's base.
-        outer: the outer optimizer: ``"average"`` (default: progress / N, measured best) or
-            ``"delayed_nesterov"``, or an ``OuterOptimizer`` such as ``DelayedNesterov(lr=0.5)``.
+        outer: the outer optimizer: ``"delayed_nesterov"`` (default, measured best: progress / N
+            plus a momentum step every 4 folds) or ``"average"`` (progress / N only), or an
+            ``OuterOptimizer`` such as ``DelayedNesterov(lr=0.5)``.
         wire_dtype: the dtype the run's state is stored in: ``None`` (float32; float64 for a
             float64 model) or ``torch.bfloat16`` (half the bytes, stochastically rounded).
 
@@ -201,7 +202,7 @@ class Session:
         max_staleness: timedelta = DEFAULT_MAX_STALENESS,
         timeout: timedelta = DEFAULT_TIMEOUT,
         catch_up: bool = True,
-        outer: str | OuterOptimizer = "average",
+        outer: str | OuterOptimizer = "delayed_nesterov",
         wire_dtype: torch.dtype | None = None,
     ) -> None:
         if not callable(getattr(model, "state_dict", None)):
@@ -535,6 +536,13 @@ class Session:
         seq, steps, samples = totals
         anchor = self._anchor
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
+        for name, tensor in local.items():  # never spread a diverged model to every node
+            if not bool(torch.isfinite(tensor).all()):
+                raise SessionError(
+                    f"learner {me!r}: this node's own parameters hold NaN or Inf in {name!r} "
+                    "(local training diverged: lower the learning rate, clip gradients); nothing "
+                    "was folded into the run, whose state stays finite"
+                )
         wire = self.wire_dtype
 
         def add(base: Mapping[str, Tensor], increment: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -41,6 +41,15 @@ MAX_LEARNERS = 100_000
 MAX_COUNT = 2**62
 """Upper bound for any count in a header (steps, samples, sequence numbers)."""
 
+class UnusableStateError(MailRejectedError):
+    """A version that cannot be used: corrupt, truncated, not finite, or inconsistent.
+
+    Unlike a well-formed state of another model or format (a configuration error, raised), such
+    a version is skipped with a ``MailSkippedWarning``: one bad file, or one diverged or hostile
+    writer, must not stop every node and every ``consensus()`` of the run.
+    """
+
+
 Spec = dict[str, tuple[tuple[int, ...], "torch.dtype | None"]]
 """Name -> (shape, dtype) of every tensor a state must hold (dtype None: any floating dtype)."""
 
@@ -144,15 +153,15 @@ class Contribution:
     @classmethod
     def from_json(cls, value: object, *, where: str) -> Contribution:
         if not (isinstance(value, list) and len(value) == 5):
-            raise MailRejectedError(f"{where}: expected [seq, step, samples, time, final]")
+            raise UnusableStateError(f"{where}: expected [seq, step, samples, time, final]")
         seq, step, samples, time, final = value
         for name, count in (("seq", seq), ("step", step), ("samples", samples)):
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
-                raise MailRejectedError(f"{where}: {name} {count!r} is not a count")
+                raise UnusableStateError(f"{where}: {name} {count!r} is not a count")
         if isinstance(time, bool) or not isinstance(time, (int, float)) or not math.isfinite(time):
-            raise MailRejectedError(f"{where}: time {time!r} is not a finite number")
+            raise UnusableStateError(f"{where}: time {time!r} is not a finite number")
         if not isinstance(final, bool):
-            raise MailRejectedError(f"{where}: final {final!r} is not a boolean")
+            raise UnusableStateError(f"{where}: final {final!r} is not a boolean")
         return cls(seq=seq, step=step, samples=samples, time=float(time), final=final)
 
 
@@ -202,15 +211,15 @@ class StateHeader:
                 raise ValueError("learner and learners must be strings")
             table = json.loads(raw)  # flat by construction: a list of 5 scalars per learner
         except (KeyError, TypeError, ValueError, RecursionError) as exc:
-            raise MailRejectedError(f"state {key!r} has an unreadable metadata header: {exc!r}") from exc
+            raise UnusableStateError(f"state {key!r} has an unreadable metadata header: {exc!r}") from exc
         if not math.isfinite(time):
-            raise MailRejectedError(f"state {key!r} has a non-finite time {time!r}")
+            raise UnusableStateError(f"state {key!r} has a non-finite time {time!r}")
         if not isinstance(table, dict) or len(table) > MAX_LEARNERS:
-            raise MailRejectedError(f"state {key!r}: 'learners' is not a table of at most {MAX_LEARNERS}")
+            raise UnusableStateError(f"state {key!r}: 'learners' is not a table of at most {MAX_LEARNERS}")
         learners = {}
         for name, value in table.items():
             if not name or "/" in name or name.startswith("."):
-                raise MailRejectedError(f"state {key!r}: learner id {name!r} is not one key segment")
+                raise UnusableStateError(f"state {key!r}: learner id {name!r} is not one key segment")
             learners[name] = Contribution.from_json(value, where=f"state {key!r}, learner {name!r}")
         return cls(version=version, learner=learner, time=time, learners=learners)
 
@@ -249,20 +258,20 @@ def encode(tensors: Mapping[str, Tensor], header: StateHeader) -> bytes:
 def _metadata(data: bytes, key: str) -> dict[str, object]:
     """The ``__metadata__`` of safetensors bytes, read from the (bounded) header alone."""
     if len(data) < 8:
-        raise MailRejectedError(f"state {key!r} is truncated ({len(data)} bytes)")
+        raise UnusableStateError(f"state {key!r} is truncated ({len(data)} bytes)")
     size = int.from_bytes(data[:8], "little")
     if size > len(data) - 8 or size > MAX_HEADER_BYTES:
-        raise MailRejectedError(
+        raise UnusableStateError(
             f"state {key!r} is truncated or corrupt: its header claims {size} bytes, "
             f"{len(data) - 8} follow (at most {MAX_HEADER_BYTES} accepted)"
         )
     try:
         header = json.loads(bytes(data[8 : 8 + size]))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise MailRejectedError(f"state {key!r} is corrupt: unreadable safetensors header") from exc
+        raise UnusableStateError(f"state {key!r} is corrupt: unreadable safetensors header") from exc
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict):
-        raise MailRejectedError(f"state {key!r} has no gradientmail metadata header")
+        raise UnusableStateError(f"state {key!r} has no gradientmail metadata header")
     return metadata
 
 
@@ -282,9 +291,25 @@ def decode(data: bytes, *, key: str, spec: Spec) -> State:
     try:
         tensors = load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types for every corruption
-        raise MailRejectedError(f"state {key!r} (written by {header.learner!r}) is corrupt: {exc}") from exc
+        raise UnusableStateError(f"state {key!r} (written by {header.learner!r}) is corrupt: {exc}") from exc
     check(tensors, spec, key=key, learner=header.learner)
+    check_finite(tensors, key=key, learner=header.learner)
     return State(key=key, header=header, tensors=tensors)
+
+
+def check_finite(tensors: Mapping[str, Tensor], *, key: str, learner: str) -> None:
+    """Raise ``UnusableStateError`` naming the first tensor holding NaN or Inf.
+
+    One diverged (or hostile) writer's NaN would otherwise spread into every node that folds
+    onto its version and into ``consensus()``.
+    """
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise UnusableStateError(
+                f"state {key!r} written by learner {learner!r}: tensor {name!r} holds {bad} "
+                "non-finite values (NaN or Inf); refused, the run goes on from the newest finite state"
+            )
 
 
 def check(tensors: Mapping[str, Tensor], spec: Spec, *, key: str, learner: str) -> None:

@@ -36,7 +36,8 @@ class OuterOptimizer(Protocol):
 class Average:
     """Fold ``progress / N``: every node's progress counts once, averaged like synchronous DP.
 
-    Measured best on the training benchmark (``benchmarks/training.py``), and the default.
+    The plain rule: the run moves exactly as far as its learners did, on average (``drag`` 1.0).
+    On the training benchmark it ends 1.04x DDP's loss where ``DelayedNesterov`` ends 1.02x.
     """
 
     name: str = "average"
@@ -59,6 +60,8 @@ class DelayedNesterov:
     overshoots, so the averaged contributions are buffered and the momentum ``m`` is updated
     (``m = momentum * m + mean of the buffer``) and applied (``lr * momentum * m``) only once per
     ``delay`` folds. Each learner keeps its own buffer and momentum (no extra bytes travel).
+    The default outer optimizer: measured best on ``benchmarks/training.py`` (lr 1.0, delay 2
+    or 8 were worse there; plain momentum at every fold is what Liu et al. found to hurt).
     """
 
     lr: float = 0.7
