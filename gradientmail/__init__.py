@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradientmail.errors import (
+    DuplicateLearnerError,
     GradientMailError,
     InvalidKeyError,
     KeyConflictError,
@@ -18,6 +19,9 @@ from gradientmail.errors import (
     MailRejectedError,
     MailSkippedWarning,
     MissingExtraError,
+    RecordError,
+    RecordSkippedWarning,
+    RunMismatchError,
     SessionError,
     UnsafeStoreError,
     WrongProcessError,
@@ -42,6 +46,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "DuplicateLearnerError",
     "GradientMailError",
     "InvalidKeyError",
     "KeyConflictError",
@@ -53,6 +58,9 @@ __all__ = [
     "MailboxError",
     "MemoryMailbox",
     "MissingExtraError",
+    "RecordError",
+    "RecordSkippedWarning",
+    "RunMismatchError",
     "SessionError",
     "UnsafeStoreError",
     "WrongProcessError",

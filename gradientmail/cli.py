@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -113,7 +114,7 @@ def _fail(message: str) -> int:
 
 # -- formatting -----------------------------------------------------------------------------
 def _ago(then: float | None, now: float) -> str:
-    if then is None:
+    if then is None or not math.isfinite(then):
         return "-"
     seconds = max(0.0, now - then)
     if seconds < 60:
@@ -122,11 +123,14 @@ def _ago(then: float | None, now: float) -> str:
         return f"{seconds / 60:.1f}m ago"
     if seconds < 86400:
         return f"{seconds / 3600:.1f}h ago"
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(then))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(then))
+    except (OverflowError, OSError, ValueError):  # beyond what this platform's clock can show
+        return "?"
 
 
 def _count(value: float | None, digits: int = 0) -> str:
-    if value is None:
+    if value is None or not math.isfinite(value):
         return "-"
     return f"{value:,.{digits}f}"
 
@@ -134,6 +138,7 @@ def _count(value: float | None, digits: int = 0) -> str:
 def status_table(run) -> Any:
     """A rich renderable of a ``RunStatus``."""
     from rich.table import Table
+    from rich.text import Text
 
     if run.units_total:
         share = 100.0 * run.units_claimed / run.units_total
@@ -158,12 +163,51 @@ def status_table(run) -> Any:
         state = {True: "finished", False: "running", None: "-"}[row.finished]
         if row.lease is not None:
             state = f"{state}, lease {row.lease}" if state != "-" else f"lease {row.lease}"
-        table.add_row(row.learner, str(row.units), share, _count(row.samples),
+        table.add_row(Text(row.learner), str(row.units), share, _count(row.samples),
                       _count(row.samples_per_s, 1), _count(row.steps),
                       _ago(row.last_seen, run.read_at), state)
-    if not run.learners:
-        table.caption = "no learner has claimed a unit or reported progress yet"
+    notes = [] if run.learners else ["no learner has claimed a unit or reported progress yet"]
+    notes += unreadable_notes(run)
+    if notes:
+        table.caption = Text("\n".join(notes))  # plain text: a record's bytes are no markup
+        table.caption_justify = "left"
     return table
+
+
+UNREADABLE_SHOWN = 5
+"""Unusable records listed one per line under the table (``--json`` lists them all)."""
+
+
+def unreadable_notes(run) -> list[str]:
+    """One line per unusable record (the first few), for the table's caption."""
+    if not run.unreadable:
+        return []
+    notes = [f"{len(run.unreadable)} unreadable record(s) skipped (an unreadable claim still "
+             "counts as claimed, under '?'):"]
+    notes += [f"  {_one_line(record.problem)}" for record in run.unreadable[:UNREADABLE_SHOWN]]
+    if len(run.unreadable) > UNREADABLE_SHOWN:
+        notes.append(f"  ... and {len(run.unreadable) - UNREADABLE_SHOWN} more (--json lists all)")
+    return notes
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def json_document(value: Any, **options: Any) -> str:
+    """``value`` as strict JSON: a non-finite float (no record should hold one) becomes null."""
+    return json.dumps(_finite(value), allow_nan=False, **options)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _console():
@@ -186,7 +230,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.watch:
         run = require_run(reader.read())
         if args.json:
-            print(json.dumps(run.to_dict(), indent=2))
+            print(json_document(run.to_dict(), indent=2))
         else:
             _console().print(status_table(run))
         return 0
@@ -195,7 +239,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         if args.json:
             while True:
-                print(json.dumps(reader.read().to_dict()), flush=True)
+                print(json_document(reader.read().to_dict()), flush=True)
                 time.sleep(args.interval)
         console = _console()
         if not console.is_terminal:
@@ -293,6 +337,18 @@ def _add_store_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    """The installed distribution's version (the package's own when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gradientmail")
+    except PackageNotFoundError:
+        from gradientmail import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -301,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true",
                         help=f"show tracebacks instead of one-line errors (or {DEBUG_ENV}=1)")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = commands.add_parser(
@@ -386,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="parallel GETs for claim bodies (default 16)")
     _add_store_options(plot)
     plot.set_defaults(func=cmd_plot)
+
+    from gradientmail.data.cli import add_tokens_command  # gradientmail tokens write|stdlib
+
+    add_tokens_command(commands)
     return parser
 
 

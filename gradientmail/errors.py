@@ -74,3 +74,38 @@ class MailSkippedWarning(UserWarning):
     A warning, not an error: one bad file must not stop every node, so the run goes on from the
     newest good mail; the message names the key, the writer and what was wrong.
     """
+
+
+class DuplicateLearnerError(GradientMailError, ValueError):
+    """Another live process already runs this ``learner_id`` in this run.
+
+    Two incarnations of one learner would take each other's units and mix their records; a
+    restart after a crash is not refused (its predecessor is dead). Carries the learner and the
+    host and PID of the live incarnation.
+    """
+
+    def __init__(self, message: str, *, learner: str = "", host: str = "", pid: int | None = None) -> None:
+        super().__init__(message)
+        self.learner = learner
+        self.host = host
+        self.pid = pid
+
+    def __reduce__(self):  # keep fields across process boundaries
+        return (_rebuild_duplicate, (str(self), self.learner, self.host, self.pid))
+
+
+def _rebuild_duplicate(message, learner, host, pid):
+    return DuplicateLearnerError(message, learner=learner, host=host, pid=pid)
+
+
+class RecordError(GradientMailError, ValueError):
+    """A record read from the mailbox is too large, too deep, not a JSON object, or has a bad
+    field; the message names the key and the problem."""
+
+
+class RecordSkippedWarning(MailSkippedWarning):
+    """A record read from the mailbox was unusable and skipped (once per kind and learner)."""
+
+
+class RunMismatchError(GradientMailError, ValueError):
+    """The prefix already holds a run of another unit set (or something that is no run record)."""

@@ -16,10 +16,16 @@ released (left by a node that stopped; any node may continue it) or orphaned (it
 expired). A single read judges a lease by the writer's timestamp (``time`` + ``lease_s`` against
 this machine's clock); a ``RunReader`` that reads repeatedly (``--watch``) also counts a lease
 whose record has not changed for ``lease_s`` on its own clock as expired, like the nodes do.
+
+Every record is parsed by ``gradientmail.records`` (bounded size and depth, fields checked); one
+that fails is listed in ``RunStatus.unreadable`` (key and problem) and otherwise ignored, except
+that an unreadable claim still counts as claimed, under learner ``"?"``: its unit is taken.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,15 +39,28 @@ from gradientmail.layout import (
     LEASES_PREFIX,
     PROGRESS_PREFIX,
     RUN_KEY,
-    json_object,
 )
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.records import CLAIM, LEASE, PROGRESS, RUN, RecordError, RecordKind
+from gradientmail.records import parse as parse_record
 
 DEFAULT_THREADS = 16
 """Parallel GETs when reading claim bodies; object stores answer each in tens of ms."""
 
 UNKNOWN_LEARNER = "?"
 """Learner name shown for a claim whose body cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record that could not be used (``gradientmail.records``): its key and what is wrong.
+
+    An unreadable claim still counts as claimed (under learner ``"?"``): its key exists, so no
+    node claims that unit, and only a node with ``resume=``/``lease=`` could take it over (it
+    refuses to, since it cannot tell whose it is)."""
+
+    key: str
+    problem: str
 
 
 class RunNotFoundError(GradientMailError, LookupError):
@@ -104,6 +123,8 @@ class RunStatus:
     orphaned: list[str] = field(default_factory=list)
     """Unfinished units whose owner's lease expired (any node running with leases may take them)."""
     elastic: bool = False
+    unreadable: list[Unreadable] = field(default_factory=list)
+    """Records skipped because they are unusable (not JSON, too large or deep, bad fields)."""
 
     @property
     def units_claimed(self) -> int:
@@ -118,7 +139,7 @@ class RunStatus:
 
     @property
     def empty(self) -> bool:
-        return self.units_total is None and not self.claims and not self.learners
+        return self.units_total is None and not self.claims and not self.learners and not self.unreadable
 
     def learner(self, name: str) -> LearnerStatus | None:
         return next((row for row in self.learners if row.learner == name), None)
@@ -138,6 +159,7 @@ class RunStatus:
             "units_released": len(self.released) if self.elastic else None,
             "units_orphaned": len(self.orphaned) if self.elastic else None,
             "orphaned": list(self.orphaned),
+            "unreadable": [asdict(record) for record in self.unreadable],
         }
 
 
@@ -150,33 +172,54 @@ def _number(value: Any, kind: type = float) -> Any:
     return kind(value)
 
 
-def parse_claim(identifier: str, data: bytes | None) -> Claim | None:
-    """A ``Claim`` from a claim body; None when the key vanished, ``learner="?"`` if unreadable."""
-    if data is None:
-        return None
-    body = json_object(data)
+_PLAIN_LEARNER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@:+-]{0,199}")
+"""Older or foreign claims may hold just the learner id as text."""
+
+
+def _checked(kind: RecordKind, key: str, data: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """``(record, None)``, or ``(None, problem)`` for a record ``gradientmail.records`` refuses."""
+    try:
+        return parse_record(kind, data, key), None
+    except RecordError as exc:
+        return None, str(exc)
+
+
+def _claim(identifier: str, data: bytes) -> tuple[Claim, str | None]:
+    """The claim (``learner="?"`` if unusable) and what is wrong with it (None: nothing)."""
+    body, problem = _checked(CLAIM, CLAIMS_PREFIX + identifier, data)
     if body is None:
-        # Older or foreign claims may hold just the learner id as text.
-        text = data.decode("utf-8", "replace").strip()
-        learner = text if text and len(text) <= 200 and "\n" not in text else UNKNOWN_LEARNER
-        return Claim(identifier, learner)
-    learner = body.get("learner")
+        text = data.decode("utf-8", "replace").strip() if len(data) <= 200 else ""
+        if _PLAIN_LEARNER.fullmatch(text):
+            return Claim(identifier, text), None
+        return Claim(identifier, UNKNOWN_LEARNER), problem
     return Claim(
         identifier=identifier,
-        learner=learner if isinstance(learner, str) and learner else UNKNOWN_LEARNER,
+        learner=body["learner"],
         claimed_at=_number(body.get("claimed_at")),
         host=body.get("host") if isinstance(body.get("host"), str) else None,
         pid=_number(body.get("pid"), int),
         worker=body.get("worker"),
         state=body.get("state") if isinstance(body.get("state"), str) else None,
         incarnation=body.get("incarnation") if isinstance(body.get("incarnation"), str) else None,
-    )
+    ), None
+
+
+def parse_claim(identifier: str, data: bytes | None) -> Claim | None:
+    """A ``Claim`` from a claim body; None when the key vanished, ``learner="?"`` if unusable."""
+    return None if data is None else _claim(identifier, data)[0]
 
 
 def parse_progress(learner: str, data: bytes | None) -> LearnerStatus | None:
-    body = json_object(data)
-    if body is None:
+    """A learner's row from its progress record; None when missing or unusable."""
+    if data is None:
         return None
+    return _progress(learner, data)[0]
+
+
+def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | None]:
+    body, problem = _checked(PROGRESS, f"{PROGRESS_PREFIX}{learner}.json", data)
+    if body is None:
+        return None, problem
     finished = body.get("finished")
     row = LearnerStatus(
         learner=body.get("learner") if isinstance(body.get("learner"), str) else learner,
@@ -190,9 +233,9 @@ def parse_progress(learner: str, data: bytes | None) -> LearnerStatus | None:
     )
     if row.samples_per_s is None and row.samples and row.started and row.last_seen:
         elapsed = row.last_seen - row.started
-        if elapsed > 0:
-            row.samples_per_s = row.samples / elapsed
-    return row
+        rate = row.samples / elapsed if elapsed > 0 else math.nan
+        row.samples_per_s = rate if math.isfinite(rate) else None
+    return row, None
 
 
 class RunReader:
@@ -206,6 +249,7 @@ class RunReader:
         self._claims: dict[str, Claim] = {}
         self._done: set[str] = set()
         self._leases_seen: dict[str, tuple[bytes | None, float]] = {}
+        self._unreadable_claims: dict[str, str] = {}  # claims are read once: their problems kept
 
     def _get_all(self, keys: Iterable[str]) -> list[tuple[str, bytes | None]]:
         keys = list(keys)
@@ -216,7 +260,10 @@ class RunReader:
 
     def read(self) -> RunStatus:
         read_at = time.time()
-        run = json_object(self.mailbox.get(RUN_KEY)) or {}
+        unreadable: dict[str, str] = {}
+        run_data = self.mailbox.get(RUN_KEY)
+        run_body, unreadable[RUN_KEY] = (None, None) if run_data is None else _checked(RUN, RUN_KEY, run_data)
+        run = run_body or {}
 
         listed = [key[len(CLAIMS_PREFIX):] for key in self.mailbox.list(CLAIMS_PREFIX)]
         self._done.update(key[len(DONE_PREFIX):] for key in self.mailbox.list(DONE_PREFIX))
@@ -235,14 +282,19 @@ class RunReader:
         for key, data in fetched:
             if key.startswith(CLAIMS_PREFIX):
                 identifier = key[len(CLAIMS_PREFIX):]
-                claim = parse_claim(identifier, data)
-                if claim is not None:
+                if data is not None:
+                    claim, problem = _claim(identifier, data)
                     self._claims[identifier] = claim
+                    self._unreadable_claims.pop(key, None)
+                    if problem is not None:
+                        self._unreadable_claims[key] = problem
             elif key.startswith(LEASES_PREFIX):
                 leases[key[len(LEASES_PREFIX):-len(".json")]] = data
-            else:
+                if data is not None:
+                    unreadable[key] = _checked(LEASE, key, data)[1]
+            elif data is not None:
                 name = key[len(PROGRESS_PREFIX):-len(".json")]
-                row = parse_progress(name, data)
+                row, unreadable[key] = _progress(name, data)
                 if row is not None:
                     learners[row.learner] = row
         elastic = elastic or any(claim.state is not None for claim in self._claims.values())
@@ -282,11 +334,15 @@ class RunReader:
             released=sorted(released),
             orphaned=sorted(orphaned),
             elastic=elastic,
+            unreadable=[Unreadable(key, problem) for key, problem in
+                        sorted({**self._unreadable_claims, **unreadable}.items()) if problem is not None],
         )
 
     def _lease_state(self, learner: str, data: bytes | None, now: float) -> str | None:
         """``live``, ``expired`` or ``stopped`` for one ``leases/{learner}.json`` record."""
-        body = json_object(data)
+        if data is None:
+            return None
+        body = _checked(LEASE, LEASES_PREFIX + learner + ".json", data)[0]
         if body is None:
             return None
         if body.get("state") == "stopped":

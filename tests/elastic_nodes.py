@@ -147,11 +147,13 @@ def written_steps(out_dir: str | Path, learner: str) -> dict[str, int]:
     return last
 
 
-def reclaim_racer(root: str, learner: str, identifiers: list[str], barrier, results) -> None:
-    """Try to take over every orphaned unit in ``identifiers``; report the ones won."""
+def reclaim_racer(root: Any, learner: str, identifiers: list[str], barrier, results) -> None:
+    """Try to take over every orphaned unit in ``identifiers`` (``root``: a directory path or a
+    mailbox); report the ones won."""
     from gradientmail import LocalMailbox
 
-    mailbox = LocalMailbox(root, create=False)
+    mailbox = LocalMailbox(root, create=False) if isinstance(root, str) else root
+    mailbox.get("run.json")  # connect first: the race is the takeovers, not start-up
     barrier.wait(timeout=60)
     won = [ident for ident in identifiers
            if take_over(mailbox, ident, learner, f"incarnation-{learner}",

@@ -7,6 +7,7 @@ milliseconds, importing a test module (and with it pytest) costs a second per pr
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from gradientmail import LocalMailbox
 
@@ -14,6 +15,11 @@ WRITERS = 8
 READERS = 2
 KEYS = [f"units/{i:06d}-{i % 4}.json" for i in range(200)]
 VALUE_BYTES = 16 * 1024  # four pages: a torn write would show
+
+
+def open_target(target: Any) -> Any:
+    """A directory path opens a LocalMailbox; anything else is a (pickled) mailbox already."""
+    return LocalMailbox(target, create=False) if isinstance(target, str) else target
 
 
 def make_value(key: str, writer: int) -> bytes:
@@ -32,20 +38,20 @@ def check_value(key: str, value: bytes) -> int:
     return int(writer)
 
 
-def writer_process(root: str, writer: int, barrier, results) -> None:
-    mailbox = LocalMailbox(root, create=False)
+def writer_process(root: Any, writer: int, barrier, results, keys: list[str] = KEYS) -> None:
+    mailbox = open_target(root)
     barrier.wait(timeout=60)
-    won = [key for key in KEYS if mailbox.put_if_absent(key, make_value(key, writer))]
+    won = [key for key in keys if mailbox.put_if_absent(key, make_value(key, writer))]
     results.put(("writer", writer, won))
 
 
-def reader_process(root: str, reader: int, barrier, done, results) -> None:
-    mailbox = LocalMailbox(root, create=False)
+def reader_process(root: Any, reader: int, barrier, done, results, keys: list[str] = KEYS) -> None:
+    mailbox = open_target(root)
     barrier.wait(timeout=60)
     seen, problems = 0, []
     while True:
         finished = done.is_set()  # one full pass after the writers are done, then stop
-        for key in KEYS:
+        for key in keys:
             value = mailbox.get(key)
             if value is None:
                 continue
@@ -63,13 +69,14 @@ def use_in_worker(mailbox) -> bytes | None:
     return mailbox.get("k")
 
 
-def replace_if_process(root: str, value: str, writer: int, version: str, barrier, results) -> None:
+def replace_if_process(root: Any, value: str, writer: int, version: str, barrier, results) -> None:
     """One of several processes trying ``replace_if`` on ``cas/key`` with the same version.
 
     ``value`` must be new to the key: versions name values, so writing back an old value would
     make an old version current again (the ABA case that claims avoid with fresh tokens).
     """
-    mailbox = LocalMailbox(root, create=False)
+    mailbox = open_target(root)
+    mailbox.get_versioned("cas/key")  # connect first: the race is the replace, not start-up
     barrier.wait(timeout=60)
     won = mailbox.replace_if("cas/key", value.encode(), version)
     results.put((writer, won))

@@ -27,7 +27,9 @@ from gradientmail import LocalMailbox
 STATUS_KEYS = {"mailbox", "read_at", "created", "units_total", "units_claimed", "learners",
                # added by the elastic queue (issue 7); None / [] for the seed's queue
                "elastic", "units_done", "units_in_progress", "units_released", "units_orphaned",
-               "orphaned"}
+               "orphaned",
+               # added by issue 12: records skipped as unusable, [] when none
+               "unreadable"}
 LEARNER_KEYS = {"learner", "units", "samples", "samples_per_s", "steps", "started", "last_seen",
                 "finished", "done", "in_progress", "orphaned", "lease"}
 

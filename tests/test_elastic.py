@@ -101,17 +101,26 @@ def test_take_over_continues_after_the_recorded_step(memory_mailbox):
 
 
 @pytest.mark.timeout(60)
-def test_two_processes_race_to_reclaim_the_same_orphans(tmp_path):
-    """Two nodes reclaim the same 40 orphaned units at the same moment: one winner each."""
-    box = LocalMailbox(tmp_path / "box")
-    identifiers = [f"{i:04d}" for i in range(40)]
+@pytest.mark.parametrize("store", ["local", "moto", "seaweedfs"])
+def test_two_processes_race_to_reclaim_the_same_orphans(tmp_path, store, request):
+    """Two nodes reclaim the same orphaned units at the same moment: one winner each. On S3
+    (moto, and SeaweedFS, whose If-Match is atomic) the racers are spawned: this process may
+    run moto's server thread."""
+    if store == "local":
+        box = LocalMailbox(tmp_path / "box")
+        target, context, count = str(box.path), multiprocessing.get_context("fork"), 40
+    else:
+        server = "s3" if store == "moto" else "s3-seaweedfs"
+        box = request.getfixturevalue("mailbox_factory")(server)
+        target, context, count = box, multiprocessing.get_context("spawn"), 20
+    identifiers = [f"{i:04d}" for i in range(count)]
     for identifier in identifiers:
         _orphan(box, identifier, step=3)
-    context = multiprocessing.get_context("fork")
+    box.put("run.json", b"{}")  # read by the racers to connect before the barrier
     barrier = context.Barrier(2)
     results = context.Queue()
     racers = [context.Process(target=reclaim_racer,
-                              args=(str(box.path), name, identifiers, barrier, results))
+                              args=(target, name, identifiers, barrier, results))
               for name in ("node-a", "node-b")]
     for racer in racers:
         racer.start()
@@ -123,7 +132,7 @@ def test_two_processes_race_to_reclaim_the_same_orphans(tmp_path):
         for racer in racers:
             racer.join(timeout=30)
     a, b = set(won["node-a"]), set(won["node-b"])
-    print(f"reclaim race: node-a won {len(a)}, node-b won {len(b)} of {len(identifiers)}")
+    print(f"reclaim race ({store}): node-a won {len(a)}, node-b won {len(b)} of {len(identifiers)}")
     assert not a & b, "a unit was reclaimed twice"
     assert a | b == set(identifiers)
     for identifier in identifiers:

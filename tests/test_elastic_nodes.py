@@ -110,8 +110,9 @@ def _drain_claimer(mailbox, order, learner) -> None:
         pass
 
 
-def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_factory):
+def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
     """Same requests as the seed's claim protocol plus start-up, and claims stay permanent."""
+    monkeypatch.setattr("gradientmail.patterns.presence.RENEW_S", 3600.0)  # no renewal mid-test
     units = named_units(40, steps=2)
     counted = CountingMailbox(memory_mailbox)
     with shared_queue(units, mailbox=counted, learner_id="node-0", load=RecordingLoad(
@@ -120,7 +121,8 @@ def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_fact
     reference = CountingMailbox(mailbox_factory("memory", "reference"))
     _drain_claimer(reference, list(units), "node-0")
     startup = Counter(put_if_absent=3, get=1, delete=1)  # verify_mailbox (4) and run.json (1)
-    assert counted.counts == reference.counts + startup
+    presence = Counter(get_versioned=2, put_if_absent=1, replace_if=1)  # learners/node-0.json
+    assert counted.counts == reference.counts + startup + presence
     assert not [key for prefix in (WORK_PREFIX, DONE_PREFIX, LEASES_PREFIX)
                 for key in memory_mailbox.list(prefix)]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import threading
 
 import pytest
 from mailbox_race_workers import replace_if_process
@@ -16,7 +17,7 @@ from gradientmail import UnsafeStoreError
 from gradientmail.mailbox import require_replace_if, supports_replace_if
 from gradientmail.mailbox.wrappers import CountingMailbox, DelayedMailbox, FaultyMailbox
 
-CAS_BACKENDS = {"local", "memory", "s3"}
+CAS_BACKENDS = {"local", "memory", "s3", "s3-seaweedfs"}
 
 
 def test_capability_is_declared_truthfully(any_mailbox, mailbox_backend):
@@ -86,29 +87,23 @@ def test_faulty_mailbox_injects_into_replace_if(local_mailbox):
     assert local_mailbox.get("k") == b"v"
 
 
-@pytest.mark.timeout(60)
-def test_exactly_one_process_wins_replace_if(tmp_path):
-    """Real processes replace the same version at the same moment: exactly one wins, 5 rounds."""
-    from gradientmail import LocalMailbox
-
-    mailbox = LocalMailbox(tmp_path / "box")
+def _replace_if_rounds(mailbox, target, context, writers: int, rounds: int) -> None:
+    """Rounds of ``writers`` processes replacing the same version of ``cas/key`` at once."""
     mailbox.put("cas/key", b"start")
-    context = multiprocessing.get_context("fork")
-    writers = 6
-    for round_ in range(5):
+    for round_ in range(rounds):
         version = mailbox.get_versioned("cas/key")[1]
         barrier = context.Barrier(writers)
         results = context.Queue()
         processes = [
             context.Process(target=replace_if_process,
-                            args=(str(mailbox.path), f"round {round_} writer {w}", w, version,
+                            args=(target, f"round {round_} writer {w}", w, version,
                                   barrier, results))
             for w in range(writers)
         ]
         for process in processes:
             process.start()
         try:
-            outcome = dict(results.get(timeout=30) for _ in range(writers))
+            outcome = dict(results.get(timeout=60) for _ in range(writers))
         except queue.Empty:
             pytest.fail("a replace_if process died or hung")
         finally:
@@ -117,6 +112,55 @@ def test_exactly_one_process_wins_replace_if(tmp_path):
         winners = [w for w, won in outcome.items() if won]
         assert len(winners) == 1, outcome
         assert mailbox.get("cas/key") == f"round {round_} writer {winners[0]}".encode()
+
+
+@pytest.mark.timeout(60)
+def test_exactly_one_process_wins_replace_if(tmp_path):
+    """Real processes replace the same version at the same moment: exactly one wins, 5 rounds."""
+    from gradientmail import LocalMailbox
+
+    mailbox = LocalMailbox(tmp_path / "box")
+    _replace_if_rounds(mailbox, str(mailbox.path), multiprocessing.get_context("fork"), 6, 5)
+
+
+@pytest.mark.timeout(90)
+def test_exactly_one_process_wins_replace_if_on_seaweedfs(mailbox_factory):
+    """The same on a real S3 implementation (If-Match), whose compare-and-swap is atomic (moto's
+    is check-then-write, so exactly one winner is not something moto promises)."""
+    mailbox = mailbox_factory("s3-seaweedfs")
+    _replace_if_rounds(mailbox, mailbox, multiprocessing.get_context("spawn"), 6, 2)
+
+
+@pytest.mark.timeout(90)
+def test_sixteen_threads_race_replace_if_on_one_key_on_seaweedfs(mailbox_factory):
+    """The race that once seemed to hang: 16 threads, one key, each looping read-then-replace
+    until its own increment lands. SeaweedFS answers every loser 412 (never 409 or 500), but
+    serialises conditional writes to one key through a filer lock that it polls once a second:
+    simultaneous losers wait up to about writers / 2 seconds. Every increment lands once."""
+    mailbox = mailbox_factory("s3-seaweedfs")
+    mailbox.put("cas/counter", b"0")
+    writers = 16
+    barrier = threading.Barrier(writers)
+    failures: list[BaseException] = []
+
+    def increment() -> None:
+        try:
+            barrier.wait(timeout=30)
+            while True:
+                value, version = mailbox.get_versioned("cas/counter")
+                if mailbox.replace_if("cas/counter", str(int(value) + 1).encode(), version):
+                    return
+        except BaseException as exc:  # reported below, in the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=increment) for _ in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=80)
+    assert not any(thread.is_alive() for thread in threads), "a compare-and-swap never returned"
+    assert failures == []
+    assert mailbox.get("cas/counter") == str(writers).encode()
 
 
 # -- S3: If-Match, with faults injected at the HTTP layer (see test_mailbox_s3.py) -------------

@@ -84,7 +84,17 @@ def test_delete(any_mailbox):
     assert list(any_mailbox.list()) == ["a/b"]
 
 
-def test_list_is_lexicographic(any_mailbox):
+def _seaweedfs_lists_by_directory(request, backend) -> None:
+    """SeaweedFS (4.48) lists a filer directory walk, not whole keys in byte order: ``a/b``
+    comes before ``a-b``, and ``start_after="a-b"`` skips ``a/...``. Flat names (claims,
+    session versions) list in order; where names nest, a claimer only makes a claim attempt
+    that the store then refuses (412): exactly-once holds. Strict: passes if SeaweedFS changes."""
+    if backend == "s3-seaweedfs":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=_seaweedfs_lists_by_directory.__doc__))
+
+
+def test_list_is_lexicographic(any_mailbox, mailbox_backend, request):
+    _seaweedfs_lists_by_directory(request, mailbox_backend)
     _fill(any_mailbox, KEYS)
     assert list(any_mailbox.list()) == sorted(KEYS)
     # '-' (0x2d) sorts before '/' (0x2f): a flat sort of whole keys, not a directory walk.
@@ -104,7 +114,8 @@ def test_list_prefixes(any_mailbox):
     assert list(any_mailbox.list("nothing/here/")) == []
 
 
-def test_list_start_after(any_mailbox):
+def test_list_start_after(any_mailbox, mailbox_backend, request):
+    _seaweedfs_lists_by_directory(request, mailbox_backend)
     _fill(any_mailbox, KEYS)
     ordered = sorted(KEYS)
     assert list(any_mailbox.list(start_after="a-b")) == ordered[ordered.index("a-b") + 1 :]
@@ -118,7 +129,8 @@ def test_list_start_after(any_mailbox):
 
 
 def _fill_many(mailbox, backend, keys) -> None:
-    """Create many keys; on moto straight into its in-process store (1,000 HTTP PUTs take ~10 s)."""
+    """Create many keys; on moto straight into its in-process store (1,000 HTTP PUTs take ~10 s);
+    SeaweedFS takes real PUTs."""
     if backend in ("s3", "fsspec-s3"):
         target = mailbox if backend == "s3" else mailbox._impl
         try:
@@ -154,7 +166,7 @@ def test_list_paginates_past_1000_keys(any_mailbox, mailbox_backend):
 
 
 def _count_list_requests(mailbox, backend):
-    if backend != "s3":
+    if backend not in ("s3", "s3-seaweedfs"):
         return None
     calls: list[int] = []
     mailbox.client.meta.events.register(
@@ -224,11 +236,14 @@ def test_verify_passes(any_mailbox):
 
 def test_open_mailbox_round_trips_url(any_mailbox, mailbox_backend, s3_endpoint_if_needed):
     any_mailbox.put("k", b"v")
-    options = {"endpoint_url": s3_endpoint_if_needed} if "s3" in mailbox_backend else {}
+    options = {"endpoint_url": s3_endpoint_if_needed} if s3_endpoint_if_needed else {}
     reopened = open_mailbox(any_mailbox.url, **options)
     assert reopened.get("k") == b"v"
 
 
 @pytest.fixture
 def s3_endpoint_if_needed(request, mailbox_backend):
-    return request.getfixturevalue("s3_endpoint") if "s3" in mailbox_backend else None
+    from conftest import S3_BACKEND_SERVERS
+
+    server = S3_BACKEND_SERVERS.get(mailbox_backend)
+    return request.getfixturevalue(server) if server else None

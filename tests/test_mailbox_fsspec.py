@@ -179,3 +179,12 @@ def test_s3fs_filesystem_rebuilt_in_a_new_process(s3_bucket, s3_endpoint):
     mailbox._pid = -1  # as seen from a forked child
     assert mailbox.get("k") == b"v"
     assert mailbox._pid == os.getpid()
+
+
+def test_a_web_filesystem_is_refused_naming_its_url_once():
+    from fsspec.implementations.http import HTTPFileSystem
+
+    with pytest.raises(UnsafeStoreError) as info:
+        FsspecMailbox(HTTPFileSystem(), "https://example.com/run")
+    message = str(info.value)
+    assert message.startswith("https://example.com/run: ") and "https://https://" not in message

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +65,57 @@ def test_unknown_protocol():
     pytest.importorskip("fsspec")
     with pytest.raises(ValueError, match="not known"):
         open_mailbox("nosuchprotocol://bucket/run")
+
+
+@pytest.mark.parametrize(
+    "url, meant",
+    [
+        ("s3:/bucket/run", "s3://bucket/run"),
+        ("s3:bucket/run", "s3://bucket/run"),
+        ("S3:/bucket/run", "s3://bucket/run"),
+        ("s3//bucket/run", "s3://bucket/run"),
+        ("s3:///bucket/run", "s3://bucket/run"),
+        ("s4://bucket/run", "s3://bucket/run"),
+        ("memory:/x", "memory://x"),
+        ("file:/data/run", "file:///data/run"),
+        ("file://nas{tmp}/run", "file:///nas{tmp}/run"),  # a host would be dropped
+    ],
+)
+def test_mistyped_urls_are_refused_with_the_likely_url(tmp_path, monkeypatch, url, meant):
+    monkeypatch.chdir(tmp_path)
+    url, meant = url.format(tmp=tmp_path), meant.format(tmp=tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"did you mean {meant!r}?")) as caught:
+        open_mailbox(url)
+    assert repr(url) in str(caught.value)
+    assert list(tmp_path.rglob("*")) == []  # no directory was created anywhere under here
+
+
+def test_urls_from_pathlib_and_unknown_schemes_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="pathlib collapses"):
+        open_mailbox(Path("s3://bucket/run"))  # Path made it 's3:/bucket/run'
+    with pytest.raises(ValueError, match="unknown scheme 'xyz'"):
+        open_mailbox("xyz:/data/run")
+    pytest.importorskip("fsspec")
+    with pytest.raises(ValueError, match=r"'xyz', which is not known") as caught:
+        open_mailbox("xyz://bucket/run")
+    assert "did you mean" not in str(caught.value)  # nothing close to suggest
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_schemes_are_case_insensitive_and_paths_stay_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert open_mailbox(f"FILE://{tmp_path}/a").path == tmp_path / "a"
+    assert open_mailbox(f"file://localhost{tmp_path}/b").path == tmp_path / "b"
+    assert open_mailbox("Memory://case").name == "case"
+    assert open_mailbox("run:7").path == tmp_path / "run:7"  # a colon in a relative name
+    assert open_mailbox("./s3:/x").path == tmp_path / "s3:" / "x"  # explicitly local
+    assert open_mailbox(tmp_path / "s3:" / "y").path == tmp_path / "s3:" / "y"  # absolute
+    pytest.importorskip("boto3")
+    from gradientmail.mailbox.s3 import S3Mailbox
+
+    box = open_mailbox("S3://bucket/run", endpoint_url="http://127.0.0.1:1")
+    assert isinstance(box, S3Mailbox) and (box.bucket, box.prefix) == ("bucket", "run/")
 
 
 @pytest.mark.parametrize("url", ["", None, 3])

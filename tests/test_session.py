@@ -795,3 +795,14 @@ def test_sessions_in_lockstep_end_as_one_model(memory_mailbox):
     result = linear()
     consensus(memory_mailbox, result)
     assert torch.allclose(result.weight, models[-1].weight, atol=1e-5)
+
+
+def test_joining_exchanging_and_leaving_are_logged(memory_mailbox, caplog):
+    model = linear()
+    with caplog.at_level("DEBUG", logger="gradientmail"):
+        with session(model, memory_mailbox, "logged") as s:
+            exchange(s, model, 1.0)
+    messages = [record.getMessage() for record in caplog.records if record.name == "gradientmail.session"]
+    assert any(m.startswith("logged joined the run") for m in messages), messages
+    assert any(m.startswith("logged exchange 1: version") for m in messages), messages
+    assert any(m.startswith("logged left the run") for m in messages), messages

@@ -125,7 +125,8 @@ class FsspecMailbox:
 
     def __init__(self, fs: Any, root: str = "", *, block_size: int | None = None) -> None:
         kind = ATOMIC_CREATE.get(_class_path(fs))
-        where = f"{'/'.join(_protocols(fs)) or '?'}://{root}"
+        # A root that is already a URL (``https://host/x``) names itself; else protocol://root.
+        where = root if "://" in str(root) else f"{_protocols(fs)[0] if _protocols(fs) else '?'}://{root}"
         if kind is None:
             raise _refusal(_protocols(fs), f"filesystem {_class_path(fs)}", where)
         self.fs = fs

@@ -7,6 +7,13 @@ value; ``O_EXCL`` alone would expose an empty file between create and write. Bot
 atomic on local filesystems and on NFSv3+; temporary files start with ``.`` and never show up
 in ``list``.
 
+Hostile or broken contents: nothing below the root is reached through a symbolic link
+(``local_paths``): a key that is, or lies under, a symlink or a special file raises
+``MailboxError`` naming it, and ``list`` skips it with a ``MailSkippedWarning``, as it does
+names that are not valid keys. Temporary files are removed when a write fails and swept by
+``list`` once their writer is dead (``local_temp``). Local I/O failures raise ``MailboxError``
+naming the operation, key, store and cause, as the S3 backend does.
+
 Compare-and-swap (``replace_if``, for leases and resume): the version of a value is its SHA-256.
 ``replace_if`` holds an exclusive ``fcntl.flock`` on a per-key lock file under the hidden
 ``.locks/`` directory while it reads, compares and publishes with ``os.replace``, so among
@@ -25,17 +32,38 @@ import errno
 import fcntl
 import hashlib
 import os
-import uuid
+import stat
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from gradientmail.errors import KeyConflictError, MailboxError
+from gradientmail.errors import KeyConflictError, MailboxError, MailSkippedWarning
+from gradientmail.mailbox import local_temp
 from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
+from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix, validate_value
+from gradientmail.mailbox.local_paths import (
+    DIR_FLAGS,
+    READ_FLAGS,
+    ParentIsKey,
+    UnsafeEntry,
+    describe_entry,
+    is_unsafe,
+    lstat_mode,
+    open_directory,
+    open_root,
+)
 
 
 LOCK_DIR = ".locks"
 """Hidden directory of ``replace_if``'s per-key lock files (never listed: it starts with ``.``)."""
+
+_HINTS = {
+    errno.ENOSPC: " (the mailbox's filesystem is full)",
+    errno.EDQUOT: " (a disk quota is exhausted)",
+    errno.EFBIG: " (a file size limit was reached)",
+    errno.EROFS: " (the mailbox's filesystem is read-only)",
+    errno.EACCES: " (no permission on the mailbox directory)",
+}
 
 
 def _version(data: bytes) -> str:
@@ -63,59 +91,114 @@ class LocalMailbox:
         return (LocalMailbox, (str(self.path),))
 
     # -- helpers ---------------------------------------------------------------------------
-    def _target(self, key: str) -> Path:
-        return self.path.joinpath(*validate_key(key).split("/"))
-
-    def _write_temp(self, target: Path, data: bytes, key: str) -> Path:
-        validate_value(data, key)
+    @contextlib.contextmanager
+    def _failures(self, operation: str, key: str) -> Iterator[None]:
+        """Turn unsafe entries and local I/O errors into ``MailboxError`` naming the key."""
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as exc:
-            raise KeyConflictError(
-                f"{self.url}: cannot store {key!r}: a parent of it is an existing key",
-                operation="write", key=key, store=self.url,
+            yield
+        except MailboxError:
+            raise
+        except UnsafeEntry as exc:
+            raise MailboxError(
+                f"{self.url}: {operation}({key!r}) refused: {exc}",
+                operation=operation, key=key, store=self.url,
+            ) from None
+        except OSError as exc:
+            raise MailboxError(
+                f"{self.url}: {operation}({key!r}) failed: {type(exc).__name__}: {exc}"
+                f"{_HINTS.get(exc.errno or 0, '')}",
+                operation=operation, key=key, store=self.url,
             ) from exc
-        temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-        with open(temp, "xb") as handle:
-            handle.write(data)
-        return temp
+
+    def _conflict(self, operation: str, key: str, why: str) -> KeyConflictError:
+        return KeyConflictError(
+            f"{self.url}: cannot store {key!r}: {why}", operation=operation, key=key, store=self.url
+        )
+
+    @contextlib.contextmanager
+    def _parent(
+        self, operation: str, key: str, *, create: bool
+    ) -> Iterator[tuple[int | None, str]]:
+        """``(descriptor of the key's directory or None when missing, the key's last segment)``."""
+        *directories, leaf = validate_key(key).split("/")
+        try:
+            fd = open_directory(self.path, directories, create=create)
+        except ParentIsKey:
+            raise self._conflict(operation, key, "a parent of it is an existing key") from None
+        try:
+            yield fd, leaf
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _leaf_mode(self, fd: int, leaf: str, key: str) -> int | None:
+        """The mode of an existing key's entry (None when missing); refuses unsafe entries."""
+        mode = lstat_mode(fd, leaf)
+        if mode is not None and is_unsafe(mode):
+            raise UnsafeEntry(key, describe_entry(fd, leaf, key))
+        return mode
 
     # -- the five primitives ---------------------------------------------------------------
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        target = self._target(key)
-        if os.path.isfile(target):
-            # It exists now, so False is a truthful answer; skips writing a temporary file.
-            validate_value(data, key)
-            return False
-        temp = self._write_temp(target, data, key)
-        try:
-            os.link(temp, target)
-            return True
-        except FileExistsError:
-            if target.is_dir() and not target.is_symlink():
-                # "False" would claim the key exists while get() returns None.
-                raise KeyConflictError(
-                    f"{self.url}: cannot store {key!r}: other keys live under it",
-                    operation="put_if_absent", key=key, store=self.url,
-                ) from None
-            return False
-        except OSError as exc:
-            raise MailboxError(
-                f"{self.url}: put_if_absent({key!r}) failed: {exc}",
-                operation="put_if_absent", key=key, store=self.url,
-            ) from exc
-        finally:
-            temp.unlink(missing_ok=True)
+        validate_key(key)
+        data = validate_value(data, key)
+        with self._failures("put_if_absent", key), self._parent(
+            "put_if_absent", key, create=True
+        ) as (fd, leaf):
+            assert fd is not None
+            if self._created(fd, leaf, key) is not None:
+                # It exists now, so False is a truthful answer; skips writing a temporary file.
+                return False
+            temp = local_temp.write_temp(fd, leaf, data)
+            try:
+                os.link(temp, leaf, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                return True
+            except FileExistsError:
+                self._created(fd, leaf, key)  # a directory or symlink there: raises
+                return False
+            finally:
+                local_temp.remove(fd, temp)
+
+    def _created(self, fd: int, leaf: str, key: str) -> bool | None:
+        """False when ``key`` exists as a value, None when missing; raises on anything else."""
+        mode = self._leaf_mode(fd, leaf, key)
+        if mode is not None and stat.S_ISDIR(mode):
+            # "False" would claim the key exists while get() returns None.
+            raise self._conflict("put_if_absent", key, "other keys live under it")
+        return None if mode is None else False
 
     # -- compare-and-swap (optional capability, see VersionedMailbox) ------------------------
     supports_replace_if = True
 
     @contextlib.contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
-        locks = self.path / LOCK_DIR
-        locks.mkdir(exist_ok=True)
-        name = hashlib.sha256(key.encode()).hexdigest()[:40]
-        fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        root = open_root(self.path, create=True)
+        assert root is not None
+        try:
+            try:
+                os.mkdir(LOCK_DIR, 0o777, dir_fd=root)
+            except FileExistsError:
+                pass
+            try:
+                locks = os.open(LOCK_DIR, DIR_FLAGS, dir_fd=root)
+            except OSError:
+                if is_unsafe(lstat_mode(root, LOCK_DIR) or stat.S_IFDIR):
+                    raise UnsafeEntry(LOCK_DIR, describe_entry(root, LOCK_DIR, LOCK_DIR)) from None
+                raise
+        finally:
+            os.close(root)
+        name = f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.lock"
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            try:
+                fd = os.open(name, flags, 0o644, dir_fd=locks)
+            except OSError:
+                if is_unsafe(lstat_mode(locks, name) or stat.S_IFREG):
+                    relative = f"{LOCK_DIR}/{name}"
+                    raise UnsafeEntry(relative, describe_entry(locks, name, relative)) from None
+                raise
+        finally:
+            os.close(locks)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -127,80 +210,143 @@ class LocalMailbox:
         return None if data is None else (data, _version(data))
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
-        target = self._target(key)
-        validate_value(data, key)
+        validate_key(key)
+        data = validate_value(data, key)
         if not isinstance(version, str):
-            raise TypeError(f"version must be a str from get_versioned, not {type(version).__name__}")
-        with self._key_lock(key):
+            raise TypeError(
+                f"version must be a str from get_versioned, not {type(version).__name__}"
+            )
+        with self._failures("replace_if", key), self._key_lock(key):
             current = self.get(key)
             if current is None or _version(current) != version:
                 return False
-            temp = self._write_temp(target, data, key)
-            try:
-                os.replace(temp, target)
-            except BaseException:
-                temp.unlink(missing_ok=True)
-                raise
+            self._publish("replace_if", key, data)
             return True
 
     def put(self, key: str, data: bytes) -> None:
-        target = self._target(key)
-        temp = self._write_temp(target, data, key)
-        try:
-            os.replace(temp, target)
-        except IsADirectoryError as exc:
-            temp.unlink(missing_ok=True)
-            raise KeyConflictError(
-                f"{self.url}: cannot store {key!r}: other keys live under it",
-                operation="put", key=key, store=self.url,
-            ) from exc
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
+        validate_key(key)
+        data = validate_value(data, key)
+        with self._failures("put", key):
+            self._publish("put", key, data)
+
+    def _publish(self, operation: str, key: str, data: bytes) -> None:
+        """Write ``data`` to a temporary file and rename it over ``key``."""
+        with self._parent(operation, key, create=True) as (fd, leaf):
+            assert fd is not None
+            mode = self._leaf_mode(fd, leaf, key)
+            if mode is not None and stat.S_ISDIR(mode):
+                raise self._conflict(operation, key, "other keys live under it")
+            temp = local_temp.write_temp(fd, leaf, data)
+            try:
+                # rename() replaces a symlink swapped in since the check; it never follows it.
+                os.replace(temp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
+            except IsADirectoryError:
+                local_temp.remove(fd, temp)
+                raise self._conflict(operation, key, "other keys live under it") from None
+            except BaseException:
+                local_temp.remove(fd, temp)
+                raise
 
     def get(self, key: str) -> bytes | None:
-        try:
-            with open(self._target(key), "rb") as handle:
-                return handle.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            return None
+        validate_key(key)
+        with self._failures("get", key), self._parent("get", key, create=False) as (fd, leaf):
+            if fd is None:
+                return None
+            try:
+                handle = os.open(leaf, READ_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return None
+            except OSError:
+                self._leaf_mode(fd, leaf, key)  # a symlink: refused, naming it
+                raise
+            try:
+                mode = os.fstat(handle).st_mode
+                if not stat.S_ISREG(mode):
+                    if stat.S_ISDIR(mode):
+                        return None
+                    raise UnsafeEntry(key, describe_entry(fd, leaf, key))
+            except BaseException:
+                os.close(handle)
+                raise
+            with open(handle, "rb") as stream:
+                return stream.read()
 
     def delete(self, key: str) -> None:
-        try:
-            os.unlink(self._target(key))
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        except IsADirectoryError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.EISDIR:
-                raise
+        validate_key(key)
+        with self._failures("delete", key), self._parent("delete", key, create=False) as (fd, leaf):
+            if fd is None:
+                return
+            mode = lstat_mode(fd, leaf)
+            if mode is None or stat.S_ISDIR(mode):
+                return
+            if stat.S_ISLNK(mode):
+                raise UnsafeEntry(key, describe_entry(fd, leaf, key))
+            try:
+                os.unlink(leaf, dir_fd=fd)  # never follows a symlink swapped in since
+            except (FileNotFoundError, IsADirectoryError):
+                pass
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
         validate_prefix(prefix)
         # Only the directory named by the prefix's complete segments needs walking.
         directory, _, _ = prefix.rpartition("/")
-        base = self.path.joinpath(*directory.split("/")) if directory else self.path
-        keys = sorted(
-            key for key in self._walk(base, directory)
+        with self._failures("list", prefix):
+            try:
+                fd = open_directory(
+                    self.path, directory.split("/") if directory else [], create=False
+                )
+            except UnsafeEntry as exc:
+                _skip(self.url, [(exc.relative, exc.what)])
+                return
+            if fd is None:
+                return
+            skipped: list[tuple[str, str]] = []
+            try:
+                found = list(self._walk(fd, directory, skipped))
+            finally:
+                os.close(fd)
+        _skip(self.url, [(key, why) for key, why in skipped if key.startswith(prefix)])
+        yield from sorted(
+            key for key in found
             if key.startswith(prefix) and (start_after is None or key > start_after)
         )
-        yield from keys
 
-    def _walk(self, base: Path, relative: str) -> Iterator[str]:
-        try:
-            entries = list(os.scandir(base))
-        except (FileNotFoundError, NotADirectoryError):
-            return
+    def _walk(self, fd: int, relative: str, skipped: list[tuple[str, str]]) -> Iterator[str]:
+        """Keys under ``fd``; entries that are not keys go to ``skipped`` with the reason."""
+        with os.scandir(fd) as scan:
+            entries = list(scan)
         for entry in entries:
             if entry.name.startswith("."):
+                local_temp.sweep(fd, entry)
                 continue
             key = f"{relative}/{entry.name}" if relative else entry.name
-            if entry.is_dir(follow_symlinks=False):
-                yield from self._walk(Path(entry.path), key)
-            else:
+            if not is_valid_key(key):
+                skipped.append((key, "not a valid mailbox key"))
+            elif entry.is_symlink():
+                skipped.append((key, describe_entry(fd, entry.name, key)))
+            elif entry.is_dir(follow_symlinks=False):
+                try:
+                    child = os.open(entry.name, DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    continue  # removed since the scan
+                except OSError:
+                    skipped.append((key, describe_entry(fd, entry.name, key)))
+                    continue
+                try:
+                    yield from self._walk(child, key, skipped)
+                finally:
+                    os.close(child)
+            elif entry.is_file(follow_symlinks=False):
                 yield key
+            else:
+                skipped.append((key, describe_entry(fd, entry.name, key)))
 
     def verify(self) -> None:
         """Check that conditional creation works here (see ``verify_mailbox``)."""
         verify_mailbox(self)
+
+
+def _skip(store: str, entries: list[tuple[str, str]]) -> None:
+    """One warning per skipped entry, attributed to the code that called ``list``."""
+    for key, why in entries:
+        warnings.warn(f"{store}: list skips {key!r}: {why}", MailSkippedWarning, stacklevel=3)

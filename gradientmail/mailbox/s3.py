@@ -20,16 +20,19 @@ same metadata token, and 409 ConditionalRequestConflict is retried. AWS S3 enfor
 ``If-Match`` on writes since 2024-11; MinIO and R2 do too.
 
 Retries: botocore's ``standard`` retry mode handles throttling, 5xx and connection errors first;
-a loop here adds ``max_attempts`` rounds with jittered exponential backoff on top, and also
-retries 409 ConditionalRequestConflict, which botocore never retries.
+a loop here retries on top until ``retry_window`` (2 minutes by default) has passed since the
+operation's first failure, with capped, jittered exponential backoff (``s3_retry``), so a run
+rides out a short outage of its store. It also retries 409 ConditionalRequestConflict, which
+botocore never retries, and response bodies cut off mid-way. An endpoint that has never
+answered (connection refused, unknown host) fails within a few seconds instead: that is a wrong
+address, not an outage.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
-import random
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -43,18 +46,25 @@ import botocore.session
 from gradientmail.errors import MailboxError, UnsafeStoreError
 from gradientmail.mailbox.base import verify_mailbox
 from gradientmail.mailbox.s3_listing import list_keys
+from gradientmail.mailbox.s3_retry import (
+    CONNECT_ERRORS,
+    DEFAULT_RETRY_WINDOW,
+    MAX_BACKOFF,  # noqa: F401  (importable from here, as before)
+    RetryBudget,
+    check_retry_window,
+    read_body,
+    root_cause,
+)
 from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 
 TOKEN_METADATA = "gm-token"
 """User-metadata name of the per-call creation token (sent as ``x-amz-meta-gm-token``)."""
 
 DEFAULT_MAX_ATTEMPTS = 6
-"""Rounds of the retry loop in ``S3Mailbox``, each of which may hold botocore's own retries."""
+"""The former default of ``max_attempts``; the default is now None: retry for ``retry_window``."""
 
 DEFAULT_BACKOFF = 0.1
 """Base of the loop's exponential backoff in seconds (full jitter, capped at ``MAX_BACKOFF``)."""
-
-MAX_BACKOFF = 5.0
 
 LIST_PAGE = 1000
 """Keys per ``ListObjectsV2`` page (S3's maximum)."""
@@ -157,8 +167,13 @@ class S3Mailbox:
         region_name: Region; when None, boto3's chain decides (``AWS_REGION``, profile).
         profile_name: A profile in ``~/.aws/config``; when None, boto3's chain decides
             (``AWS_PROFILE``, environment credentials, instance and container roles, ...).
-        max_attempts: Rounds of this mailbox's own retry loop (each holding botocore's).
-        backoff: Base of the loop's jittered exponential backoff, in seconds.
+        retry_window: How long one operation retries transient faults (throttling, 5xx,
+            timeouts, dropped connections, an unreachable store), counted from its first
+            failure: a run rides out an outage shorter than this. An endpoint that has never
+            answered fails after a few seconds instead.
+        max_attempts: When set, also stop after this many rounds of the retry loop (each
+            holding botocore's own attempts); None retries for ``retry_window``.
+        backoff: Base of the loop's jittered exponential backoff, in seconds (capped at 5 s).
         client_kwargs: More keyword arguments for ``boto3.Session.client`` (``verify``,
             ``aws_access_key_id``, ...).
         config: A ``botocore.config.Config`` or a mapping of its arguments, merged over the
@@ -177,7 +192,8 @@ class S3Mailbox:
         endpoint_url: str | None = None,
         region_name: str | None = None,
         profile_name: str | None = None,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        retry_window: datetime.timedelta = DEFAULT_RETRY_WINDOW,
+        max_attempts: int | None = None,
         backoff: float = DEFAULT_BACKOFF,
         client_kwargs: Mapping[str, Any] | None = None,
         config: botocore.config.Config | Mapping[str, Any] | None = None,
@@ -187,8 +203,9 @@ class S3Mailbox:
         if prefix is None:
             prefix = ""
         validate_prefix(prefix)
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, not {max_attempts}")
+        self.retry_window = check_retry_window(retry_window)
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 or None, not {max_attempts}")
         if backoff < 0:
             raise ValueError(f"backoff must be >= 0, not {backoff}")
         self.bucket = bucket
@@ -202,6 +219,9 @@ class S3Mailbox:
         self.config = config
         self._client: Any = None
         self._client_pid = 0
+        # Whether the endpoint ever answered this mailbox (kept when pickled to workers): an
+        # endpoint that never did is misconfigured, one that did and stopped is an outage.
+        self._answered = False
 
     # -- identity, pickling ------------------------------------------------------------------
     @property
@@ -220,6 +240,8 @@ class S3Mailbox:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_answered", False)
+        self.__dict__.setdefault("retry_window", DEFAULT_RETRY_WINDOW)
 
     @property
     def client(self) -> Any:
@@ -271,18 +293,52 @@ class S3Mailbox:
         return config
 
     @property
-    def _store(self) -> str:
+    def _endpoint(self) -> str | None:
         endpoint = self.endpoint_url
         if endpoint is None and self._client is not None:
             endpoint = self._client.meta.endpoint_url
+        return endpoint
+
+    @property
+    def _store(self) -> str:
+        endpoint = self._endpoint
         return f"{self.url} (endpoint {endpoint})" if endpoint else self.url
 
     def _object_key(self, key: str) -> str:
         return self.prefix + validate_key(key)
 
     # -- errors and retries ------------------------------------------------------------------
+    def _budget(self, max_rounds: int | None = None) -> RetryBudget:
+        """A fresh budget for one operation: ``retry_window``, at most ``max_attempts`` rounds
+        (and ``max_rounds`` when given)."""
+        limits = [n for n in (self.max_attempts, max_rounds) if n is not None]
+        return RetryBudget(
+            self.retry_window.total_seconds(), self.backoff, min(limits) if limits else None
+        )
+
+    def _heard_from(self, exc: BaseException | None = None) -> None:
+        """Record that the endpoint answered (a result, or an error the store itself sent)."""
+        if exc is None or isinstance(exc, botocore.exceptions.ClientError):
+            self._answered = True
+
+    def _first_contact(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a failure to connect to an endpoint that has never answered."""
+        return not self._answered and isinstance(exc, CONNECT_ERRORS)
+
+    def _retry(self, exc: BaseException, budget: RetryBudget) -> bool:
+        """After ``exc``: True (having slept) when the operation should try again."""
+        if _outcome(exc) not in (_TRANSIENT, _CONFLICT):
+            budget.failures += 1
+            return False
+        return budget.spend(first_contact=self._first_contact(exc))
+
+    def _limits(self) -> str:
+        limits = f"retry_window={self.retry_window}"
+        return limits + (f", max_attempts={self.max_attempts}" if self.max_attempts else "")
+
     def _error(
-        self, operation: str, key: str, exc: BaseException, attempts: int = 1
+        self, operation: str, key: str, exc: BaseException, budget: RetryBudget | None = None,
+        note: str = "",
     ) -> MailboxError:
         code, status, _ = _error_fields(exc)
         what = f"{self._store}: {operation}({key!r})" if key else f"{self._store}: {operation}"
@@ -290,6 +346,7 @@ class S3Mailbox:
             detail = f"{code or status}: {(exc.response.get('Error') or {}).get('Message', '')}"
         else:
             detail = f"{type(exc).__name__}: {exc}"
+        endpoint = self._endpoint or "(boto3's default)"
         if isinstance(exc, _CREDENTIAL_ERRORS):
             cause = (
                 "no usable AWS credentials: boto3 looks at AWS_ACCESS_KEY_ID / "
@@ -308,39 +365,51 @@ class S3Mailbox:
             )
         elif code in _REGION_CODES:
             cause = "the bucket lives in another region: pass region_name or set AWS_REGION"
-        elif isinstance(exc, botocore.exceptions.ConnectionError):
+        elif self._first_contact(exc):
+            reason = root_cause(exc) or type(exc).__name__
             cause = (
-                "the endpoint could not be reached: check endpoint_url / AWS_ENDPOINT_URL "
-                "and the network"
+                f"endpoint {endpoint} is unreachable ({reason}) and has never answered: check "
+                "endpoint_url / AWS_ENDPOINT_URL, that the store is running, and the network"
+            )
+        elif isinstance(exc, _TRANSPORT_ERRORS):
+            reason = root_cause(exc) or type(exc).__name__
+            cause = (
+                f"endpoint {endpoint} is unreachable or breaking connections ({reason}), for "
+                f"longer than the retries allow ({self._limits()}): the store or the network "
+                "is down; a longer retry_window rides out longer outages"
             )
         elif _outcome(exc) in (_TRANSIENT, _CONFLICT):
             cause = (
-                "the store kept failing (throttling, server errors or timeouts); retry later "
-                "or raise max_attempts"
+                "the store kept failing (throttling, server errors or timeouts) for longer "
+                f"than the retries allow ({self._limits()}); retry later or raise retry_window"
             )
         else:
             cause = "unexpected answer from the store"
-        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        attempts = budget.failures if budget is not None else 1
+        tries = ""
+        if budget is not None and attempts > 1:
+            tries = f" after {attempts} attempts over {budget.elapsed:.1f}s"
         return MailboxError(
-            f"{what} failed{tries}: {detail} ({cause})",
+            f"{what} failed{tries}: {detail} ({cause}){note}",
             operation=operation, key=key, store=self._store,
         )
 
-    def _sleep(self, attempt: int) -> None:
-        time.sleep(random.uniform(0, min(MAX_BACKOFF, self.backoff * 2**attempt)))
-
-    def _retrying(self, operation: str, key: str, request: Callable[[Any], T]) -> T:
+    def _retrying(
+        self, operation: str, key: str, request: Callable[[Any], T],
+        budget: RetryBudget | None = None,
+    ) -> T:
         """``request(client)`` with retries of transient errors; other errors → MailboxError."""
-        attempt = 0
+        budget = budget or self._budget()
         while True:
             try:
-                return request(self.client)
+                result = request(self.client)
             except _REQUEST_ERRORS as exc:
-                attempt += 1
-                if _outcome(exc) in (_TRANSIENT, _CONFLICT) and attempt < self.max_attempts:
-                    self._sleep(attempt - 1)
+                self._heard_from(exc)
+                if self._retry(exc, budget):
                     continue
-                raise self._error(operation, key, exc, attempt) from exc
+                raise self._error(operation, key, exc, budget) from exc
+            self._heard_from()
+            return result
 
     # -- the five primitives ---------------------------------------------------------------
     def put_if_absent(self, key: str, data: bytes) -> bool:
@@ -368,16 +437,17 @@ class S3Mailbox:
         body = validate_value(data, key)
         token = uuid.uuid4().hex
         ambiguous = False  # could an earlier attempt of this call have written the object?
-        attempt = 0
+        budget = self._budget()
         while True:
             try:
                 self.client.put_object(
                     Bucket=self.bucket, Key=name, Body=body, Metadata={TOKEN_METADATA: token},
                     **condition,
                 )
+                self._heard_from()
                 return True
             except _REQUEST_ERRORS as exc:
-                attempt += 1
+                self._heard_from(exc)
                 outcome = _outcome(exc)
                 ambiguous = ambiguous or _error_fields(exc)[2] > 0 or outcome == _TRANSIENT
                 if outcome in lost:
@@ -389,16 +459,25 @@ class S3Mailbox:
                         f"(the store answered {code or status})",
                         operation=operation, key=key, store=self._store,
                     ) from exc
-                if outcome in (_TRANSIENT, _CONFLICT) and attempt < self.max_attempts:
-                    self._sleep(attempt - 1)
+                if self._retry(exc, budget):
                     continue
-                if ambiguous and outcome in (_TRANSIENT, _CONFLICT):
-                    # Every answer was an error, yet one of the writes may have landed.
-                    if self._created_by(name, key, token):
+                retryable = outcome in (_TRANSIENT, _CONFLICT)
+                if not (ambiguous and retryable) or self._first_contact(exc):
+                    # An endpoint that never answered cannot have taken the write either.
+                    raise self._error(operation, key, exc, budget) from exc
+                # Every answer was an error, yet one of the writes may have landed: a short
+                # read-back (the window is spent) decides; if it fails too, say so.
+                try:
+                    if self._created_by(name, key, token, self._budget(max_rounds=2)):
                         return True
-                raise self._error(operation, key, exc, attempt) from exc
+                except MailboxError:
+                    note = "; whether the write landed is unknown: reading it back failed too"
+                    raise self._error(operation, key, exc, budget, note) from exc
+                raise self._error(operation, key, exc, budget) from exc
 
-    def _created_by(self, name: str, key: str, token: str) -> bool:
+    def _created_by(
+        self, name: str, key: str, token: str, budget: RetryBudget | None = None
+    ) -> bool:
         """Whether the object ``name`` exists and carries this call's ``token``."""
 
         def head(client: Any) -> str | None:
@@ -410,7 +489,8 @@ class S3Mailbox:
                 raise
             return (response.get("Metadata") or {}).get(TOKEN_METADATA)
 
-        return self._retrying("put_if_absent (reading back an ambiguous write)", key, head) == token
+        operation = "put_if_absent (reading back an ambiguous write)"
+        return self._retrying(operation, key, head, budget) == token
 
     # -- compare-and-swap (optional capability, see VersionedMailbox) ------------------------
     supports_replace_if = True
@@ -429,8 +509,7 @@ class S3Mailbox:
                 if _outcome(exc) == _MISSING:
                     return None
                 raise
-            with response["Body"] as stream:
-                return stream.read(), str(response["ETag"])
+            return read_body(response), str(response["ETag"])
 
         return self._retrying(operation, key, request)
 

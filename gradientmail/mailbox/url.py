@@ -6,8 +6,9 @@ import os
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from gradientmail.errors import MissingExtraError
+from gradientmail.errors import MissingExtraError, UnsafeStoreError
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.url_check import is_local_path
 
 
 def open_mailbox(url: str | os.PathLike[str], **options: Any) -> Mailbox:
@@ -15,18 +16,25 @@ def open_mailbox(url: str | os.PathLike[str], **options: Any) -> Mailbox:
 
     - ``/path``, ``./path`` or ``file:///path`` → ``LocalMailbox`` (``create=False`` refuses a
       missing directory instead of creating it)
+    - schemes are case-insensitive; a mistyped URL (``s3:/bucket``, ``file://host/run``, an
+      unknown scheme) is refused with ``ValueError`` showing the likely intended one
     - ``memory://name`` → ``MemoryMailbox``
     - ``s3://bucket/prefix`` → ``S3Mailbox``; ``options`` such as ``endpoint_url``,
-      ``region_name`` or ``profile_name`` go to boto3 (``AWS_ENDPOINT_URL`` is honoured)
+      ``region_name`` or ``profile_name`` go to boto3 (``AWS_ENDPOINT_URL`` is honoured), and
+      ``retry_window`` (a ``timedelta``) bounds how long an operation rides out an outage
+    - ``http://`` and ``https://`` are refused: a web server has no atomic create; an
+      S3-compatible store at that address is ``s3://bucket/prefix`` with ``endpoint_url``
     - any other fsspec protocol → ``FsspecMailbox``, which refuses filesystems without a
       verified atomic create
     """
-    if isinstance(url, os.PathLike):
+    path_like = isinstance(url, os.PathLike)
+    if path_like:
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
         raise ValueError(f"mailbox URL must be a non-empty str or path, not {url!r}")
+    local = is_local_path(url, path_like=path_like)  # refuses mistyped URLs (ValueError)
     scheme, sep, rest = url.partition("://")
-    if not sep:
+    if local:
         from gradientmail.mailbox.local import LocalMailbox
 
         return LocalMailbox(url, **options)
@@ -50,6 +58,8 @@ def open_mailbox(url: str | os.PathLike[str], **options: Any) -> Mailbox:
             ) from exc
         bucket, _, prefix = rest.partition("/")
         return S3Mailbox(bucket, prefix, **options)
+    if scheme in ("http", "https"):
+        raise _web_url_error(url, scheme, rest)
     try:
         from gradientmail.mailbox.filesystem import FsspecMailbox
     except ImportError as exc:
@@ -57,3 +67,17 @@ def open_mailbox(url: str | os.PathLike[str], **options: Any) -> Mailbox:
             f"{url}: fsspec mailboxes need fsspec: pip install 'gradientmail[fsspec]' ({exc})"
         ) from exc
     return FsspecMailbox.from_url(url, **options)
+
+
+def _web_url_error(url: str, scheme: str, rest: str) -> UnsafeStoreError:
+    """Why an ``http(s)://`` URL is no mailbox, and the ``s3://`` call that was likely meant."""
+    host, _, path = rest.partition("/")
+    bucket, _, prefix = path.strip("/").partition("/")
+    target = f"s3://{bucket or 'BUCKET'}/{prefix or 'PREFIX'}"
+    return UnsafeStoreError(
+        f"{url}: cannot use an {scheme}:// URL as a mailbox: GradientMail has not verified an "
+        "atomic create for a web server (fsspec's HTTPFileSystem has none), so two nodes could "
+        "claim the same unit. For an S3-compatible store at this address use "
+        f"open_mailbox({target!r}, endpoint_url={f'{scheme}://{host}'!r})",
+        operation="open", store=url,
+    )

@@ -33,10 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradientmail.errors import InvalidKeyError, UnsafeStoreError
-from gradientmail.layout import CLAIMS_PREFIX, claim_key, json_object
+from gradientmail.layout import CLAIMS_PREFIX, claim_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.mailbox.wrappers import LIST_PAGE
+from gradientmail.records import CLAIM, RecordError
+from gradientmail.records import parse as parse_record
 
 LISTING_POLICIES = ("adaptive", "always", "conflict", "never")
 """When ``Claimer`` lists claims before an attempt (see ``Claimer``); ``adaptive`` is the default."""
@@ -144,8 +146,14 @@ def claim_body(learner_id: str, token: str, worker: int | None = None, **extra: 
 
 
 def parse_claim(data: bytes | None) -> dict[str, Any] | None:
-    """A claim body as a dict, or None when missing or not a claim written by GradientMail."""
-    return json_object(data)
+    """A claim body as a dict, or None when missing or not a valid claim: bounded and every
+    known field checked (``records.CLAIM``; the learner is one key segment)."""
+    if data is None:
+        return None
+    try:
+        return parse_record(CLAIM, data)
+    except RecordError:
+        return None
 
 
 def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:

@@ -6,15 +6,17 @@ the training loop has *consumed*, so that unfinished units can change hands:
 
 - Progress: the consuming process (where the training loop runs) knows when a batch was
   consumed: when the loop asks for the next item after receiving it. ``ProgressTracker`` keeps
-  the latest consumed step per unit and a background thread writes it to ``work/{learner}/
-  {identifier}`` (at most one write in flight, coalesced to the latest step), so a crash loses
-  at most the batches consumed since the last completed write. A unit's end is seen the same
+  the latest consumed batch per unit (its step label and its position in the unit's
+  ``load()``) and a background thread writes it to ``work/{learner}/{identifier}`` (at most
+  one write in flight, coalesced to the latest batch), so a crash loses at most the batches
+  consumed since the last completed write. A unit's end is seen the same
   way (an end marker travels behind its last batch) and recorded as ``done/{identifier}``.
 - Release: leaving the queue (the ``with`` block) flushes progress and rewrites every
   unfinished claim of this node as ``"released"`` with its last consumed step.
 - Resume (``resume=True``): a node first takes over its own unfinished units of an earlier
   incarnation (one listing of ``work/{learner}/``), and units that any node released; it
-  continues each from the first step it had not consumed.
+  continues each from the first batch it had not consumed, counted by position in ``load()``'s
+  iteration (step labels may repeat or go backwards).
 - Leases (``lease=``): the tracker renews ``leases/{learner}.json`` only when batches were
   consumed since the previous renewal, so a node that is alive but stuck stops renewing too.
   A peer judges a lease expired when it has not changed for ``lease`` on the peer's *own* clock
@@ -46,13 +48,14 @@ from gradientmail.layout import (
     DONE_PREFIX,
     claim_key,
     done_key,
-    json_object,
     lease_key,
     work_key,
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if
 from gradientmail.patterns.claims import Claimer, Pick, claim_fields, parse_claim, try_claim
+from gradientmail.records import CLAIM, LEASE, WORK, RecordError, RecordKind, SkippedRecords
+from gradientmail.records import parse as parse_record
 
 __all__ = [
     "Assignment",
@@ -117,25 +120,48 @@ def _dumps(body: Mapping[str, Any]) -> bytes:
 
 
 
+def _record(kind: RecordKind, data: bytes | None) -> dict[str, Any] | None:
+    """A bounded, validated record (``gradientmail.records``), or None: missing or unusable."""
+    if data is None:
+        return None
+    try:
+        return parse_record(kind, data)
+    except RecordError:
+        return None
+
+
 def _step(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def work_body(learner_id: str, token: str, incarnation: str, step: int | None, done: bool = False) -> bytes:
+def work_body(learner_id: str, token: str, incarnation: str, step: int | None, done: bool = False,
+              position: int | None = None) -> bytes:
     return _dumps({
         "learner": learner_id, "token": token, "incarnation": incarnation,
-        "step": step, "done": done, "updated": time.time(),
+        "step": step, "position": position, "done": done, "updated": time.time(),
     })
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """A unit this claimer now owns: load it and skip every step ``<= after`` (None: none)."""
+    """A unit this claimer now owns: load it and skip the batches consumed before.
+
+    Those are the batches at positions ``<= position`` of ``load``'s iteration (steps are labels
+    and may repeat); a record of an older version without a position is continued by its step
+    label instead, skipping every step ``<= after`` (best effort). None: nothing to skip.
+    """
 
     identifier: str
     token: str
     after: int | None = None
     taken_from: str | None = None
+    position: int | None = None
+
+    def skips(self, step: int, position: int) -> bool:
+        """Whether the batch at ``position`` (labelled ``step``) was consumed before."""
+        if self.position is not None:
+            return position <= self.position
+        return self.after is not None and step <= self.after
 
 
 def take_over(
@@ -147,6 +173,7 @@ def take_over(
     expect: Callable[[dict[str, Any]], bool] = lambda claim: True,
     after: Callable[[dict[str, Any]], int | None] | None = None,
     worker: int | None = None,
+    position: Callable[[dict[str, Any]], int | None] | None = None,
 ) -> Assignment | None:
     """Replace the claim on ``identifier`` with one of ours if ``expect(claim)`` holds.
 
@@ -154,7 +181,9 @@ def take_over(
     (``replace_if``: exactly one of several racing callers wins), reads it back like the claim
     protocol does, and records the unit under ``work/{learner_id}/``. ``after(claim)`` gives the
     last step consumed before the takeover (default: the owner's work record, else the
-    claim's ``step``). Returns None when the claim changed meanwhile or ``expect`` refused it.
+    claim's ``step``), ``position(claim)`` that batch's position in ``load``'s iteration
+    (default: recorded alongside the step; None when ``after`` is given without it). Returns
+    None when the claim changed meanwhile or ``expect`` refused it.
     """
     key = claim_key(identifier)
     got = mailbox.get_versioned(key)
@@ -165,41 +194,60 @@ def take_over(
     if claim is None or not expect(claim):
         return None
     owner = claim.get("learner") if isinstance(claim.get("learner"), str) else None
-    start = after(claim) if after is not None else recorded_step(mailbox, identifier, claim)
+    if after is not None:
+        start, start_position = after(claim), position(claim) if position is not None else None
+    else:
+        start, start_position = recorded_progress(mailbox, identifier, claim)
     token = uuid.uuid4().hex
     body = claim_fields(
         learner_id, token, worker, incarnation=incarnation, state=ACTIVE, step=start,
-        taken_from=owner,
+        position=start_position, taken_from=owner,
     )
     if not mailbox.replace_if(key, _dumps(body), version):
         return None
-    mine = parse_claim(mailbox.get(key))
-    if mine is None:
+    read_back = mailbox.get(key)
+    if read_back is None:
         store = describe(mailbox)
         raise UnsafeStoreError(
             f"{store}: the claim {key!r} was replaced but cannot be read back; "
             "this store does not show a write to the next read, so takeovers are unsafe here",
             operation="get", key=key, store=store,
         )
-    if mine.get("token") != token:
-        return None
-    mailbox.put(work_key(learner_id, identifier), work_body(learner_id, token, incarnation, start))
+    mine = parse_claim(read_back)
+    if mine is None or mine.get("token") != token:
+        return None  # replaced again meanwhile, by someone else
+    mailbox.put(work_key(learner_id, identifier),
+                work_body(learner_id, token, incarnation, start, position=start_position))
     if owner and owner != learner_id:
         try:  # the previous owner's record: keeps its listing small; harmless if it stays
             mailbox.delete(work_key(owner, identifier))
         except Exception:
             pass
-    return Assignment(identifier, token, start, owner)
+    return Assignment(identifier, token, start, owner, start_position)
 
 
 def recorded_step(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -> int | None:
     """The last step consumed under ``claim``: its owner's work record if it matches, else the
     step the claim was taken over or released at."""
+    return recorded_progress(mailbox, identifier, claim)[0]
+
+
+def recorded_progress(
+    mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]
+) -> tuple[int | None, int | None]:
+    """``(step, position)`` of the last batch consumed under ``claim``, from its owner's work
+    record if it matches, else from the claim (taken over or released there)."""
+    source: Mapping[str, Any] = claim
     if claim.get("state") != RELEASED and isinstance(claim.get("learner"), str):
-        record = json_object(mailbox.get(work_key(claim["learner"], identifier)))
+        record = _record(WORK, mailbox.get(work_key(claim["learner"], identifier)))
         if record is not None and record.get("token") == claim.get("token"):
-            return _step(record.get("step"))
-    return _step(claim.get("step"))
+            source = record
+    return _step(source.get("step")), _position(source.get("position"))
+
+
+def _position(value: Any) -> int | None:
+    step = _step(value)
+    return step if step is not None and step >= 0 else None
 
 
 # -- leases ------------------------------------------------------------------------------------
@@ -218,7 +266,7 @@ class LeaseWatch:
         self._seen: dict[str, tuple[bytes | None, float]] = {}
 
     def expired(self, learner: str, record: bytes | None, incarnation: str | None = None) -> bool:
-        body = json_object(record)
+        body = _record(LEASE, record)  # unusable: judged like a record that never changes
         if body is not None:
             if body.get("state") == STOPPED:
                 return True
@@ -305,6 +353,8 @@ class ElasticClaimer:
         self._candidates: list[tuple[str, Any]] = []
         self._pending = False
         self._claims_seen: dict[tuple[str, Any], float] = {}  # (unit, token) -> first seen
+        self.skipped = SkippedRecords(f"learner {learner_id!r}")
+        """Unusable claims, work records and leases met (counted, warned once per kind and learner)."""
         self.stats: dict[str, int] = {"claims": 0, "takeovers": 0, "scans": 0}
 
     @property
@@ -317,7 +367,8 @@ class ElasticClaimer:
         while self._restore:
             identifier, state = self._restore.popitem()
             found = self._take(identifier, expect=_restorable(self.learner_id, state),
-                               after=lambda claim, state=state: _step(state.get("step")))
+                               after=lambda claim, state=state: _step(state.get("step")),
+                               position=lambda claim, state=state: _position(state.get("position")))
             if found is not None:
                 return found
         if self._own is None:
@@ -351,10 +402,11 @@ class ElasticClaimer:
 
     # -- internals ---------------------------------------------------------------------------
     def _take(self, identifier: str, *, expect: Callable[[dict[str, Any]], bool],
-              after: Callable[[dict[str, Any]], int | None] | None = None) -> Assignment | None:
+              after: Callable[[dict[str, Any]], int | None] | None = None,
+              position: Callable[[dict[str, Any]], int | None] | None = None) -> Assignment | None:
         found = take_over(
             self.mailbox, identifier, self.learner_id, self.options.incarnation,
-            expect=expect, after=after, worker=self.worker,
+            expect=expect, after=after, worker=self.worker, position=position,
         )
         if found is not None:
             self.stats["takeovers"] += 1
@@ -365,9 +417,9 @@ class ElasticClaimer:
         prefix = work_prefix(self.learner_id)
         found = []
         for key in self.mailbox.list(prefix):
-            record = json_object(self.mailbox.get(key))
+            record = self.skipped.parse(WORK, self.mailbox.get(key), key, self.learner_id)
             if record is None or record.get("incarnation") == self.options.incarnation:
-                continue  # unreadable, or a sibling worker's current unit
+                continue  # unusable (warned), or a sibling worker's current unit
             found.append(key[len(prefix) :])
         rank = {identifier: position for position, identifier in enumerate(self.order)}
         return sorted((i for i in found if i in rank), key=rank.__getitem__)
@@ -416,9 +468,10 @@ class ElasticClaimer:
         for identifier in self.order:
             if identifier not in claimed or identifier in done:
                 continue
-            claim = parse_claim(self.mailbox.get(claim_key(identifier)))
+            key = claim_key(identifier)
+            claim = self.skipped.parse(CLAIM, self.mailbox.get(key), key)
             if claim is None or claim.get("incarnation") == self.options.incarnation:
-                continue  # unreadable, or being worked on by this node
+                continue  # unusable (warned; nobody can take it over), or being worked on by this node
             if self._takeable(identifier, claim, leases):
                 self._candidates.append((identifier, claim.get("token")))
             else:
@@ -438,10 +491,11 @@ class ElasticClaimer:
         first_seen = self._claims_seen.setdefault((identifier, claim.get("token")), now)
         if owner not in leases:  # one read per owner and scan
             leases[owner] = self.mailbox.get(lease_key(owner))
+            self.skipped.parse(LEASE, leases[owner], lease_key(owner), owner)  # counted and warned
         incarnation = claim.get("incarnation") if isinstance(claim.get("incarnation"), str) else None
         if not self._watch.expired(owner, leases[owner], incarnation):
             return False
-        record = json_object(leases[owner])
+        record = _record(LEASE, leases[owner])
         gone = record is not None and (
             record.get("state") == STOPPED
             or (incarnation is not None and record.get("incarnation") != incarnation)
@@ -475,7 +529,7 @@ class ProgressTracker:
         self.learner_id = learner_id
         self.options = options
         self._changed = threading.Condition()
-        self._progress: dict[str, tuple[str, int]] = {}
+        self._progress: dict[str, tuple[str, int, int | None]] = {}
         self._finished: list[tuple[str, str]] = []
         self._consumed = 0
         self._beat_consumed = 0
@@ -486,6 +540,7 @@ class ProgressTracker:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.writes: dict[str, int] = {"progress": 0, "done": 0, "lease": 0, "released": 0}
+        self.skipped = SkippedRecords(f"learner {learner_id!r}")
 
     # -- called by the consumer -----------------------------------------------------------
     def start(self) -> None:
@@ -496,9 +551,10 @@ class ProgressTracker:
         )
         self._thread.start()
 
-    def consumed(self, identifier: str, token: str, step: int) -> None:
+    def consumed(self, identifier: str, token: str, step: int, position: int | None = None) -> None:
+        """The loop consumed the batch labelled ``step`` at ``position`` of the unit's load()."""
         with self._changed:
-            self._progress[identifier] = (token, step)
+            self._progress[identifier] = (token, step, position)
             self._consumed += 1
             self._changed.notify_all()
 
@@ -536,14 +592,15 @@ class ProgressTracker:
         released = 0
         prefix = work_prefix(self.learner_id)
         for key in list(self.mailbox.list(prefix)):
-            record = json_object(self.mailbox.get(key))
+            record = self.skipped.parse(WORK, self.mailbox.get(key), key, self.learner_id)
             if record is None or record.get("incarnation") != self.options.incarnation:
                 continue
             identifier = key[len(prefix) :]
             got = self.mailbox.get_versioned(claim_key(identifier))
             claim = parse_claim(got[0]) if got is not None else None
             if claim is not None and claim.get("token") == record.get("token"):
-                claim.update(state=RELEASED, step=_step(record.get("step")), released_at=time.time())
+                claim.update(state=RELEASED, step=_step(record.get("step")),
+                             position=_position(record.get("position")), released_at=time.time())
                 if self.mailbox.replace_if(claim_key(identifier), _dumps(claim), got[1]):
                     released += 1
             self.mailbox.delete(key)
@@ -582,16 +639,17 @@ class ProgressTracker:
             except Exception as exc:  # surfaced to the consumer by check()
                 self._error = exc
 
-    def _write(self, progress: dict[str, tuple[str, int]], finished: list[tuple[str, str]], beat: bool) -> None:
+    def _write(self, progress: dict[str, tuple[str, int, int | None]], finished: list[tuple[str, str]],
+               beat: bool) -> None:
         done = {identifier for identifier, _ in finished}
         if beat:
             self._write_lease(RUNNING)
-        for identifier, (token, step) in progress.items():
+        for identifier, (token, step, position) in progress.items():
             if identifier in done:
                 continue  # the done record below supersedes it
             self.mailbox.put(
                 work_key(self.learner_id, identifier),
-                work_body(self.learner_id, token, self.options.incarnation, step),
+                work_body(self.learner_id, token, self.options.incarnation, step, position=position),
             )
             self.writes["progress"] += 1
         for identifier, token in finished:
@@ -619,8 +677,9 @@ class ProgressTracker:
 
 
 # -- the stream between the two sides ----------------------------------------------------------
-Tagged = tuple[Any, Any, tuple[str, str, int]]
-"""``(step, tensor, (identifier, token, BATCH))`` or ``(None, None, (identifier, token, END))``."""
+Tagged = tuple[Any, Any, tuple[str, str, int, Any]]
+"""``(step, tensor, (identifier, token, BATCH, position))`` or ``(None, None, (identifier, token,
+END, None))``; ``position`` is the batch's index in the unit's ``load()`` iteration."""
 
 
 def tagged_items(
@@ -628,18 +687,19 @@ def tagged_items(
     load_unit: Callable[[str], Iterator[tuple[int, Any]]],
     on_claim: Callable[[], None] = lambda: None,
 ) -> Iterator[Tagged]:
-    """Each owned unit's batches after its ``after`` step, then an end marker, unit by unit."""
+    """Each owned unit's batches not consumed before (``Assignment.skips``), then an end marker,
+    unit by unit; each batch tagged with its position in ``load``'s iteration."""
     while True:
         assignment = claimer.claim_next()
         if assignment is None:
             return
         on_claim()
-        identifier, token, after = assignment.identifier, assignment.token, assignment.after
-        for step, tensor in load_unit(identifier):
-            if after is not None and step <= after:
+        identifier, token = assignment.identifier, assignment.token
+        for position, (step, tensor) in enumerate(load_unit(identifier)):
+            if assignment.skips(step, position):
                 continue
-            yield step, tensor, (identifier, token, BATCH)
-        yield None, None, (identifier, token, END)
+            yield step, tensor, (identifier, token, BATCH, position)
+        yield None, None, (identifier, token, END, None)
 
 
 class Consumption:
@@ -651,7 +711,7 @@ class Consumption:
 
     def __init__(self, tracker: ProgressTracker) -> None:
         self.tracker = tracker
-        self._last: tuple[str, str, int] | None = None
+        self._last: tuple[str, str, int, int | None] | None = None
 
     def next_from(self, items: Iterator[Tagged]) -> tuple[int, Any]:
         self.tracker.check()
@@ -659,11 +719,12 @@ class Consumption:
             self.tracker.consumed(*self._last)
             self._last = None
         while True:
-            step, tensor, (identifier, token, kind) = next(items)
+            step, tensor, tag = next(items)
+            identifier, token, kind = tag[0], tag[1], tag[2]
             if kind == END:
                 self.tracker.finished(identifier, token)
                 continue
-            self._last = (identifier, token, step)
+            self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None)
             return step, tensor
 
     def finish(self, *, consumed_last: bool) -> None:
@@ -672,10 +733,21 @@ class Consumption:
         self._last = None
 
 
-def consume_inline(items: Iterator[Tagged], tracker: ProgressTracker) -> Iterator[tuple[int, Any]]:
-    """Direct iteration of a dataset in this process: the generator resuming means consumed."""
+def consume_inline(items: Iterator[Tagged], tracker: ProgressTracker,
+                   presence: Any = None) -> Iterator[tuple[int, Any]]:
+    """Direct iteration of a dataset in this process: the generator resuming means consumed.
+
+    ``presence`` (a ``presence.Presence``) registers this incarnation first and is closed last.
+    """
     consumption = Consumption(tracker)
-    tracker.start()
+    if presence is not None:
+        presence.start()  # DuplicateLearnerError before anything is claimed or recorded
+    try:
+        tracker.start()
+    except BaseException:
+        if presence is not None:
+            presence.close()
+        raise
     try:
         while True:
             try:
@@ -688,4 +760,8 @@ def consume_inline(items: Iterator[Tagged], tracker: ProgressTracker) -> Iterato
         if close is not None:
             close()
         consumption.finish(consumed_last=False)
-        tracker.close()
+        try:
+            tracker.close()
+        finally:
+            if presence is not None:
+                presence.close()

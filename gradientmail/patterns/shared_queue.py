@@ -21,7 +21,6 @@ import dataclasses
 import ctypes
 import functools
 import inspect
-import json
 import multiprocessing
 import multiprocessing.context
 import numbers
@@ -33,7 +32,7 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, _utils, get_worker_info
@@ -53,6 +52,8 @@ from gradientmail.patterns.elastic import (
     tagged_items,
 )
 from gradientmail.patterns.inline import inline
+from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
+from gradientmail.patterns.presence import Presence, presence_renew_s
 from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
 from gradientmail.patterns.claims import (
     DEFAULT_LISTING,
@@ -147,8 +148,11 @@ def units_claimed_by(learner_id: str) -> int:
 # -- the dataset -------------------------------------------------------------------------------
 
 
-def prepare_mailbox(mailbox: Mailbox, units: int) -> None:
+def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | None = None) -> None:
     """Record the run (``run.json``) if new, and refuse a store without atomic creation.
+
+    With ``identifiers`` the record carries the unit set's fingerprint, and joining a run of
+    another unit set raises ``RunMismatchError`` (``gradientmail.run_record``).
 
     Only the node that creates ``run.json`` runs the full store check (``verify_mailbox``: a
     probe key created twice, read back and deleted, four requests). Every other node has just
@@ -159,17 +163,19 @@ def prepare_mailbox(mailbox: Mailbox, units: int) -> None:
     full check and is refused before it claims anything. Five requests for the first node,
     two for each of the others (the seed checked the store on every node: five each).
     """
-    record = {"units": units, "created": time.time()}
-    if mailbox.put_if_absent(RUN_KEY, json.dumps(record).encode()):
+    fingerprint = unit_fingerprint(identifiers) if identifiers is not None else None
+    if mailbox.put_if_absent(RUN_KEY, run_record(units, fingerprint)):
         verify_mailbox(mailbox)
         return
-    if mailbox.get(RUN_KEY) is None:
+    existing = mailbox.get(RUN_KEY)
+    if existing is None:
         store = describe(mailbox)
         raise UnsafeStoreError(
             f"{store}: creating {RUN_KEY!r} reported that it already existed, but it cannot be "
             "read; put_if_absent does not report creation truthfully",
             operation="verify", key=RUN_KEY, store=store,
         )
+    check_run_record(existing, units, fingerprint, describe(mailbox))
 
 
 class _Control:
@@ -297,7 +303,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                 )
             options = dataclasses.replace(self._elastic, incarnation=uuid.uuid4().hex)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
-            return consume_inline(self._claim_and_load(None, options), tracker)
+            presence = Presence(self.mailbox, self.learner_id, options.incarnation,
+                                renew_s=presence_renew_s(options.lease_s))
+            return consume_inline(self._claim_and_load(None, options), tracker, presence)
         batches = self._claim_and_load(worker, self._elastic)
         if self._control is None:
             return batches
@@ -305,7 +313,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
 
     # -- torchdata's Stateful protocol ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The units this iteration is reading: claim token and last step handed out, per unit.
+        """The units this iteration is reading: claim token, last step handed out and its
+        position in the unit's ``load`` iteration (which ``load_state_dict`` continues after),
+        per unit.
 
         In a DataLoader worker this is that worker's state (``StatefulDataLoader`` collects
         one per worker along with the batches it delivers).
@@ -318,7 +328,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Take the units of ``state_dict`` back on the next iteration and continue each after
-        its last step (a compare-and-swap on the claim: a store with ``replace_if`` is needed)."""
+        its last position (a state without one: after its last step label), by a
+        compare-and-swap on the claim: a store with ``replace_if`` is needed."""
         units = state_dict.get("units") if isinstance(state_dict, Mapping) else None
         if not isinstance(units, Mapping):
             raise ValueError(
@@ -338,7 +349,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         if not self.units:
             return
         if not self._verified:
-            prepare_mailbox(self.mailbox, len(self.units))
+            prepare_mailbox(self.mailbox, len(self.units), self.units)
         if options is not None or self._restore:
             yield from self._claim_and_load_elastic(worker, options)
             return
@@ -362,8 +373,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     raise
                 if identifier is None:
                     return
-                for step, tensor in self._load_unit(identifier):
-                    self._positions[identifier] = {"token": None, "step": step}
+                for position, (step, tensor) in enumerate(self._load_unit(identifier)):
+                    self._positions[identifier] = {"token": None, "step": step, "position": position}
                     if gauge is not None:
                         gauge.produced(worker)
                     yield step, tensor
@@ -397,9 +408,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                 except Exception as exc:
                     _note(exc, f"while learner {self.learner_id!r} was claiming or loading a unit in {describe(self.mailbox)}")
                     raise
-                step, tensor, (identifier, token, kind) = item
+                step, tensor, (identifier, token, kind, position) = item
                 if kind == BATCH:
-                    self._positions[identifier] = {"token": token, "step": step}
+                    self._positions[identifier] = {"token": token, "step": step, "position": position}
                 else:
                     self._positions.pop(identifier, None)
                 if options is not None:
@@ -536,6 +547,9 @@ def _keep(item: Batch) -> Batch:
 class _Batches(Iterator[Batch]):
     """The iterator ``shared_queue`` yields; ends for good after an error or after close."""
 
+    on_end: Callable[[], None] | None = None
+    """Called once when the batches run out (not after an error or ``close``)."""
+
     def __init__(self) -> None:
         self._finished = False
 
@@ -547,6 +561,11 @@ class _Batches(Iterator[Batch]):
             raise StopIteration
         try:
             return self._next()
+        except StopIteration:
+            self._finished = True
+            if self.on_end is not None:
+                self.on_end()
+            raise
         except BaseException:
             self._finished = True
             raise
@@ -895,7 +914,62 @@ def _seconds(value: timedelta | float | None) -> float | None:
     return seconds
 
 
-@contextlib.contextmanager
+def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], None]:
+    """Say why a node got no batch at all: a rerun into a finished prefix looks like success."""
+
+    def check() -> None:
+        if dataset._counter.total() == 0:  # claims of this queue, its worker processes included
+            warnings.warn(
+                f"shared_queue: 0 batches for learner {dataset.learner_id!r}: every unit of this "
+                f"run ({len(dataset.units)} units in {describe(dataset.mailbox)}) is already taken "
+                "or done; use a fresh prefix to train again",
+                stacklevel=3,  # the training loop's line
+            )
+
+    return check
+
+
+WITH_HINT = (
+    "shared_queue(...) is a context manager, not an iterable: write "
+    "`with shared_queue(...) as batches:` and iterate `batches` inside the block (leaving it "
+    "stops the loaders cleanly)"
+)
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class QueueContext(contextlib.AbstractContextManager, Generic[T]):
+    """What ``shared_queue(...)`` returns: a context manager that says so when iterated."""
+
+    def __init__(self, manager: contextlib.AbstractContextManager[T]) -> None:
+        self._manager = manager
+
+    def __enter__(self) -> T:
+        return self._manager.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._manager.__exit__(*exc_info)
+
+    def __iter__(self) -> Iterator[Any]:
+        raise TypeError(WITH_HINT)
+
+    def __next__(self) -> Any:
+        raise TypeError(WITH_HINT)
+
+
+def _with_only(function: Callable[P, Iterator[T]]) -> Callable[P, QueueContext[T]]:
+    """``contextlib.contextmanager``, returning a ``QueueContext``."""
+    manager = contextlib.contextmanager(function)
+
+    @functools.wraps(function)
+    def make(*args: P.args, **kwargs: P.kwargs) -> QueueContext[T]:
+        return QueueContext(manager(*args, **kwargs))
+
+    return make
+
+
+@_with_only
 def shared_queue(
     units: Mapping[str, V],
     *,
@@ -920,6 +994,11 @@ def shared_queue(
     ``prefetch >= 2 * workers`` a thread of this process takes each batch from the workers, so
     the loop does not wait for DataLoader's hand-over (about 1.5 ms a batch).
 
+    A prefix holds one run of one unit set: a node whose units differ from the run's is refused
+    (``RunMismatchError``, ``gradientmail.run_record``), and a node that gets no batch because
+    every unit is already taken or done warns once. Iterating ``shared_queue(...)`` itself,
+    without ``with``, raises a ``TypeError`` that says so.
+
     Guarantees:
         - At most ``prefetch`` batches are buffered in all (so ``prefetch >= workers``); a
           unit is claimed only while the buffer has room (the loop asked for a batch), never
@@ -937,6 +1016,9 @@ def shared_queue(
         - Step order: each unit's batches arrive in its step order. With ``workers > 1`` units
           loaded by different workers interleave (whichever batch is ready first), so steps are
           not globally sorted; use ``step`` as a label (learning-rate schedule), not a counter.
+        - One process per learner: entering the block while another live process runs the same
+          ``learner_id`` in this mailbox raises ``DuplicateLearnerError`` before anything is
+          claimed; a restart after a crash is allowed (``gradientmail.patterns.presence``).
 
     Args:
         units, mailbox, learner_id, load, order: as for ``SharedQueueDataset``.
@@ -982,43 +1064,52 @@ def shared_queue(
     if not dataset.units:
         yield iter(())
         return
-    prepare_mailbox(mailbox, len(dataset.units))
+    prepare_mailbox(mailbox, len(dataset.units), dataset.units)
     dataset._verified = True
-    if dataset._elastic is None:
-        dataset._gauge = BufferGauge(max(1, workers), prefetch)
-    tracker: ProgressTracker | None = None
     if dataset._elastic is not None:
-        # One incarnation for this node's workers and its tracker; the lease exists before
-        # the first claim.
+        # One incarnation for this node's workers, its tracker and its presence record.
         dataset._elastic = ElasticOptions(resume, dataset.lease_s)
-        dataset._tagged = True
-        tracker = ProgressTracker(mailbox, dataset.learner_id, dataset._elastic)
-        tracker.start()
-    batches: _Batches
-    if workers == 0:
-        batches = _ThreadBatches(dataset, prefetch, timeout)
-    else:
-        assert context is not None
-        batches = _LoaderBatches(
-            dataset, prefetch=prefetch, workers=workers, context=context,
-            pin_memory=pin_memory, timeout=timeout,
-        )
-    if tracker is None:
-        try:
-            yield batches
-        finally:
-            batches.close()
-        return
-    elastic = _ElasticBatches(batches, tracker, dataset._halt)
-    clean = False
+    incarnation = dataset._elastic.incarnation if dataset._elastic is not None else uuid.uuid4().hex
+    presence = Presence(mailbox, dataset.learner_id, incarnation, renew_s=presence_renew_s(dataset.lease_s))
+    presence.start()  # DuplicateLearnerError before anything is claimed or recorded
     try:
-        yield elastic
-        clean = True
-    finally:
-        if clean:
-            elastic.close(consumed_last=True)
+        if dataset._elastic is None:
+            dataset._gauge = BufferGauge(max(1, workers), prefetch)
+        tracker: ProgressTracker | None = None
+        if dataset._elastic is not None:
+            # The lease exists before the first claim.
+            dataset._tagged = True
+            tracker = ProgressTracker(mailbox, dataset.learner_id, dataset._elastic)
+            tracker.start()
+        batches: _Batches
+        if workers == 0:
+            batches = _ThreadBatches(dataset, prefetch, timeout)
         else:
+            assert context is not None
+            batches = _LoaderBatches(
+                dataset, prefetch=prefetch, workers=workers, context=context,
+                pin_memory=pin_memory, timeout=timeout,
+            )
+        if tracker is None:
             try:
-                elastic.close(consumed_last=False)
-            except Exception as exc:  # do not hide the error that is leaving the block
-                warnings.warn(f"shared_queue: recording progress on exit failed: {exc!r}", stacklevel=3)
+                batches.on_end = _warn_if_nothing_claimed(dataset)
+                yield batches
+            finally:
+                batches.close()
+            return
+        elastic = _ElasticBatches(batches, tracker, dataset._halt)
+        clean = False
+        try:
+            elastic.on_end = _warn_if_nothing_claimed(dataset)
+            yield elastic
+            clean = True
+        finally:
+            if clean:
+                elastic.close(consumed_last=True)
+            else:
+                try:
+                    elastic.close(consumed_last=False)
+                except Exception as exc:  # do not hide the error that is leaving the block
+                    warnings.warn(f"shared_queue: recording progress on exit failed: {exc!r}", stacklevel=3)
+    finally:
+        presence.close()

@@ -29,6 +29,7 @@ member counted forever.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 import warnings
@@ -122,7 +123,8 @@ def list_session(mailbox: Mailbox, after: int | None = None) -> Listing:
 
 
 def skipped(error: UnusableStateError) -> None:
-    """Report a version (or file) that was skipped: a warning, the run goes on."""
+    """Report a version (or file) that was skipped: a warning (and a log line), the run goes on."""
+    logging.getLogger("gradientmail.session").warning("skipped: %s", error)
     warnings.warn(str(error), MailSkippedWarning, stacklevel=3)
 
 

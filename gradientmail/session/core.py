@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import queue
@@ -32,6 +33,9 @@ from gradientmail.session.mail import (
 )
 from gradientmail.session.merge import load_into
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
+
+log = logging.getLogger("gradientmail.session")
+"""Joining and leaving at INFO, every exchange at DEBUG; the library never configures handlers."""
 
 DEFAULT_EVERY = timedelta(seconds=30)
 """Exchange interval. Time (not steps) keeps every node's cadence equal whatever its speed, so a
@@ -348,6 +352,9 @@ class Session:
             raise
         self._schedule()
         self._state = "active"
+        log.info("%s joined the run on %s at version %s (%s, outer %s)", self.learner_id,
+                 describe(self.mailbox), self.version,
+                 "caught up" if self.catch_up else "own parameters", self.outer.name)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -361,7 +368,11 @@ class Session:
                     self._finish(self._wait(job, "the last exchange"))
                 self._finish(self._wait(self._worker.submit(self._exchange_job_for_now(final=True)),
                                         "folding the final progress"))
+                log.info("%s left the run at version %s after %d steps, %d exchanges, %d conflicts",
+                         self.learner_id, self.version, self._steps, self._exchanges, self._conflicts)
             else:
+                log.warning("%s left the run after an exception in the training loop: %r",
+                            self.learner_id, exc)
                 # Nothing final after a failed body (as after a crash, its progress up to its last
                 # exchange stays in the run); keep the body's exception, note the background's.
                 note = None
@@ -485,6 +496,8 @@ class Session:
         if any(learner != self.learner_id for learner in merge.weights):
             self._merges += 1
         self._last_weights = merge.weights
+        log.debug("%s exchange %d: version %s, %d conflicts so far, samples folded %s",
+                  self.learner_id, self._exchanges, self.version, self._conflicts, merge.weights)
 
     def _result(self, job: _Job, what: str) -> Any:
         if job.error is not None:

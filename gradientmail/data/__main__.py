@@ -1,0 +1,7 @@
+"""``python -m gradientmail.data write|stdlib ...``, the same as ``gradientmail tokens ...``."""
+
+import sys
+
+from gradientmail.data.cli import main
+
+sys.exit(main())

@@ -1,0 +1,112 @@
+"""A bounded LRU cache of fixed-size blocks of one file.
+
+Reads go to the store in whole blocks (consecutive missing blocks in one ranged request), and at
+most ``capacity`` bytes of blocks are kept, so a reader's memory is bounded whatever it is asked
+for: a request larger than the cache is still served, from blocks that are not all kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters of one process's cache: ``reads`` ranged requests fetched ``bytes_read`` bytes."""
+
+    hits: int
+    misses: int
+    reads: int
+    bytes_read: int
+    held_bytes: int
+    capacity: int
+
+
+class BlockCache:
+    """Blocks ``[k * block_size, (k + 1) * block_size)`` of a file of ``size`` bytes.
+
+    ``fetch(start, stop)`` reads bytes from the file. ``capacity`` bounds the bytes held
+    (below ``block_size``, e.g. ``0``: nothing is kept and each read fetches just its range).
+    """
+
+    def __init__(self, fetch: Callable[[int, int], bytes], size: int, block_size: int, capacity: int) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive number of bytes, not {block_size!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"cache_bytes must be a number of bytes >= 0, not {capacity!r}")
+        self._fetch = fetch
+        self.size = size
+        self.block_size = block_size
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._reads = self._bytes_read = 0
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self._hits, self._misses, self._reads, self._bytes_read, self._held,
+                          self.capacity)
+
+    def read(self, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of the file (``0 <= start <= stop <= size``)."""
+        if start >= stop:
+            return b""
+        if self.capacity < self.block_size:  # no block could be kept: read just what is asked
+            data = self._fetch(start, stop)
+            with self._lock:
+                self._misses += 1
+                self._reads += 1
+                self._bytes_read += len(data)
+            return data
+        size = self.block_size
+        first, last = start // size, (stop - 1) // size
+        with self._lock:  # one reader at a time: blocks are fetched once, counters stay exact
+            found: dict[int, bytes] = {}
+            missing: list[int] = []
+            for index in range(first, last + 1):
+                block = self._blocks.get(index)
+                if block is None:
+                    missing.append(index)
+                else:
+                    self._blocks.move_to_end(index)
+                    found[index] = block
+            self._hits += len(found)
+            self._misses += len(missing)
+            for run_first, run_last in _runs(missing):
+                data = self._fetch(run_first * size, min((run_last + 1) * size, self.size))
+                self._reads += 1
+                self._bytes_read += len(data)
+                for index in range(run_first, run_last + 1):
+                    block = data[(index - run_first) * size:(index - run_first + 1) * size]
+                    found[index] = block
+                    self._keep(index, block)
+            joined = b"".join(found[index] for index in range(first, last + 1))
+        return joined[start - first * size:stop - first * size]
+
+    def _keep(self, index: int, block: bytes) -> None:
+        if len(block) > self.capacity:
+            return
+        self._blocks[index] = block
+        self._held += len(block)
+        while self._held > self.capacity:
+            _, evicted = self._blocks.popitem(last=False)
+            self._held -= len(evicted)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self._held = 0
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted block indices grouped into runs of consecutive ones, ``(first, last)`` each."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index)
+        else:
+            runs.append((index, index))
+    return runs

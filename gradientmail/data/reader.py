@@ -1,0 +1,185 @@
+"""``TokenReader``: the seed's ``sequences(start, count)`` over a flat file of tokens.
+
+Packing: sequence ``i`` is the ``seq_len + 1`` tokens from token ``i * seq_len`` on, so
+consecutive sequences share one token and ``row[:-1]`` / ``row[1:]`` are the inputs and targets
+of next-token prediction; every token but the first is a target exactly once per pass. A file of
+``T`` tokens holds ``(T - 1) // seq_len`` sequences.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradientmail.data.cache import BlockCache, CacheStats
+from gradientmail.data.errors import SequenceRangeError, TokenFileError
+from gradientmail.data.formats import FileFormat, TokenLayout, read_layout
+from gradientmail.data.sources import ByteSource, open_source
+
+DEFAULT_BLOCK_SIZE = 1 << 20
+"""1 MiB: a few ranged requests per batch on S3, and finer than one lane's share of a step."""
+
+DEFAULT_CACHE_BYTES = 64 << 20
+"""Per process: each DataLoader worker holds a cache of its own."""
+
+_SIGNED = {"uint16": (torch.int16, 0xFFFF), "uint32": (torch.int32, 0xFFFFFFFF)}
+
+
+def _count(name: str, value: object, minimum: int, error: type[Exception] = ValueError) -> int:
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int, not {value!r}")
+    value = operator.index(value)  # numpy and 0-d torch integers too
+    if value < minimum:
+        raise error(f"{name} must be >= {minimum}, not {value!r}")
+    return value
+
+
+class TokenReader:
+    """Sequences of ``seq_len + 1`` tokens (``int64``) from a ``.bin`` or ``.npy`` token file.
+
+    Args:
+        url: a local path, ``file://`` URL or any fsspec URL (``s3://bucket/key`` needs s3fs).
+        seq_len: tokens a model sees per sequence; rows are ``seq_len + 1`` long (see above).
+        dtype: ``"uint16"`` or ``"uint32"``; a raw ``.bin`` is ``uint16`` unless told, a
+            ``.npy`` says its own (passing another one is an error).
+        format: ``"auto"`` (``.npy`` by the name's suffix, else raw), ``"bin"`` or ``"npy"``.
+        vocab_size: if given, every token read is checked to be below it (a wrong dtype or a
+            corrupt file fails here, naming the token, instead of deep inside an embedding).
+        block_size, cache_bytes: reads are whole blocks of ``block_size`` bytes and at most
+            ``cache_bytes`` of them are kept, per process (LRU).
+        storage_options: passed to fsspec, e.g. ``{"endpoint_url": ...}`` for s3fs.
+
+    The file is opened and checked here; a pickled copy (a DataLoader worker) reopens it on
+    first use, with an empty cache, and refuses a file whose size changed meanwhile.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        seq_len: int,
+        dtype: str | torch.dtype | None = None,
+        format: FileFormat = "auto",
+        vocab_size: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if sys.byteorder != "little":  # pragma: no cover
+            raise TokenFileError("token files are little-endian; this machine is big-endian")
+        self.seq_len = _count("seq_len", seq_len, 1)
+        self.vocab_size = None if vocab_size is None else _count("vocab_size", vocab_size, 1)
+        self._source: ByteSource = open_source(url, storage_options)
+        self.url = self._source.name
+        self._size = self._source.size()
+        self.layout: TokenLayout = read_layout(
+            self.url, self._size, self._source.read, format=format, dtype=dtype
+        )
+        self._cache = BlockCache(self._source.read, self._size, block_size, cache_bytes)
+        self._pid = os.getpid()
+        if self.layout.tokens < seq_len + 1:
+            raise TokenFileError(
+                f"{self.url}: {self.layout.tokens:,} tokens, fewer than one sequence of "
+                f"seq_len + 1 = {seq_len + 1:,}"
+            )
+
+    # -- what the file holds ----------------------------------------------------------------
+    @property
+    def dtype(self) -> str:
+        return self.layout.dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.tokens
+
+    def __len__(self) -> int:
+        """Sequences in the file: ``(num_tokens - 1) // seq_len``."""
+        return (self.layout.tokens - 1) // self.seq_len
+
+    def cache_stats(self) -> CacheStats:
+        """This process's cache counters (hits, ranged reads, bytes held and its bound)."""
+        return self._cache.stats()
+
+    def __repr__(self) -> str:
+        return (f"TokenReader({self.url!r}, seq_len={self.seq_len}, dtype={self.dtype!r}, "
+                f"tokens={self.num_tokens:,})")
+
+    # -- reading ----------------------------------------------------------------------------
+    def sequences(self, start: int, count: int) -> torch.Tensor:
+        """``count`` sequences from sequence ``start``: ``int64`` of shape ``(count, seq_len + 1)``."""
+        start = _count("start", start, 0, SequenceRangeError)
+        count = _count("count", count, 0, SequenceRangeError)
+        if start + count > len(self):
+            raise SequenceRangeError(
+                f"sequences(start={start:,}, count={count:,}) reads past the end of {self.url}: "
+                f"it holds {len(self):,} sequences of {self.seq_len} + 1 tokens "
+                f"({self.num_tokens:,} tokens)"
+            )
+        if count == 0:
+            return torch.empty(0, self.seq_len + 1, dtype=torch.int64)
+        flat = self.tokens(start * self.seq_len, count * self.seq_len + 1)
+        return flat.unfold(0, self.seq_len + 1, self.seq_len).contiguous()
+
+    def tokens(self, start: int, count: int) -> torch.Tensor:
+        """``count`` tokens from token ``start`` as a flat ``int64`` tensor."""
+        start = _count("start", start, 0, SequenceRangeError)
+        count = _count("count", count, 0, SequenceRangeError)
+        if start + count > self.num_tokens:
+            raise SequenceRangeError(
+                f"tokens(start={start:,}, count={count:,}) reads past the end of {self.url} "
+                f"({self.num_tokens:,} tokens)"
+            )
+        self._check_process()
+        itemsize = self.layout.itemsize
+        offset = self.layout.offset + start * itemsize
+        data = bytearray(self._cache.read(offset, offset + count * itemsize))
+        signed, mask = _SIGNED[self.dtype]
+        values = torch.frombuffer(data, dtype=signed).to(torch.int64) & mask if data else (
+            torch.empty(0, dtype=torch.int64))
+        if self.vocab_size is not None and values.numel() and int(values.max()) >= self.vocab_size:
+            at = int(torch.argmax((values >= self.vocab_size).to(torch.int8)))
+            raise TokenFileError(
+                f"{self.url}: token {int(values[at]):,} at position {start + at:,} is not below "
+                f"vocab_size={self.vocab_size:,} (a wrong dtype, or a file of another tokenizer?)"
+            )
+        return values
+
+    def _check_process(self) -> None:
+        """In a new process (a worker), check that the file is still the one opened."""
+        if self._pid == os.getpid():
+            return
+        size = self._source.size()
+        if size != self._size:
+            raise TokenFileError(
+                f"{self.url}: {size:,} bytes now, {self._size:,} when the reader was created: "
+                "the file changed; create the reader again"
+            )
+        self._pid = os.getpid()
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        self._source.close()
+        self._cache.clear()
+
+    def __enter__(self) -> TokenReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        cache = state.pop("_cache")
+        state["_cache_args"] = (cache.block_size, cache.capacity)
+        state["_pid"] = -1  # checked and reopened on first use in the receiving process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        block_size, capacity = state.pop("_cache_args")
+        self.__dict__.update(state)
+        self._cache = BlockCache(self._source.read, self._size, block_size, capacity)

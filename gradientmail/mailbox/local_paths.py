@@ -1,0 +1,138 @@
+"""Walking a ``LocalMailbox`` without ever following a symbolic link.
+
+Anyone who can write the mailbox directory can plant a symlink (``progress/a -> /etc``);
+following it would make nodes read, overwrite or delete files outside the mailbox. So every
+component below the root is opened relative to its parent's file descriptor with
+``O_NOFOLLOW``, and the leaf is checked with ``lstat`` and then used through the same directory
+descriptor: a symlink swapped in after a check still fails the open, and ``rename``, ``link``
+and ``unlink`` never follow a final symlink. The root itself is the user's choice and may be
+reached through symlinks.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""Opening a directory below the root: never through a symlink."""
+
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+"""Opening a value: never through a symlink; O_NONBLOCK so that a planted FIFO cannot hang."""
+
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_MISSING_RETRIES = 3  # a directory removed between our mkdir and open (a racing delete)
+
+
+class UnsafeEntry(Exception):
+    """An entry of the mailbox that must not be used: a symlink or a special file."""
+
+    def __init__(self, relative: str, what: str) -> None:
+        super().__init__(f"{relative!r} is {what}")
+        self.relative = relative
+        self.what = what
+
+
+class ParentIsKey(Exception):
+    """A directory a key needs is an existing key (a regular file)."""
+
+
+def describe_entry(dir_fd: int, name: str, relative: str) -> str:
+    """What a non-regular, non-directory entry is, for an error message."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except OSError:
+        return "not a regular file"
+    if stat.S_ISLNK(mode):
+        try:
+            target = os.readlink(name, dir_fd=dir_fd)
+        except OSError:
+            target = "?"
+        shown = target if len(target) <= 200 else target[:200] + "..."
+        return (
+            f"a symbolic link (to {shown!r}); LocalMailbox never follows symlinks, so that "
+            "nothing outside the mailbox is read, written or deleted: remove it"
+        )
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{kind}, not a regular file: remove it"
+
+
+def lstat_mode(dir_fd: int, name: str) -> int | None:
+    """``st_mode`` of ``name`` in ``dir_fd`` without following it; None when it is missing."""
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+
+
+def is_unsafe(mode: int) -> bool:
+    """Neither a regular file nor a directory (a symlink, FIFO, socket or device)."""
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def open_root(root: Path, *, create: bool) -> int | None:
+    """A descriptor of the mailbox root; None when it is missing and ``create`` is False."""
+    try:
+        return os.open(root, _ROOT_FLAGS)
+    except FileNotFoundError:
+        if not create:
+            return None
+    root.mkdir(parents=True, exist_ok=True)  # removed after opening: recreate, as writes did
+    return os.open(root, _ROOT_FLAGS)
+
+
+def open_directory(
+    root: Path, segments: list[str], *, create: bool
+) -> int | None:
+    """A descriptor of the directory ``root/segments...``, never through a symlink.
+
+    With ``create`` missing directories are made; otherwise a missing one, or one that is a
+    regular file, gives None. Raises ``UnsafeEntry`` for a symlink or special file on the way,
+    ``ParentIsKey`` (``create`` only) when a component is a regular file.
+    """
+    fd = open_root(root, create=create)
+    if fd is None:
+        return None
+    try:
+        for depth, name in enumerate(segments):
+            child = _open_child(fd, name, "/".join(segments[: depth + 1]), create=create)
+            os.close(fd)
+            fd = child
+            if fd is None:
+                return None
+        return fd
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+
+
+def _open_child(fd: int, name: str, relative: str, *, create: bool) -> int | None:
+    for _ in range(_MISSING_RETRIES):
+        if create:
+            try:
+                os.mkdir(name, 0o777, dir_fd=fd)
+            except FileExistsError:
+                pass
+        try:
+            return os.open(name, DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+            continue  # removed between mkdir and open: make it again
+        except OSError as exc:
+            mode = lstat_mode(fd, name)
+            if mode is None:
+                if not create:
+                    return None
+                continue
+            if stat.S_ISREG(mode):
+                if create:
+                    raise ParentIsKey(relative) from None
+                return None
+            if is_unsafe(mode):
+                raise UnsafeEntry(relative, describe_entry(fd, name, relative)) from None
+            raise
+    raise OSError(errno.ENOENT, f"directory {relative!r} kept disappearing while being created")

@@ -1,0 +1,133 @@
+"""``LocalMailbox``'s temporary files: written whole, removed on failure, swept when stale.
+
+A value is written to a hidden temporary file next to its key and then published. A write that
+fails (disk full) must not leave its temporary file behind, since it keeps the space and the
+next claim would fail too; a writer killed mid-write (SIGKILL) cannot clean up at all. So a
+temporary file's name carries its writer: a token for this host (hostname, boot and PID
+namespace, so that a PID means the same process) and the PID. ``list`` removes temporary files
+whose writer is a dead process of this host, and any older than ``STALE_TEMP_SECONDS`` (a writer
+on another host, or one from before names carried writers), since a live writer finishes in
+far less time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import socket
+import time
+import uuid
+
+STALE_TEMP_SECONDS = 3600.0
+"""Age after which any temporary file is swept, whoever wrote it (clock skew included)."""
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_LEAF_BYTES = 64  # the key's name in a temporary name is only a hint; keep under NAME_MAX
+
+_TEMP = re.compile(
+    r"\.(?P<leaf>.*)\.(?P<host>[0-9a-f]{12})\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{32}\.tmp"
+)
+_OLD_TEMP = re.compile(r"\.(?P<leaf>.+)\.[0-9a-f]{32}\.tmp")  # before names carried writers
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def host_token() -> str:
+    """12 hex digits naming this host, boot and PID namespace: where a PID means one process."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    identity = "\0".join(
+        (socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), namespace)
+    )
+    return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+def temp_name(leaf: str) -> str:
+    """A fresh hidden name for a value of ``leaf`` written by this process."""
+    hint = leaf.encode("utf-8", "surrogateescape")[:_LEAF_BYTES].decode("utf-8", "ignore")
+    return f".{hint}.{host_token()}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+
+
+def write_temp(dir_fd: int, leaf: str, data: bytes) -> str:
+    """Write ``data`` whole to a new temporary file in ``dir_fd``; its name.
+
+    On any failure (``ENOSPC``, ``EFBIG``, an interrupt) the file is removed before raising.
+    """
+    name = temp_name(leaf)
+    fd = os.open(name, _WRITE_FLAGS, 0o666, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)  # NFS may report a full disk only here
+    except BaseException:
+        remove(dir_fd, name)
+        raise
+    return name
+
+
+def remove(dir_fd: int, name: str) -> None:
+    """Remove ``name`` from ``dir_fd`` if it is still there."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # never signal a process group; leave it to the age bound
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    except OverflowError:
+        return False
+    return True
+
+
+def is_temp(name: str) -> bool:
+    """Whether ``name`` is a temporary file of a ``LocalMailbox`` write."""
+    return bool(_TEMP.fullmatch(name) or _OLD_TEMP.fullmatch(name))
+
+
+def is_stale(name: str, mtime: float, now: float | None = None) -> bool:
+    """Whether the temporary file ``name`` (modified at ``mtime``) belongs to no live writer."""
+    match = _TEMP.fullmatch(name)
+    if match and match["host"] == host_token() and not _alive(int(match["pid"])):
+        return True
+    if not (match or _OLD_TEMP.fullmatch(name)):
+        return False
+    return (time.time() if now is None else now) - mtime > STALE_TEMP_SECONDS
+
+
+def sweep(dir_fd: int, entry: os.DirEntry[str]) -> bool:
+    """Remove ``entry`` of ``dir_fd`` if it is a stale temporary file; whether it was removed."""
+    if not entry.name.endswith(".tmp") or not is_temp(entry.name):
+        return False
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    if not is_stale(entry.name, info.st_mtime):
+        return False
+    try:
+        remove(dir_fd, entry.name)
+    except OSError:
+        return False  # not ours to remove (permissions): harmless, it is never listed
+    return True

@@ -1,0 +1,137 @@
+"""How long ``S3Mailbox`` keeps retrying, and reading a response body so that it can retry.
+
+A run must outlive a short outage of its store (a restart, a network blip): an operation keeps
+retrying transient faults until ``retry_window`` has passed since its first failure, with capped,
+fully jittered exponential backoff, so that nodes neither give up early nor retry in lockstep.
+An endpoint that has *never* answered is a configuration mistake (a wrong port, a store that is
+not running), not an outage: it gets ``FIRST_CONTACT_ATTEMPTS`` rounds and then a clear error.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import random
+import time
+from typing import Any
+
+import botocore.exceptions
+import urllib3.exceptions
+
+__all__ = [
+    "CONNECT_ERRORS",
+    "DEFAULT_RETRY_WINDOW",
+    "FIRST_CONTACT_ATTEMPTS",
+    "MAX_BACKOFF",
+    "RetryBudget",
+    "check_retry_window",
+    "read_body",
+    "root_cause",
+]
+
+DEFAULT_RETRY_WINDOW = datetime.timedelta(minutes=2)
+"""How long one operation retries transient faults: rides out a store restart or a short outage."""
+
+FIRST_CONTACT_ATTEMPTS = 3
+"""Rounds (each with botocore's own attempts) given to an endpoint that has never answered."""
+
+MAX_BACKOFF = 5.0
+"""Cap of one backoff sleep in seconds: retries keep probing at least this often."""
+
+CONNECT_ERRORS = (
+    botocore.exceptions.EndpointConnectionError,  # refused, no route, unknown host
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ProxyConnectionError,
+)
+"""No connection could be made: the request never reached the store."""
+
+
+def check_retry_window(window: Any) -> datetime.timedelta:
+    """``window`` if it is a non-negative ``timedelta``; a clear error otherwise."""
+    if not isinstance(window, datetime.timedelta):
+        raise TypeError(
+            f"retry_window must be a datetime.timedelta (e.g. timedelta(minutes=2)), "
+            f"not {type(window).__name__} {window!r}"
+        )
+    if window < datetime.timedelta(0):
+        raise ValueError(f"retry_window must not be negative, not {window}")
+    return window
+
+
+class RetryBudget:
+    """The retries left to one operation; ``spend()`` after each transient failure.
+
+    Retrying stops when ``window`` seconds have passed since the first failure, after
+    ``max_rounds`` failures when that is set, or after ``FIRST_CONTACT_ATTEMPTS`` failures to
+    connect to an endpoint that never answered.
+    """
+
+    def __init__(self, window: float, backoff: float, max_rounds: int | None = None) -> None:
+        self.window = window
+        self.backoff = backoff
+        self.max_rounds = max_rounds
+        self.failures = 0
+        self._started = time.monotonic()
+        self._first_failure: float | None = None
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the operation started."""
+        return time.monotonic() - self._started
+
+    def spend(self, *, first_contact: bool = False) -> bool:
+        """Count a failure; sleep and return True when another attempt is due, else False."""
+        now = time.monotonic()
+        if self._first_failure is None:
+            self._first_failure = now
+        self.failures += 1
+        limit = self.max_rounds
+        if first_contact:
+            limit = min(limit or FIRST_CONTACT_ATTEMPTS, FIRST_CONTACT_ATTEMPTS)
+        if limit is not None and self.failures >= limit:
+            return False
+        remaining = self._first_failure + self.window - now
+        if remaining <= 0:
+            return False
+        delay = random.uniform(0, min(MAX_BACKOFF, self.backoff * 2 ** (self.failures - 1)))
+        time.sleep(min(delay, remaining))
+        return True
+
+
+def read_body(response: dict[str, Any]) -> bytes:
+    """The whole body of a ``GetObject`` answer; a broken body raises a botocore error.
+
+    ``StreamingBody.read`` turns a connection dropped mid-body into ``ResponseStreamingError``,
+    a stalled one into ``ReadTimeoutError`` and a short one into ``IncompleteReadError``, all of
+    which the mailbox retries. (``with body as stream`` would yield the raw urllib3 stream,
+    whose errors are not botocore's.)
+    """
+    body = response["Body"]
+    try:
+        return body.read()
+    except urllib3.exceptions.HTTPError as exc:  # in case a urllib3 error slips through
+        raise botocore.exceptions.ResponseStreamingError(error=exc) from exc
+    finally:
+        body.close()
+
+
+def root_cause(exc: BaseException) -> str:
+    """The operating-system reason under a connection error (``Connection refused``), or ""."""
+    seen: set[int] = set()
+    fallback = ""
+    pending: collections.deque[Any] = collections.deque([exc])
+    while pending:
+        current = pending.popleft()
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.strerror:
+            return str(current.strerror)
+        if isinstance(current, OSError) and not fallback:
+            fallback = str(current)  # e.g. http.client's RemoteDisconnected, without strerror
+        kwargs = getattr(current, "kwargs", None)  # botocore keeps the urllib3 error here
+        if isinstance(kwargs, dict):
+            pending.append(kwargs.get("error"))
+        pending += [getattr(current, "reason", None), current.__cause__, current.__context__]
+        pending += current.args  # urllib3's ProtocolError carries the socket error as an arg
+    return fallback

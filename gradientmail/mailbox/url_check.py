@@ -1,0 +1,125 @@
+"""Telling a local path from a URL, and refusing mistyped URLs before they become directories.
+
+Without this, ``s3:/bucket/run`` (one slash, or a URL passed through ``pathlib``, which
+collapses ``//``) would open and create a local directory named ``s3:``, and
+``file://host/run`` would drop the host and create ``/run``: nodes would then train alone
+against a mailbox nobody else sees. Schemes are case-insensitive (RFC 3986): ``S3://`` is
+``s3://``. A relative path whose first segment merely contains a colon (``run:7``) is still a
+path; an absolute path always is.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+SERVED = ("file", "memory", "s3", "s3a")
+"""Schemes ``open_mailbox`` maps to its own backends."""
+
+_LOOKALIKE = SERVED + ("gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https")
+"""Schemes whose ``scheme:...`` form (without ``//``) is surely a mistyped URL."""
+
+_SCHEME = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):(?P<rest>.*)", re.DOTALL)
+
+
+def _suggest(scheme: str, rest: str) -> str:
+    """The URL most likely meant by ``scheme`` and the text after it."""
+    body = rest.lstrip("/")
+    if scheme == "file":
+        return f"file:///{body}"
+    if scheme in ("s3", "s3a", "gs", "gcs"):
+        return f"{scheme}://{body or 'bucket/prefix'}"
+    return f"{scheme}://{body}"
+
+
+def _refuse(
+    url: str, problem: str, meant: str | None, *, path_like: bool | None = None
+) -> ValueError:
+    """The refusal; ``path_like`` not None: ``url`` could also be read as a local path."""
+    message = f"mailbox URL {url!r} {problem}" + (f": did you mean {meant!r}?" if meant else ".")
+    if path_like:
+        message += " (pathlib collapses '//': pass a URL as a str.)"
+    if path_like is not None:
+        message += (
+            " For a local directory of that name, pass an absolute path or a str starting "
+            "with './'."
+        )
+    return ValueError(message)
+
+
+def _known_to_fsspec(scheme: str) -> bool | None:
+    """Whether fsspec knows ``scheme``; None when fsspec is not installed."""
+    try:
+        from fsspec.registry import known_implementations, registry
+    except ImportError:
+        return None
+    return scheme in known_implementations or scheme in registry
+
+
+def is_local_path(url: str, *, path_like: bool = False) -> bool:
+    """True when ``url`` names a local directory, False for a URL ``open_mailbox`` may serve.
+
+    Raises ``ValueError`` naming the problem and the likely intended URL for anything that
+    looks like a URL but is not one it serves: a known scheme without ``//`` (``s3:/b/run``,
+    ``s3//b/run``), ``file://`` with a host other than ``localhost``, ``s3:///b`` (no bucket),
+    or a scheme neither ``open_mailbox`` nor fsspec knows. ``path_like``: ``url`` came from an
+    ``os.PathLike`` (a ``Path`` turns ``s3://b`` into ``s3:/b``).
+    """
+    if url.startswith("/"):
+        return True
+    scheme, sep, rest = url.partition("://")
+    if sep and _SCHEME.fullmatch(f"{scheme}:"):
+        _check_url(url, scheme.lower(), rest)
+        return False
+    if sep:
+        return True  # "./a://b": a path that happens to contain "://"
+    first = url.partition("/")[0]
+    if first.lower() in SERVED and url[len(first):].startswith("//"):
+        meant = f"{first.lower()}:{url[len(first):]}"
+        raise _refuse(url, "lacks the ':' after its scheme", meant, path_like=path_like)
+    match = _SCHEME.fullmatch(url)
+    if not match:
+        return True
+    scheme, rest = match["scheme"].lower(), match["rest"]
+    if scheme in _LOOKALIKE:
+        raise _refuse(
+            url, f"is missing the '//' after '{match['scheme']}:'", _suggest(scheme, rest),
+            path_like=path_like,
+        )
+    if rest.startswith("/"):
+        close = difflib.get_close_matches(scheme, SERVED, n=1, cutoff=0.5)
+        raise _refuse(
+            url,
+            f"looks like a URL with the unknown scheme {scheme!r} (open_mailbox serves "
+            "file://, memory://, s3:// and verified fsspec protocols)",
+            _suggest(close[0], rest) if close else None, path_like=path_like,
+        )
+    return True  # "run:7/x": a relative path whose first name contains a colon
+
+
+def _check_url(url: str, scheme: str, rest: str) -> None:
+    if scheme == "file":
+        host, slash, path = rest.partition("/")
+        if host.lower() not in ("", "localhost"):
+            raise _refuse(
+                url, f"names the host {host!r}, which would be ignored: a file:// mailbox is a "
+                "local directory (or one on a shared mount)", f"file:///{host}/{path}",
+            )
+        if not path.strip("/"):
+            raise _refuse(url, "names no directory", None)
+        return
+    if scheme in ("s3", "s3a"):
+        if not rest.partition("/")[0]:
+            meant = f"{scheme}://{rest.lstrip('/')}" if rest.strip("/") else None
+            raise _refuse(url, "names no bucket", meant)
+        return
+    if scheme == "memory":
+        return
+    if _known_to_fsspec(scheme) is False:
+        close = difflib.get_close_matches(scheme, SERVED, n=1, cutoff=0.5)
+        raise _refuse(
+            url,
+            f"has the protocol {scheme!r}, which is not known to open_mailbox or fsspec "
+            "(served: file://, memory://, s3:// and verified fsspec protocols)",
+            _suggest(close[0], rest) if close else None,
+        )
