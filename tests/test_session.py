@@ -806,3 +806,11 @@ def test_joining_exchanging_and_leaving_are_logged(memory_mailbox, caplog):
     assert any(m.startswith("logged joined the run") for m in messages), messages
     assert any(m.startswith("logged exchange 1: version") for m in messages), messages
     assert any(m.startswith("logged left the run") for m in messages), messages
+
+
+def test_the_outer_optimizer_can_be_chosen_by_environment(memory_mailbox, monkeypatch):
+    monkeypatch.setenv("GRADIENTMAIL_SESSION_OUTER", "average")
+    assert Session(linear(), mailbox=memory_mailbox, learner_id="a").outer.name == "average"
+    monkeypatch.setenv("GRADIENTMAIL_SESSION_OUTER", "momentum")
+    with pytest.raises(ValueError, match="outer='momentum'"):
+        Session(linear(), mailbox=memory_mailbox, learner_id="a")

@@ -54,6 +54,7 @@ ENV_EVERY = "GRADIENTMAIL_SESSION_EVERY_S"
 ENV_EVERY_STEPS = "GRADIENTMAIL_SESSION_EVERY_STEPS"
 ENV_MAX_STALENESS = "GRADIENTMAIL_SESSION_MAX_STALENESS_S"
 ENV_TIMEOUT = "GRADIENTMAIL_SESSION_TIMEOUT_S"
+ENV_OUTER = "GRADIENTMAIL_SESSION_OUTER"
 """Environment variables that, when set, override the matching argument (seconds, or a step
 count; ``none`` disables an interval), so an operator can retune a job without editing code."""
 
@@ -239,7 +240,7 @@ class Session:
         self.max_staleness = max_staleness
         self.timeout = timeout
         self.catch_up = catch_up
-        self.outer = resolve_outer(outer)
+        self.outer = resolve_outer(os.environ.get(ENV_OUTER, "").strip() or outer)
         self.wire_dtype = wire_dtype
         self._every_s = _positive("every", every, optional=True)
         self._every_steps = math.inf if every_steps is None else every_steps
