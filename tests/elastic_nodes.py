@@ -33,15 +33,20 @@ def _append(path: Path, line: str) -> None:
 
 
 class ProgressLog(_Wrapper):
-    """Logs every completed write of a progress record (``work/{learner}/...``) to a file."""
+    """Logs every completed write of a progress record (``work/{learner}/...``) to a file:
+    ``identifier value`` per write, ``value`` the record's ``field`` (-1 when it has none), into
+    ``written-{learner}.txt`` or ``written-{learner}-{run}.txt`` (one log per incarnation)."""
 
-    def __init__(self, inner: Any, out_dir: str, learner: str) -> None:
+    def __init__(self, inner: Any, out_dir: str, learner: str, field: str = "step",
+                 run: int | None = None) -> None:
         super().__init__(inner)
         self.out_dir = out_dir
         self.learner = learner
+        self.field = field
+        self.run = run
 
     def __reduce__(self):
-        return (ProgressLog, (self.inner, self.out_dir, self.learner))
+        return (ProgressLog, (self.inner, self.out_dir, self.learner, self.field, self.run))
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)
@@ -49,9 +54,10 @@ class ProgressLog(_Wrapper):
         if key.startswith(prefix):
             import json
 
-            step = json.loads(data).get("step")
-            _append(Path(self.out_dir) / f"written-{self.learner}.txt",
-                    f"{key[len(prefix):]} {-1 if step is None else step}")
+            value = json.loads(data).get(self.field)
+            name = self.learner if self.run is None else f"{self.learner}-{self.run}"
+            _append(Path(self.out_dir) / f"written-{name}.txt",
+                    f"{key[len(prefix):]} {-1 if value is None else value}")
 
 
 @dataclass

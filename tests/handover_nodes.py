@@ -11,7 +11,6 @@ with ``DuplicateLearnerError``, ``("done", pid)`` at its end.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -24,9 +23,8 @@ from typing import Any
 import torch
 
 from gradientmail import DuplicateLearnerError
-from gradientmail.layout import WORK_PREFIX
-from gradientmail.mailbox.wrappers import _Wrapper
 from gradientmail.patterns.shared_queue import shared_queue
+from elastic_nodes import ProgressLog  # tests/ is on sys.path, as for every test helper
 
 
 def _append(path: Path, line: str) -> None:
@@ -46,27 +44,6 @@ class LabelledLoad:
             if self.delay:
                 time.sleep(self.delay)
             yield label, torch.tensor([item.index, position])
-
-
-class PositionLog(_Wrapper):
-    """Logs the position of every completed progress write (``work/{learner}/...``)."""
-
-    def __init__(self, inner: Any, out_dir: str, learner: str, run: int = 1) -> None:
-        super().__init__(inner)
-        self.out_dir = out_dir
-        self.learner = learner
-        self.run = run  # one log per incarnation: a restart's writes say nothing of the dead one's
-
-    def __reduce__(self):
-        return (PositionLog, (self.inner, self.out_dir, self.learner, self.run))
-
-    def put(self, key: str, data: bytes) -> None:
-        self.inner.put(key, data)
-        prefix = f"{WORK_PREFIX}{self.learner}/"
-        if key.startswith(prefix):
-            position = json.loads(data).get("position")
-            _append(Path(self.out_dir) / f"written-{self.learner}-{self.run}.txt",
-                    f"{key[len(prefix):]} {-1 if position is None else position}")
 
 
 @dataclass
@@ -92,7 +69,7 @@ class Node:
 def run_node(node: Node) -> None:
     pid = os.getpid()
     consumed = Path(node.out_dir) / f"consumed-{node.learner}-{node.run}-{pid}.txt"
-    mailbox = PositionLog(node.mailbox, node.out_dir, node.learner, node.run)
+    mailbox = ProgressLog(node.mailbox, node.out_dir, node.learner, field="position", run=node.run)
     lease = timedelta(seconds=node.lease_s) if node.lease_s else None
     if node.barrier is not None:
         node.barrier.wait(timeout=60)
