@@ -105,7 +105,12 @@ class MonitorConfig:
 
 
 def read_bytes(path: Path) -> Tensor:
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    """A byte-token file (``gradientmail.data``), whole, as ``uint8``: the corpus is small, and
+    contexts are drawn at random positions, so it is read once rather than in ranges."""
+    from gradientmail.data import TokenReader
+
+    with TokenReader(path, seq_len=CONTEXT, dtype="uint16", vocab_size=256) as reader:
+        return reader.tokens(0, reader.num_tokens).to(torch.uint8)
 
 
 def contexts_at(corpus: Tensor, positions: Tensor) -> Tensor:

@@ -107,12 +107,18 @@ class Corpus:
 
 
 def write_corpus(data_dir: Path) -> Corpus:
-    """``train.bin`` and ``val.bin`` (every 10th file), the files separated by a blank line."""
+    """``train.bin`` and ``val.bin`` (every 10th file), the files separated by a blank line,
+    written as token files (a byte per ``uint16`` token) by ``gradientmail.data.write_tokens``."""
+    from gradientmail.data import write_tokens
+
     files = stdlib_files()
     train = b"\n\n".join(p.read_bytes() for i, p in enumerate(files) if i % VALIDATION_EVERY)
     held_out = b"\n\n".join(p.read_bytes() for i, p in enumerate(files) if not i % VALIDATION_EVERY)
-    (data_dir / "train.bin").write_bytes(train)
-    (data_dir / "val.bin").write_bytes(held_out)
+    for name, text in (("train", train), ("val", held_out)):
+        raw = data_dir / f"{name}.txt"
+        raw.write_bytes(text)
+        write_tokens(data_dir / f"{name}.bin", [raw])  # bytes as tokens, exactly these bytes
+        raw.unlink()
     return Corpus(len(files), len(train), len(held_out))
 
 

@@ -7,6 +7,7 @@ Heavy pieces (torch, boto3, fsspec) are imported only when their names are first
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from gradientmail.errors import (
@@ -35,6 +36,10 @@ from gradientmail.mailbox import (
 )
 
 __version__ = "0.1.0"
+
+# A library logs and never configures handlers: its records reach the application's own setup
+# (logging.basicConfig, ...), and nothing is printed when there is none.
+logging.getLogger("gradientmail").addHandler(logging.NullHandler())
 
 _LAZY = {
     "S3Mailbox": "gradientmail.mailbox.s3",

@@ -258,16 +258,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from gradientmail.plot import plot_run, spans_from_run
+    from gradientmail.plot import describe_spans, plot_run, spans_from_run
     from gradientmail.status import read_run, require_run
 
     mailbox = open_cli_mailbox(args.url, endpoint_url=args.endpoint_url,
                                s3_options=S3_READ_OPTIONS)
     run = require_run(read_run(mailbox, threads=args.threads))
-    if not spans_from_run(run):
+    spans = spans_from_run(run)
+    if not spans:
         raise UsageError(f"nothing to plot in {run.mailbox}: no claim records a claimed_at time")
     path = plot_run(run, args.output, title=args.title)
-    print(f"wrote {path} ({run.units_claimed} units, {len(run.learners)} learners)")
+    print(f"wrote {path} ({run.units_claimed} units, {len(run.learners)} learners; "
+          f"{describe_spans(spans)})")
     return 0
 
 

@@ -12,7 +12,8 @@ the fixed split computed for the same speeds, and the loss of the ``consensus`` 
 a Gantt chart (fixed split above, the measured shared queue below) and the summary as JSON.
 
 The Gantt bars of the shared queue are the exact training spans the nodes report (first batch
-of a unit to its last), not claim times (``gradientmail plot`` derives bars from claims).
+of a unit to its last), not claim times (``gradientmail plot`` draws the same spans from
+the nodes' progress records, and claim times only for units those do not cover).
 """
 
 from __future__ import annotations
@@ -256,8 +257,14 @@ class _LineView:
                                f"no unclaimed unit left", highlight=False)
 
 
+def _units_text(units: int) -> str:
+    """``1 unit``, ``11 units``: a count that reads right (right-aligned, for the bars)."""
+    return f"{units:>3} unit{'' if units == 1 else 's'}"
+
+
 class _BarView:
-    """A rich progress bar per node; a bar's length is the node's share of all units."""
+    """A rich progress bar per node; a bar's length is the node's share of all units, which the
+    header line says, so a finished node's bar is not expected to be full."""
 
     def __init__(self, console, plan: Plan, nodes: list[NodeState]) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -266,7 +273,7 @@ class _BarView:
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(bar_width=30),
-            TextColumn("{task.fields[units]:>3} units"),
+            TextColumn("{task.fields[units_text]:<9}"),
             TextColumn("{task.fields[samples]:>7,} samples"),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
@@ -275,14 +282,18 @@ class _BarView:
         self.tasks = [
             self.progress.add_task(
                 f"{node.learner} {node.seconds_per_batch:.2f}s/batch", total=plan.units,
-                units=0, samples=0, status="starting")
+                units_text=_units_text(0), samples=0, status="starting")
             for node in nodes
         ]
-        self.total = self.progress.add_task("all units", total=plan.units, units=0, samples=0,
-                                            status="")
+        self.total = self.progress.add_task("all nodes", total=plan.units,
+                                            units_text=_units_text(0), samples=0, status="")
         self.nodes = nodes
+        self.console = console
 
     def __enter__(self):
+        self.console.print(
+            f"each bar: the units a node trained, out of all {self.plan.units} (a node stops at "
+            "its share of the run); the last bar: all nodes together", highlight=False)
         self.progress.start()
         return self
 
@@ -301,13 +312,16 @@ class _BarView:
             self.progress.update(task, status="ready")
         elif kind == "batch":
             self.progress.update(task, completed=node.batches / self.plan.unit_steps,
-                                 units=node.units, samples=node.samples,
+                                 units_text=_units_text(node.units), samples=node.samples,
                                  status=f"loss {node.loss:.3f}")
             self.progress.update(
                 self.total, completed=sum(n.batches for n in self.nodes) / self.plan.unit_steps,
-                units=sum(n.units for n in self.nodes), samples=sum(n.samples for n in self.nodes))
+                units_text=_units_text(sum(n.units for n in self.nodes)),
+                samples=sum(n.samples for n in self.nodes))
         elif kind == "done":
-            self.progress.update(task, status=f"done, loss {node.loss:.3f}")
+            share = node.units / self.plan.units if self.plan.units else 0.0
+            self.progress.update(task, status=f"no unit left: trained {share:.0%} of the run, "
+                                              f"loss {node.loss:.3f}")
             self.progress.stop_task(task)
 
 

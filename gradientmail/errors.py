@@ -57,7 +57,8 @@ class MissingExtraError(GradientMailError, ImportError):
 
 
 class LoaderError(GradientMailError, TypeError):
-    """A unit loader yielded something other than ``(int, Tensor)`` pairs."""
+    """A unit loader yielded something other than ``(int, batch)`` pairs, a batch being a tensor
+    or tuples, lists and dicts of tensors; the message names the unit and the offending leaf."""
 
 
 class MailRejectedError(GradientMailError, ValueError):

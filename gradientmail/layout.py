@@ -37,7 +37,10 @@ checked; a record that fails is skipped with a warning (or refused, for ``run.js
   "pid", "pid_start"}``, renewed every ``renew_s`` while it runs, ``"stopped"`` at exit; a live
   one makes a second process under the same learner_id fail (``gradientmail.patterns.presence``).
 - ``progress/{learner_id}.json``: a node's totals, overwritten by its Session, JSON
-  ``{"learner", "steps", "samples", "samples_per_s", "units", "started", "last_seen", "finished"}``.
+  ``{"learner", "steps", "samples", "samples_per_s", "units", "started", "last_seen", "finished"}``
+  and, when a ``shared_queue`` of this learner ran in the Session's process, ``"unit_spans"``:
+  ``{"recent": [{"unit", "first", "last", "batches"}, ...], "older": {"units", "batches",
+  "busy_s"}}`` (the last 64 units' first-batch start and last-batch end; older ones summed up).
 - ``session/state/{version:012d}.safetensors``: the run's model, one version per fold, created
   with ``put_if_absent`` (format ``gradientmail.session/2``); ``session/members/{learner}.{ms}``:
   who is in the run. See ``gradientmail.session.mail``. (``session/{learner_id}/...`` held the

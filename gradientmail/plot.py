@@ -1,11 +1,14 @@
 """Gantt charts of a run: one row per learner, one bar per unit, time on the x axis.
 
-``spans_from_run`` derives the bars from the mailbox alone. A claim body records when a unit was
-claimed (``claimed_at``), not when its training ended, so a bar runs from a unit's claim to the
-next claim by the same claiming thread (same learner, host, pid and worker); a learner's last
-unit ends at its progress record's ``last_seen`` (its finish time once it has finished). Claims
-are made ahead of training by the prefetch buffer, so these bars lead the training by up to
-``prefetch`` batches; ``gradientmail demo`` records exact training times in its nodes instead.
+``spans_from_run`` derives the bars from the mailbox alone, without a request per unit. A
+learner's progress record (written by its ``Session``) carries the training spans of its recent
+units (``unit_spans``: first batch's start to last batch's end, timed by ``shared_queue``); those
+are drawn as they are (``Span.measured``). Units without one (older units, runs of older
+versions, a queue without a ``Session``) fall back to claims: a claim body records when a unit
+was claimed (``claimed_at``), not when its training ended, so such a bar runs from a unit's
+claim to the next claim by the same claiming thread (same learner, host, pid and worker), and a
+learner's last unit ends at its progress record's ``last_seen``. Claims lead the training by up
+to ``prefetch`` batches and the units claimed ahead.
 
 matplotlib is imported only when a chart is drawn, with the Agg backend (no display needed).
 """
@@ -34,6 +37,9 @@ class Span:
     end: float
     estimated: bool = False
     """True when ``end`` is a guess (a last unit with no progress record to end it)."""
+    measured: bool = False
+    """True when the bar is the unit's training (first batch to last batch, from the learner's
+    progress record); False when it is derived from claim times."""
 
 
 def short_label(identifier: str) -> str:
@@ -43,7 +49,44 @@ def short_label(identifier: str) -> str:
 
 
 def spans_from_run(run: RunStatus) -> list[Span]:
-    """The bars of ``run``, derived from its claims and progress records (see the module doc)."""
+    """The bars of ``run``: measured training spans where progress records carry them, claim
+    times for the other units (see the module doc)."""
+    claimed = _claim_spans(run)
+    measured = [Span(learner, span.unit, span.first, span.last, measured=True)
+                for learner, spans in run.unit_spans.items() for span in spans]
+    typical = statistics.median([s.end - s.start for s in measured] or [1.0])
+    window: dict[str, tuple[float, float]] = {}
+    for span in measured:
+        low, high = window.get(span.learner, (span.start, span.end))
+        window[span.learner] = (min(low, span.start), max(high, span.end))
+    timed = {(span.learner, span.unit) for span in measured}
+    spans = list(measured)
+    for span in claimed:
+        if (span.learner, span.unit) in timed:
+            continue
+        if span.learner in window:  # keep claim-derived bars out of the measured ones
+            low, high = window[span.learner]
+            if span.start < low:
+                span = Span(span.learner, span.unit, span.start, min(span.end, low), span.estimated)
+            elif span.start < high:  # claimed then, trained later (after the record) or never
+                span = Span(span.learner, span.unit, high, max(span.end, high + typical), estimated=True)
+        spans.append(span)
+    return sorted(spans, key=lambda s: (s.learner, s.start))
+
+
+def describe_spans(spans: Sequence[Span]) -> str:
+    """What the bars show, for a chart's title and the command's message."""
+    measured = sum(span.measured for span in spans)
+    if measured == len(spans):
+        return "bars: first to last batch"
+    if measured == 0:
+        return "bars: claim to next claim (no batch times in the progress records)"
+    return (f"bars: first to last batch ({measured}), claim to next claim "
+            f"({len(spans) - measured}, units without batch times)")
+
+
+def _claim_spans(run: RunStatus) -> list[Span]:
+    """Bars from claim times: a unit's claim to the next claim of the same claiming thread."""
     streams: dict[tuple, list[Claim]] = defaultdict(list)
     for claim in run.claims:
         if claim.claimed_at is not None:
@@ -163,5 +206,6 @@ def plot_run(run: RunStatus, path: str | os.PathLike[str], *, title: str | None 
     """The Gantt chart of ``run`` (from its mailbox) written to ``path`` as PNG."""
     spans = spans_from_run(run)
     return save_gantt(spans, path, origin=run_origin(run, spans),
-                      rows=[row.learner for row in run.learners if row.units] or None,
-                      title=title or f"{run.mailbox}: {len(spans)} units")
+                      rows=sorted({*(row.learner for row in run.learners if row.units),
+                                   *(span.learner for span in spans)}) or None,
+                      title=title or f"{run.mailbox}: {len(spans)} units; {describe_spans(spans)}")

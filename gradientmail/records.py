@@ -23,6 +23,7 @@ record and scan.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
@@ -52,6 +53,8 @@ __all__ = [
     "loads_object",
     "parse",
 ]
+
+_log = logging.getLogger("gradientmail.records")
 
 MAX_RECORD_BYTES = 64 * 1024
 """Largest record accepted; the library's own are a few hundred bytes."""
@@ -158,6 +161,35 @@ def _nullable(check: Check) -> Check:
 _COUNT = _int_in(0, MAX_COUNT)
 _STEP = _int_in(-MAX_COUNT, MAX_COUNT)  # a loader's step label, any int
 
+MAX_SPANS = 256
+"""Most unit spans a progress record may carry (writers keep 64, ``unit_timing``)."""
+
+
+def _unit_spans(value: Any) -> str | None:
+    """``{"recent": [{"unit", "first", "last", "batches"}, ...], "older": {...}}``."""
+    if not isinstance(value, dict):
+        return f"is {type(value).__name__}, not an object"
+    recent = value.get("recent", [])
+    if not isinstance(recent, list) or len(recent) > MAX_SPANS:
+        return f"'recent' is not a list of at most {MAX_SPANS} spans"
+    for index, entry in enumerate(recent):
+        if not isinstance(entry, dict):
+            return f"'recent'[{index}] is {type(entry).__name__}, not an object"
+        problem = (_text(entry.get("unit")) or _time(entry.get("first")) or _time(entry.get("last"))
+                   or _COUNT(entry.get("batches")))
+        if problem is None and entry["last"] < entry["first"]:
+            problem = "ends before it starts"
+        if problem is not None:
+            return f"'recent'[{index}] {problem}"
+    older = value.get("older", {})
+    if not isinstance(older, dict):
+        return f"'older' is {type(older).__name__}, not an object"
+    for name, check in (("units", _COUNT), ("batches", _COUNT), ("busy_s", _rate)):
+        problem = check(older[name]) if name in older else None
+        if problem is not None:
+            return f"'older' field {name!r} {problem}"
+    return None
+
 
 @dataclass(frozen=True)
 class RecordKind:
@@ -188,6 +220,7 @@ PROGRESS = RecordKind("progress record", {
     "units": _nullable(_COUNT), "started": _nullable(_time), "last_seen": _nullable(_time),
     # Some writers store a finish time rather than a flag.
     "finished": _nullable(_either(_flag, _time)),
+    "unit_spans": _nullable(_unit_spans),  # the recent units' training spans (unit_timing)
 })
 RUN = RecordKind("run record", {"units": _COUNT, "created": _time, "fingerprint": _fingerprint})
 
@@ -284,6 +317,7 @@ class SkippedRecords:
             self.counts[kind.name] += 1
             first = (kind.name, who) not in self._warned
             self._warned.add((kind.name, who))
+        _log.log(logging.WARNING if first else logging.DEBUG, "%s: skipped %s", self.reader, error)
         if first:
             whose = f" of learner {who!r}" if who is not None else ""
             warnings.warn(

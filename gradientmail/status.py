@@ -87,6 +87,17 @@ class Claim:
         return (self.learner, self.host, self.pid, self.worker)
 
 
+@dataclass(frozen=True)
+class UnitSpan:
+    """A unit as its learner trained it: its first batch's start to its last batch's end (unix
+    seconds), from the ``unit_spans`` of the learner's progress record (recent units only)."""
+
+    unit: str
+    first: float
+    last: float
+    batches: int
+
+
 @dataclass
 class LearnerStatus:
     """One learner's row: its claims counted from ``units/``, the rest from its progress record."""
@@ -125,6 +136,9 @@ class RunStatus:
     elastic: bool = False
     unreadable: list[Unreadable] = field(default_factory=list)
     """Records skipped because they are unusable (not JSON, too large or deep, bad fields)."""
+    unit_spans: dict[str, list[UnitSpan]] = field(default_factory=dict)
+    """Learner -> its recent units' training spans, from progress records that carry them
+    (written by a ``Session`` beside ``shared_queue``); not part of ``to_dict``."""
 
     @property
     def units_claimed(self) -> int:
@@ -216,10 +230,17 @@ def parse_progress(learner: str, data: bytes | None) -> LearnerStatus | None:
     return _progress(learner, data)[0]
 
 
-def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | None]:
+def _spans(body: dict[str, Any]) -> list[UnitSpan]:
+    """The ``unit_spans`` of a progress record already checked by ``gradientmail.records``."""
+    spans = body.get("unit_spans") or {}
+    return [UnitSpan(entry["unit"], float(entry["first"]), float(entry["last"]), entry["batches"])
+            for entry in spans.get("recent", ())]
+
+
+def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | None, list[UnitSpan]]:
     body, problem = _checked(PROGRESS, f"{PROGRESS_PREFIX}{learner}.json", data)
     if body is None:
-        return None, problem
+        return None, problem, []
     finished = body.get("finished")
     row = LearnerStatus(
         learner=body.get("learner") if isinstance(body.get("learner"), str) else learner,
@@ -235,7 +256,7 @@ def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | No
         elapsed = row.last_seen - row.started
         rate = row.samples / elapsed if elapsed > 0 else math.nan
         row.samples_per_s = rate if math.isfinite(rate) else None
-    return row, None
+    return row, None, _spans(body)
 
 
 class RunReader:
@@ -278,6 +299,7 @@ class RunReader:
         fetched = self._get_all([*new, *progress_keys, *lease_keys])
 
         learners: dict[str, LearnerStatus] = {}
+        unit_spans: dict[str, list[UnitSpan]] = {}
         leases: dict[str, bytes | None] = {}
         for key, data in fetched:
             if key.startswith(CLAIMS_PREFIX):
@@ -294,9 +316,11 @@ class RunReader:
                     unreadable[key] = _checked(LEASE, key, data)[1]
             elif data is not None:
                 name = key[len(PROGRESS_PREFIX):-len(".json")]
-                row, unreadable[key] = _progress(name, data)
+                row, unreadable[key], spans = _progress(name, data)
                 if row is not None:
                     learners[row.learner] = row
+                    if spans:
+                        unit_spans[row.learner] = spans
         elastic = elastic or any(claim.state is not None for claim in self._claims.values())
         lease_state = {name: self._lease_state(name, data, read_at) for name, data in leases.items()}
 
@@ -336,6 +360,7 @@ class RunReader:
             elastic=elastic,
             unreadable=[Unreadable(key, problem) for key, problem in
                         sorted({**self._unreadable_claims, **unreadable}.items()) if problem is not None],
+            unit_spans=unit_spans,
         )
 
     def _lease_state(self, learner: str, data: bytes | None, now: float) -> str | None:

@@ -124,11 +124,10 @@ def test_exactly_once_on_s3(tmp_path, s3_target):
     ]
     # This process may run moto's server thread: fork the nodes from a clean launcher.
     run_nodes(specs, isolated=True, timeout=100)
-    by_learner = _check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
-    for rank in range(lanes):
-        mine = by_learner.get(f"node-{rank}", [])
-        own = sum(units[ident].lane == rank for ident in mine)
-        assert own * 2 > len(mine), f"node-{rank} should mostly get its own lane first: {sorted(mine)}"
+    # Exactly once is the point here. Which node got which lane depends on who started first,
+    # which a loaded machine decides (lane preference is tested on the virtual clock instead:
+    # test_shared_queue_claims.py, test_claim_conflicts.py).
+    _check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
 
 
 @pytest.mark.timeout(120)

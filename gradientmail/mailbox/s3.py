@@ -31,6 +31,7 @@ address, not an outage.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 import uuid
@@ -52,10 +53,14 @@ from gradientmail.mailbox.s3_retry import (
     MAX_BACKOFF,  # noqa: F401  (importable from here, as before)
     RetryBudget,
     check_retry_window,
+    log_recovery,
+    log_retry,
     read_body,
     root_cause,
 )
 from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
+
+_log = logging.getLogger("gradientmail.mailbox")
 
 TOKEN_METADATA = "gm-token"
 """User-metadata name of the per-call creation token (sent as ``x-amz-meta-gm-token``)."""
@@ -330,7 +335,10 @@ class S3Mailbox:
         if _outcome(exc) not in (_TRANSIENT, _CONFLICT):
             budget.failures += 1
             return False
-        return budget.spend(first_contact=self._first_contact(exc))
+        again = budget.spend(first_contact=self._first_contact(exc))
+        if again:
+            log_retry(_log, self._store, exc, budget, self._limits())
+        return again
 
     def _limits(self) -> str:
         limits = f"retry_window={self.retry_window}"
@@ -409,6 +417,7 @@ class S3Mailbox:
                     continue
                 raise self._error(operation, key, exc, budget) from exc
             self._heard_from()
+            log_recovery(_log, self._store, operation, budget)
             return result
 
     # -- the five primitives ---------------------------------------------------------------
@@ -445,6 +454,7 @@ class S3Mailbox:
                     **condition,
                 )
                 self._heard_from()
+                log_recovery(_log, self._store, operation, budget)
                 return True
             except _REQUEST_ERRORS as exc:
                 self._heard_from(exc)

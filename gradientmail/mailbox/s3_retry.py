@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import logging
 import random
 import time
 from typing import Any
@@ -25,6 +26,8 @@ __all__ = [
     "MAX_BACKOFF",
     "RetryBudget",
     "check_retry_window",
+    "log_recovery",
+    "log_retry",
     "read_body",
     "root_cause",
 ]
@@ -37,6 +40,13 @@ FIRST_CONTACT_ATTEMPTS = 3
 
 MAX_BACKOFF = 5.0
 """Cap of one backoff sleep in seconds: retries keep probing at least this often."""
+
+WARN_AFTER_FAILURES = 2
+"""Failures of one operation from which its retries are logged as a WARNING (an outage being
+ridden out); a single retry (a throttled or dropped request) is routine: DEBUG."""
+
+WARN_EVERY_S = 30.0
+"""While an outage lasts, one WARNING per operation at most this often."""
 
 CONNECT_ERRORS = (
     botocore.exceptions.EndpointConnectionError,  # refused, no route, unknown host
@@ -73,6 +83,8 @@ class RetryBudget:
         self.failures = 0
         self._started = time.monotonic()
         self._first_failure: float | None = None
+        self.warned_at: float | None = None
+        """When a retry of this operation was last logged as a WARNING (``log_retry``)."""
 
     @property
     def elapsed(self) -> float:
@@ -96,6 +108,27 @@ class RetryBudget:
         delay = random.uniform(0, min(MAX_BACKOFF, self.backoff * 2 ** (self.failures - 1)))
         time.sleep(min(delay, remaining))
         return True
+
+
+def log_retry(log: logging.Logger, store: str, exc: BaseException, budget: RetryBudget, limits: str) -> None:
+    """Log a retry that is about to be made: DEBUG for the first, then a WARNING (at most every
+    ``WARN_EVERY_S``) saying that an outage is being ridden out and for how long it may be."""
+    reason = root_cause(exc) or f"{type(exc).__name__}: {exc}"[:200]
+    now = time.monotonic()
+    loud = budget.failures >= WARN_AFTER_FAILURES and (
+        budget.warned_at is None or now - budget.warned_at >= WARN_EVERY_S)
+    if loud:
+        budget.warned_at = now
+    log.log(logging.WARNING if loud else logging.DEBUG,
+            "%s: store failing (%s), %d failed attempts over %.1fs; retrying (%s)",
+            store, reason, budget.failures, budget.elapsed, limits)
+
+
+def log_recovery(log: logging.Logger, store: str, operation: str, budget: RetryBudget) -> None:
+    """After a success: say so at INFO when this operation's retries were logged as a WARNING."""
+    if budget.warned_at is not None:
+        log.info("%s: %s succeeded after %d failed attempts over %.1fs; the store is back",
+                 store, operation, budget.failures, budget.elapsed)
 
 
 def read_body(response: dict[str, Any]) -> bytes:

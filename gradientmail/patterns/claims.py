@@ -23,6 +23,7 @@ import bisect
 import functools
 import itertools
 import json
+import logging
 import os
 import socket
 import time
@@ -39,6 +40,8 @@ from gradientmail.mailbox.keys import validate_key
 from gradientmail.mailbox.wrappers import LIST_PAGE
 from gradientmail.records import CLAIM, RecordError
 from gradientmail.records import parse as parse_record
+
+_log = logging.getLogger("gradientmail.queue")
 
 LISTING_POLICIES = ("adaptive", "always", "conflict", "never")
 """When ``Claimer`` lists claims before an attempt (see ``Claimer``); ``adaptive`` is the default."""
@@ -185,7 +188,11 @@ def try_claim(
             operation="get", key=key, store=store,
         )
     claim = parse_claim(data)
-    return claim is not None and claim.get("token") == token
+    won = claim is not None and claim.get("token") == token
+    if won:
+        _log.debug("%s claimed unit %s%s", learner_id, identifier,
+                   "" if worker is None else f" (worker {worker})")
+    return won
 
 
 class ClaimIndex:

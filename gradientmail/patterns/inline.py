@@ -8,7 +8,9 @@ Copying a small tensor's bytes through the worker's result pipe is far cheaper, 
 wraps tensors up to ``INLINE_BYTES`` so that they pickle as bytes; they arrive as ordinary
 tensors of the same dtype, shape and values, in the training process's memory. Larger
 tensors, and non-contiguous ones (views, ``channels_last``: their strides are kept), take
-DataLoader's shared-memory path as before.
+DataLoader's shared-memory path as before. In a structured batch (tuples, lists and dicts of
+tensors, ``gradientmail.patterns.batches``) each tensor is judged on its own: small leaves come
+inline, large ones through shared memory, in the same containers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 import torch
 
+from gradientmail.patterns.batches import map_tensors
+
 __all__ = ["INLINE_BYTES", "inline"]
 
 INLINE_BYTES = 256 * 1024
@@ -24,7 +28,11 @@ INLINE_BYTES = 256 * 1024
 
 
 def inline(tensor: Any) -> Any:
-    """``tensor`` wrapped to pickle inline if it is a small contiguous plain CPU tensor, else unchanged."""
+    """``tensor`` wrapped to pickle inline if it is a small contiguous plain CPU tensor; in
+    tuples, lists and dicts, each such tensor wrapped (new containers); anything else unchanged.
+
+    A plain tensor is tested first, so the common case costs what it did before structures.
+    """
     if (
         type(tensor) is torch.Tensor
         and tensor.device.type == "cpu"
@@ -36,6 +44,8 @@ def inline(tensor: Any) -> Any:
         and tensor.numel() * tensor.element_size() <= INLINE_BYTES
     ):
         return _Inline(tensor)
+    if isinstance(tensor, (tuple, list, dict)):
+        return map_tensors(tensor, inline)
     return tensor
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import ctypes
 import functools
 import inspect
+import logging
 import multiprocessing
 import multiprocessing.context
 import numbers
@@ -38,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, _utils, get_worker_info
 
 from gradientmail.errors import GradientMailError, LoaderError, UnsafeStoreError, WrongProcessError
-from gradientmail.layout import RUN_KEY
+from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.patterns.elastic import (
@@ -51,9 +52,12 @@ from gradientmail.patterns.elastic import (
     consume_inline,
     tagged_items,
 )
+from gradientmail.patterns.batches import TensorTree, first_non_tensor
 from gradientmail.patterns.inline import inline
 from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
 from gradientmail.patterns.presence import Presence, presence_renew_s
+from gradientmail.patterns.progress_display import ProgressDisplay
+from gradientmail.patterns.unit_timing import BatchWatch, unit_times
 from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
 from gradientmail.patterns.claims import (
     DEFAULT_LISTING,
@@ -72,9 +76,12 @@ __all__ = [
 ]
 
 V = TypeVar("V")
-Batch = tuple[int, torch.Tensor]
+Batch = tuple[int, TensorTree]
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+log = logging.getLogger("gradientmail.queue")
+"""Run start and end at INFO, each unit claimed and loaded at DEBUG; no handlers configured."""
 
 
 class InProcessMailboxError(WrongProcessError, ValueError):
@@ -200,7 +207,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             picklable, for worker processes that do not fork). The library never reads them.
         mailbox: The mailbox every node shares (``LocalMailbox``, ``S3Mailbox``, ...).
         learner_id: This node's name, e.g. ``f"node-{rank}"``: a non-empty key segment.
-        load: ``load(value)`` yields ``(step, tensor)`` pairs for one unit, in step order.
+        load: ``load(value)`` yields ``(step, batch)`` pairs for one unit, in step order; a
+            batch is a tensor, or tuples, lists and dicts of tensors nested to any depth
+            (``gradientmail.patterns.batches``).
         order: This node's preference, a permutation of the identifiers (default: the
             mapping's order). ``rotated_order`` makes each node prefer a different lane.
         resume: Record what the training loop consumed and let this learner, restarted, take
@@ -230,7 +239,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     (``prepare_mailbox``). In
     ``DataLoader(dataset, batch_size=None, num_workers=k)`` every worker claims for itself and
     no two workers load one unit; note that DataLoader's default collation then turns each
-    pair into a list.
+    pair, and each plain tuple inside a batch, into a list (dicts and namedtuples stay).
     """
 
     def __init__(
@@ -239,7 +248,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         *,
         mailbox: Mailbox,
         learner_id: str,
-        load: Callable[[V], Iterable[tuple[int, torch.Tensor]]],
+        load: Callable[[V], Iterable[tuple[int, TensorTree]]],
         order: Sequence[str] | None = None,
         resume: bool = False,
         lease: timedelta | float | None = None,
@@ -255,7 +264,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self.learner_id = validate_learner_id(learner_id)
         if not callable(load):
             raise TypeError(
-                f"load must be a callable that yields (step, tensor) pairs for a unit, "
+                f"load must be a callable that yields (step, batch) pairs for a unit, "
                 f"not {type(load).__name__}"
             )
         if not isinstance(mailbox, Mailbox):
@@ -280,6 +289,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             ElasticOptions(resume, self.lease_s) if resume or self.lease_s is not None else None
         )
         self._tagged = False  # shared_queue strips the tags in the training process
+        self._timed = False  # shared_queue: plain batches carry their unit (unit_timing)
         self._halt = [False]  # set when the consumer leaves (workers=0 has no _control)
         self._restore: dict[str, dict[str, Any]] = {}
         self._positions: dict[str, dict[str, Any]] = {}  # unit -> token, last step yielded
@@ -377,11 +387,14 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     self._positions[identifier] = {"token": None, "step": step, "position": position}
                     if gauge is not None:
                         gauge.produced(worker)
-                    yield step, tensor
+                    yield (step, tensor, identifier) if self._timed else (step, tensor)
+                log.debug("%s loaded unit %s (%d batches)", self.learner_id, identifier,
+                          self._positions.get(identifier, {}).get("position", -1) + 1)
                 self._positions.pop(identifier, None)
         finally:
             claims.close()
             self._claim_stats.update(claimer.stats)
+            _log_claims(self.learner_id, worker, claimer.stats)
 
     def _claim_and_load_elastic(self, worker: int | None, options: ElasticOptions | None) -> Iterator[Any]:
         """Resume, leases or a restored state: ``ElasticClaimer`` picks the units.
@@ -431,7 +444,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         except TypeError:
             raise LoaderError(
                 f"load for unit {identifier!r} returned {_describe(batches)}, not an iterable "
-                "of (step, tensor) pairs; write load as a generator that yields them"
+                "of (step, batch) pairs; write load as a generator that yields them"
             ) from None
         try:
             while True:
@@ -489,16 +502,23 @@ def _describe(value: object, limit: int = 120) -> str:
 
 def _checked_batch(identifier: str, item: object) -> Batch:
     if isinstance(item, (tuple, list)) and len(item) == 2:
-        step, tensor = item
-        if (
-            isinstance(step, numbers.Integral)
-            and not isinstance(step, bool)
-            and isinstance(tensor, torch.Tensor)
-        ):
-            return int(step), tensor
+        step, batch = item
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            if isinstance(batch, torch.Tensor):  # the common case: no walk
+                return int(step), batch
+            problem = first_non_tensor(batch)
+            if problem is None:
+                return int(step), batch
+            raise LoaderError(
+                f"load for unit {identifier!r} yielded a (step, batch) {type(item).__name__} at "
+                f"step {int(step)} whose {problem}, not a torch.Tensor; a batch is a tensor, or "
+                "tuples, lists and dicts of tensors (convert numbers and arrays with "
+                "torch.as_tensor, keep other values out of the batch)"
+            )
     raise LoaderError(
         f"load for unit {identifier!r} yielded {_describe(item)}; "
-        "it must yield (step, tensor) pairs: an int step and a torch.Tensor"
+        "it must yield (step, batch) pairs: an int step and a torch.Tensor (or tuples, lists "
+        "and dicts of tensors)"
     )
 
 
@@ -537,8 +557,8 @@ def _checked_order(order: Sequence[str] | None, units: Mapping[str, Any]) -> lis
 
 
 def _keep(item: Batch) -> Batch:
-    """DataLoader ``collate_fn`` that keeps each ``(step, tensor)`` pair as it is, but lets a
-    small tensor travel to the training process inline (``gradientmail.patterns.inline``)."""
+    """DataLoader ``collate_fn`` that keeps each ``(step, batch)`` pair as it is, but lets
+    small tensors travel to the training process inline (``gradientmail.patterns.inline``)."""
     if isinstance(item, tuple) and len(item) >= 2:
         return (item[0], inline(item[1]), *item[2:])  # type: ignore[return-value]
     return item
@@ -550,6 +570,9 @@ class _Batches(Iterator[Batch]):
     on_end: Callable[[], None] | None = None
     """Called once when the batches run out (not after an error or ``close``)."""
 
+    watch: BatchWatch | None = None
+    """Times the loop's batches per unit (``unit_timing``) and strips their unit tags."""
+
     def __init__(self) -> None:
         self._finished = False
 
@@ -559,8 +582,12 @@ class _Batches(Iterator[Batch]):
     def __next__(self) -> Batch:
         if self._finished:
             raise StopIteration
+        watch = self.watch
+        if watch is not None:
+            watch.ended()  # the loop asks for a batch: it has trained the previous one
         try:
-            return self._next()
+            item = self._next()
+            return item if watch is None else _watched(watch, item)
         except StopIteration:
             self._finished = True
             if self.on_end is not None:
@@ -575,6 +602,28 @@ class _Batches(Iterator[Batch]):
 
     def close(self) -> None:
         raise NotImplementedError
+
+
+def _watched(watch: BatchWatch, item: Any) -> Any:
+    """Tell ``watch`` which unit ``item`` belongs to; strip a plain tag (elastic tags stay)."""
+    tag = item[2] if isinstance(item, (tuple, list)) and len(item) == 3 else None
+    if isinstance(tag, str):
+        watch.taken(tag)
+        return (item[0], item[1])
+    if isinstance(tag, (tuple, list)) and len(tag) >= 3:
+        if tag[2] == BATCH:
+            watch.taken(tag[0] if isinstance(tag[0], str) else None)
+        return item
+    watch.taken(None)
+    return item
+
+
+def _log_claims(learner_id: str, worker: int | None, stats: Counter[str]) -> None:
+    """One line per loader when it stops: what claiming cost (the conflicts summary)."""
+    where = "" if worker is None else f" (worker {worker})"
+    log.info("%s%s: claimed %d units in %d attempts: %d conflicts, %d listings",
+             learner_id, where, stats["claims"], stats["attempts"], stats["conflicts"],
+             stats["listings"])
 
 
 _END = object()
@@ -975,7 +1024,7 @@ def shared_queue(
     *,
     mailbox: Mailbox,
     learner_id: str,
-    load: Callable[[V], Iterable[tuple[int, torch.Tensor]]],
+    load: Callable[[V], Iterable[tuple[int, TensorTree]]],
     prefetch: int = 8,
     workers: int = 1,
     order: Sequence[str] | None = None,
@@ -985,12 +1034,15 @@ def shared_queue(
     resume: bool = False,
     lease: timedelta | float | None = None,
     claim_ahead: int = DEFAULT_CLAIM_AHEAD,
+    progress: bool = False,
 ) -> Iterator[Iterator[Batch]]:
     """Consume a shared queue of work units: ``with shared_queue(...) as batches:``.
 
-    Yields an iterator of ``(step, tensor)``. Claiming and loading run ahead of the training
-    loop in ``workers`` DataLoader worker processes (``workers=0``: one thread in this process,
-    for notebooks, a ``MemoryMailbox`` or a loader that cannot be pickled). With
+    Yields an iterator of ``(step, batch)``, each batch as ``load`` made it (a tensor, or
+    tuples, lists and dicts of tensors; ``gradientmail.patterns.batches.to_device`` moves one
+    to the GPU). Claiming and loading run ahead of the training loop in ``workers`` DataLoader
+    worker processes (``workers=0``: one thread in this process, for notebooks, a
+    ``MemoryMailbox`` or a loader that cannot be pickled). With
     ``prefetch >= 2 * workers`` a thread of this process takes each batch from the workers, so
     the loop does not wait for DataLoader's hand-over (about 1.5 ms a batch).
 
@@ -1024,7 +1076,8 @@ def shared_queue(
         units, mailbox, learner_id, load, order: as for ``SharedQueueDataset``.
         prefetch: Batches buffered ahead of the loop, in all.
         workers: DataLoader worker processes; 0 runs on a thread in this process.
-        pin_memory: Passed to the DataLoader (page-locked batches for faster GPU copies).
+        pin_memory: Passed to the DataLoader (page-locked batches, every tensor of a
+            structured one, for faster GPU copies; needs ``workers >= 1``).
         multiprocessing_context: Start method for workers (default: Python's default).
         claim_ahead: Most units each loader claims ahead of the one it is loading, so that a
             slow store's round trips overlap loading (default 4; 0: on demand, as the seed).
@@ -1038,6 +1091,15 @@ def shared_queue(
             ``gradientmail.patterns.elastic``. Needs a store with ``replace_if``.
         lease: A ``timedelta``: renew a heartbeat while batches are consumed and take over the
             units of nodes whose heartbeat stopped for that long. Needs ``replace_if``.
+        progress: Show the run's units taken and this node's batches/s on stderr: a rich bar
+            on a terminal (``MissingExtraError`` without the ``cli`` extra), else a plain line
+            every 10 s. Reads counters and lists ``units/`` at most every 5 s, on its own
+            thread, which leaving the block stops (``gradientmail.patterns.progress_display``).
+
+    Logs to ``logging.getLogger("gradientmail.queue")``: the start and end of the block at INFO,
+    each unit claimed and loaded at DEBUG. Each batch's unit is timed (its first batch's start
+    to its last one's end), and a ``Session`` of this learner writes the recent spans into its
+    progress record for ``gradientmail plot`` (``gradientmail.patterns.unit_timing``).
 
     With ``resume`` or ``lease`` a batch counts as consumed when the loop asks for the next one,
     or when the block is left without an exception; units are then recorded as done, and
@@ -1072,7 +1134,16 @@ def shared_queue(
     incarnation = dataset._elastic.incarnation if dataset._elastic is not None else uuid.uuid4().hex
     presence = Presence(mailbox, dataset.learner_id, incarnation, renew_s=presence_renew_s(dataset.lease_s))
     presence.start()  # DuplicateLearnerError before anything is claimed or recorded
+    watch = BatchWatch(unit_times(describe(mailbox), dataset.learner_id))
+    dataset._timed = True
+    display: ProgressDisplay | None = None
+    began = time.monotonic()
     try:
+        if progress:  # before any claim: a missing rich fails here, not in the loop
+            display = _progress_display(dataset, watch)
+        log.info("%s: shared queue on %s: %d units, mode %s, workers %d, prefetch %d, claim_ahead %d",
+                 dataset.learner_id, describe(mailbox), len(dataset.units), _mode(dataset),
+                 workers, prefetch, dataset.claim_ahead if dataset._elastic is None else 0)
         if dataset._elastic is None:
             dataset._gauge = BufferGauge(max(1, workers), prefetch)
         tracker: ProgressTracker | None = None
@@ -1090,11 +1161,13 @@ def shared_queue(
                 dataset, prefetch=prefetch, workers=workers, context=context,
                 pin_memory=pin_memory, timeout=timeout,
             )
+        batches.watch = watch
         if tracker is None:
             try:
                 batches.on_end = _warn_if_nothing_claimed(dataset)
                 yield batches
             finally:
+                watch.ended()  # the last batch's training ends here, not after the shutdown
                 batches.close()
             return
         elastic = _ElasticBatches(batches, tracker, dataset._halt)
@@ -1104,6 +1177,7 @@ def shared_queue(
             yield elastic
             clean = True
         finally:
+            watch.ended()
             if clean:
                 elastic.close(consumed_last=True)
             else:
@@ -1112,4 +1186,33 @@ def shared_queue(
                 except Exception as exc:  # do not hide the error that is leaving the block
                     warnings.warn(f"shared_queue: recording progress on exit failed: {exc!r}", stacklevel=3)
     finally:
+        if display is not None:
+            display.close()
+        conflicts = dataset._claim_stats["conflicts"]  # workers count their own (logged there)
+        log.info("%s: left the shared queue after %.1fs: %d batches of %d units trained, %d units "
+                 "claimed by this learner%s", dataset.learner_id, time.monotonic() - began,
+                 watch.batches, watch.units, dataset._counter.total(),
+                 f", {conflicts} conflicts" if workers == 0 else "")
         presence.close()
+
+
+def _mode(dataset: SharedQueueDataset[Any]) -> str:
+    if dataset._elastic is None:
+        return "seed queue"
+    parts = ["resume"] if dataset.resume else []
+    return "+".join([*parts, *(["lease"] if dataset.lease_s is not None else [])])
+
+
+def _progress_display(dataset: SharedQueueDataset[Any], watch: BatchWatch) -> ProgressDisplay:
+    """Start ``shared_queue``'s progress display; counts come from memory, the run's from a listing."""
+    mailbox = dataset.mailbox
+
+    def run_taken() -> int:
+        return sum(1 for _ in mailbox.list(CLAIMS_PREFIX))
+
+    display = ProgressDisplay(
+        learner_id=dataset.learner_id, total=len(dataset.units), mine=dataset._counter.total,
+        batches=lambda: watch.batches, run_taken=run_taken,
+    )
+    display.start()
+    return display

@@ -117,6 +117,17 @@ def _units_claimed(learner_id: str) -> int | None:
         return None
 
 
+def _unit_spans(store: str, learner_id: str) -> dict[str, Any] | None:
+    """The recent units' training spans timed by this process's shared queue (``gradientmail
+    plot`` draws them), or None."""
+    try:
+        from gradientmail.patterns.unit_timing import spans_record
+
+        return spans_record(store, learner_id)
+    except Exception:  # a display aid must never fail an exchange
+        return None
+
+
 @dataclass(frozen=True)
 class _Merge:
     delta: dict[str, Tensor]  # the run's state after this fold - the snapshot, per entry
@@ -606,6 +617,9 @@ class Session:
 
     def _put_progress(self, progress: dict[str, Any]) -> None:
         record = dict(progress, units=_units_claimed(self.learner_id))
+        spans = _unit_spans(describe(self.mailbox), self.learner_id)
+        if spans is not None:  # when and for how long this learner trained its recent units
+            record["unit_spans"] = spans
         self.mailbox.put(progress_key(self.learner_id), json.dumps(record).encode())
 
 
