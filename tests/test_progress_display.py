@@ -108,3 +108,11 @@ def test_display_errors_never_reach_the_caller():
     display.close()  # does not raise
     assert progress_threads() == []
     assert display.lines == 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_progress_must_be_a_bool(memory_mailbox, value):
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        with shared_queue({"a": 1}, mailbox=memory_mailbox, learner_id="n", load=lambda unit: iter(()),
+                          workers=0, progress=value):
+            pytest.fail("entered with a non-bool progress")

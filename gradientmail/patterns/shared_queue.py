@@ -1108,6 +1108,8 @@ def shared_queue(
     """
     prefetch = _positive("prefetch", prefetch, 1)
     workers = _positive("workers", workers, 0)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, not {type(progress).__name__} {progress!r}")
     if prefetch < workers:
         raise ValueError(
             f"prefetch={prefetch} is below workers={workers}: every worker needs room for at "
