@@ -169,3 +169,18 @@ def test_a_forged_future_member_key_does_not_dilute_the_run(memory_mailbox):
     result = scalar()
     consensus(memory_mailbox, result)
     assert value(result) == 2.0  # N = 1: the ghost does not count
+
+
+def test_a_reader_skips_a_bounded_number_of_bad_versions(memory_mailbox):
+    from gradientmail.session.chain import MAX_WALK_BACK
+
+    model = scalar()
+    with session(model, memory_mailbox, "a") as s:
+        exchange(s, model, 1.0)
+    first_bad = newest_version(memory_mailbox) + 1
+    for version in range(first_bad, first_bad + MAX_WALK_BACK + 2):
+        memory_mailbox.put(state_key(version), b"corrupt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MailSkippedWarning)
+        with pytest.raises(MailRejectedError, match=f"at most {MAX_WALK_BACK} are skipped"):
+            consensus(memory_mailbox, scalar())

@@ -66,6 +66,8 @@ RETIRE = 10_000
 MAX_BASE_AGE_S = 30.0
 """A writer whose base was read longer ago than this re-lists before writing."""
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
+MAX_WALK_BACK = 64
+"""Unusable versions a reader skips before giving up: a bound on the reads one bad writer costs."""
 MAX_CLOCK_SKEW_S = 300.0
 """How far in the future (by this node's clock) a peer's time may lie and still count as a sign
 of life. Beyond it the time is not trusted: a member dated in the year 3000 stops counting."""
@@ -156,7 +158,7 @@ def read_usable(mailbox: Mailbox, newest: int, spec: Spec, known: State | None =
     ``MailRejectedError`` when every version still kept is unusable.
     """
     version = newest
-    while version >= 0:
+    while version >= max(0, newest - MAX_WALK_BACK):
         if known is not None and known.header.version == version:
             return known
         try:
@@ -172,7 +174,8 @@ def read_usable(mailbox: Mailbox, newest: int, spec: Spec, known: State | None =
         break  # retired: nothing older is kept either
     raise MailRejectedError(
         f"{describe(mailbox)}: no usable version of the run's state at or below {state_key(newest)!r} "
-        "(the newest ones are corrupt or not finite and older ones are retired); the run cannot "
+        f"(the newest ones are corrupt or not finite, at most {MAX_WALK_BACK} are skipped, and older "
+        "ones are retired); the run cannot "
         "continue from this prefix"
     )
 
