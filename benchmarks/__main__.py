@@ -1,7 +1,9 @@
 """Run every benchmark, print each one's table, then the summary, and write ``RESULTS.md``.
 
 Usage: ``python -m benchmarks [--quick] [--full] [--only NAME ...] [--output PATH]``. ``--full``
-adds the training benchmark (about 6 minutes: real training in four processes, three repeats).
+adds the training benchmark (about 6 minutes: real training in four processes, three repeats)
+and the scale benchmark (3 to 4 minutes: up to 256k units over 256 nodes on the virtual clock,
+extrapolated to 1M units over 1,024 nodes).
 Each script runs in
 its own process, one after another (the timing ones must not share the cores with the others).
 The full run writes ``benchmarks/RESULTS.md`` (the table the README shows); ``--quick`` writes
@@ -26,8 +28,9 @@ from benchmarks._common import TARGETS
 
 SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_figures")
 """What ``python -m benchmarks`` runs (within its 3-minute budget)."""
-FULL_SCRIPTS = (*SCRIPTS, "training")
-"""What ``--full`` runs: also the model-quality benchmark, which trains for minutes."""
+FULL_SCRIPTS = (*SCRIPTS, "training", "scale")
+"""What ``--full`` runs: also the model-quality benchmark, which trains for minutes, and the
+scale benchmark (1M units, 1,024 nodes), which simulates for minutes."""
 
 SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("balance", "shared_over_bound", "shared-queue makespan / fluid bound, 64 nodes, 10k units"),
@@ -43,7 +46,7 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("throughput", "ratio_local", "shared_queue / plain DataLoader batches/s, LocalMailbox in tmpfs, loader-bound"),
     ("throughput", "ratio_disk", "the same, LocalMailbox on this machine's disk (0.8 ms a file create)"),
     ("throughput", "ratio_latency_20ms", "the same (tmpfs), 20 ms per mailbox request"),
-    ("throughput", "ratio_latency_100ms", "the same, 100 ms per mailbox request (claim_ahead=4 caps it)"),
+    ("throughput", "ratio_latency_100ms", "the same, 100 ms per mailbox request"),
     ("stall", "stall_fraction", "share of time the loop waits for data, 50 ms step, 20 ms load, LocalMailbox"),
     ("stall", "stall_fraction_dataloader", "the same for a plain DataLoader (num_workers=1), no claims"),
     ("stall", "stall_fraction_workers0", "the same for shared_queue(workers=0)"),
@@ -55,6 +58,14 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("training", "time_to_ddp_loss", "wall time until the consensus reaches DDP's final loss / DDP's wall time"),
     ("training", "makespan_over_ddp", "one pass: last node done / DDP's makespan"),
     ("training", "loss_over_single", "validation loss of the consensus / one node trained on all the data"),
+    ("scale", "shared_over_bound_1m", "shared queue / bound, 1M units, 1,024 nodes (only with `benchmarks.scale --direct`)"),
+    ("scale", "requests_per_claim_1m", "requests per claim, same (only with `--direct`)"),
+    ("scale", "sim_wall_s_1m_estimate", "wall s of the 1M-unit, 1,024-node simulation, extrapolated from the ladder"),
+    ("scale", "node_startup_s_1m", "one simulated node's start-up at 1M units (order, claimer, fingerprint), s"),
+    ("scale", "memory_mb_per_node_1m", "MB one simulated node keeps at 1M units (tracemalloc; claim index shared)"),
+    ("scale", "shared_over_bound_ladder", "shared queue / bound at the largest simulated size (256k units, 256 nodes)"),
+    ("scale", "requests_per_claim_ladder", "requests per claim, same"),
+    ("scale", "claim_loop_us_1m", "claim loop microseconds per claim, extrapolated to 1,024 nodes"),
 )
 """The figures the summary table shows, with what each means; targets come from ``TARGETS``."""
 
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every script in its quick mode (CI)")
     parser.add_argument("--full", action="store_true",
-                        help="also the training benchmark (model quality; about 6 minutes)")
+                        help="also the training (about 6 minutes) and scale (about 3) benchmarks")
     parser.add_argument("--only", nargs="+", choices=FULL_SCRIPTS, help="run only these scripts")
     parser.add_argument("--output", type=Path, default=None,
                         help=f"where to write the results (default {DEFAULT_OUTPUT.name}; --quick: nowhere)")

@@ -53,6 +53,9 @@ TARGETS: dict[str, Target] = {
     "loss_over_ddp": Target("<=", 1.02, "consensus validation loss / DDP's at equal samples"),
     "time_to_ddp_loss": Target("<=", 0.60, "wall time to DDP's final loss / DDP's wall time"),
     "makespan_over_ddp": Target("<=", 0.55, "one pass: makespan / DDP's"),
+    "shared_over_bound_1m": Target("<=", 1.05, "shared-queue makespan / fluid bound, 1M units, 1,024 nodes"),
+    "sim_wall_s_1m": Target("<", 120.0, "wall seconds of the 1M-unit, 1,024-node simulation itself"),
+    "sim_wall_s_1m_estimate": Target("<", 120.0, "the same, extrapolated from smaller runs"),
 }
 """The issue's targets, by figure name (the figures every script names in its JSON line)."""
 

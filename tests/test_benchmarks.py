@@ -40,8 +40,16 @@ FIGURES = {
     "session_figures": ["drag", "read_per_exchange", "drag_every_1", "drag_every_4", "drag_every_16",
                         "read_per_exchange_4", "read_per_exchange_16", "read_per_exchange_64"],
 }
-SLOW = {"training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"]}
-"""Run by ``--full`` only; its quick mode is tested in ``test_training_benchmark.py``."""
+SCALE = [
+    "shared_over_bound_1m", "requests_per_claim_1m", "conflicts_per_claim_1m", "sim_wall_s_1m",
+    "sim_wall_s_1m_estimate", "sim_wall_s_1m_estimate_flat", "node_startup_s_1m", "memory_mb_per_node_1m",
+    "claim_loop_us_1m", "shared_over_bound_ladder", "requests_per_claim_ladder", "sim_wall_s_ladder",
+    "rss_mb_per_node_ladder",
+]
+"""``benchmarks.scale``: its quick mode simulates its (small) target directly, so every figure is a number."""
+SLOW = {"training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
+        "scale": SCALE}
+"""Run by ``--full`` only; training's quick mode is tested in ``test_training_benchmark.py``."""
 
 
 def finite_numbers(value: object) -> bool:
@@ -67,6 +75,38 @@ def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
     assert not missing, f"{script} does not report {missing}: {figures}"
     bad = {name: figures[name] for name in FIGURES[script] if not finite_numbers(figures[name])}
     assert not bad, f"{script} reports figures that are not finite numbers: {bad}"
+
+
+def test_scale_quick_mode_measures_every_figure_directly() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.strip().splitlines()
+    assert len(lines) >= 3, completed.stdout
+    figures = json.loads(lines[-1])
+    bad = {name: figures.get(name) for name in SCALE if not finite_numbers(figures.get(name))}
+    assert not bad, f"scale reports figures that are missing or not numbers: {bad}"
+    # The ladder stays below the target size, and each node of it keeps some state.
+    assert figures["ladder_units"] < figures["target_units"], figures
+    assert figures["ladder_nodes"] < figures["target_nodes"], figures
+    assert figures["memory_mb_per_node_1m"] > 0, figures
+
+
+def test_scale_per_claim_extrapolation_is_linear_in_nodes_and_never_below_the_last_row() -> None:
+    from benchmarks.scale import NodeCost, Row, per_claim_at
+
+    def row(units: int, nodes: int, seconds: float) -> Row:
+        return Row(units, nodes, 1.0, 2.0, 0.0, seconds, 0.0)
+
+    startup = NodeCost(order_s=0.25, claimer_s=0.25, fingerprint_s=0.0, memory_bytes=1)  # 0.5 s a node
+    costs = {(1_000, 10): startup, (2_000, 20): startup}
+    # Claim loops of 1 s per 1,000 claims at 10 nodes and 3 s per 2,000 at 20 (wall less 10 x 0.5, 20 x 0.5).
+    rising = [row(1_000, 10, 6.0), row(2_000, 20, 13.0)]
+    assert per_claim_at(rising, costs, 40) == pytest.approx(0.0015 + 0.00005 * 20)
+    falling = [row(1_000, 10, 8.0), row(2_000, 20, 13.0)]
+    assert per_claim_at(falling, costs, 40) == pytest.approx(0.0015)
 
 
 def test_every_script_is_run_by_python_m_benchmarks() -> None:

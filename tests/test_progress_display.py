@@ -22,7 +22,7 @@ def load_two(value: int):
 
 
 def progress_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("gradientmail-progress")]
+    return [t for t in threading.enumerate() if t.name.startswith("gradientmail-display")]
 
 
 class Terminal(io.StringIO):

@@ -72,7 +72,8 @@ def test_resume_takes_back_a_dead_incarnations_unit_by_position(memory_mailbox):
     stream = tagged_items(first, lambda identifier: load(items[identifier]))
     got = [consumption.next_from(stream) for _ in range(4)]  # the 4th is in the loop's hands
     tracker.flush()
-    # The process dies here: nothing is released.
+    # The process dies here: nothing is released (its writer thread stops, as with the process).
+    tracker.close(release=False)
     record = json.loads(memory_mailbox.get("work/node-0/00000"))
 
     again = ElasticClaimer(memory_mailbox, ["00000", "00001"], "node-0",

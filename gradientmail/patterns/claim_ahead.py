@@ -8,12 +8,19 @@ threads while the current unit loads, and hands their units out in the order the
 
 It claims ahead only where that is what keeps the training loop fed, and only as much:
 
-- ``depth`` starts at 0 (on demand, the seed's behaviour) and grows, up to ``limit``, each
-  time the loader waited for a claim while the loop was starving (from the second such wait in
-  a row): the loop kept taking batches during the wait, and took all that were buffered when
-  it began or found the buffer under half full (``BufferGauge``). It grows by as many units as
-  the wait lasted. A loop slower than its loader keeps the buffer full, and a loop that has
-  stopped takes nothing, so neither ever makes a node claim ahead.
+- ``depth`` starts at 0 (on demand, the seed's behaviour) and changes only after the loader
+  waited for a claim while the loop was starving (from the second such wait in a row): the loop
+  kept taking batches during the wait, and took all that were buffered when it began or found
+  the buffer under half full (``BufferGauge``). A loop slower than its loader keeps the buffer
+  full, and a loop that has stopped takes nothing, so neither ever makes a node claim ahead.
+- It then jumps to what hides a claim (``DepthGauge``): ``ceil(claim_s / unit_s) + 1``, the
+  smoothed seconds a claim takes over the smoothed seconds the loader spends on a unit, and at
+  least one more than before (the wait says the estimate was short).
+- It never exceeds ``limit`` (``claim_ahead``: a cap, not a starting depth) nor
+  ``TIED_S / unit_s``, rechecked at every unit: units claimed ahead are this node's work that
+  no other node can take, so at the end of a run the node finishes at most about ``TIED_S``
+  after it would have claiming on demand, whatever the store's latency; a store slower than
+  that is only partly hidden.
 - A claim ahead starts only from inside ``next()``, that is while the buffer has room (the loop
   asked for a batch), never while it is full.
 - Attempts run concurrently, but ``Claimer.pick`` and ``Claimer.settle`` run under one lock, so
@@ -36,11 +43,57 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from gradientmail.patterns.claims import Claimer
 
-__all__ = ["BufferGauge", "ClaimAhead", "DEFAULT_CLAIM_AHEAD"]
+__all__ = ["BufferGauge", "ClaimAhead", "DEFAULT_CLAIM_AHEAD", "DepthGauge", "TIED_S"]
 
-DEFAULT_CLAIM_AHEAD = 4
-"""``shared_queue``'s default ``claim_ahead``: enough to hide 20 ms requests behind units of
-20 small batches (about two claims in flight); a bare ``SharedQueueDataset`` defaults to 0."""
+DEFAULT_CLAIM_AHEAD = 64
+"""``shared_queue``'s default ``claim_ahead``, a cap on claims in flight (and threads): room
+for 100 ms requests behind units of 20 small batches (about 45 in flight); ``TIED_S`` bounds
+the depth before this does on most stores. A bare ``SharedQueueDataset`` defaults to 0."""
+
+TIED_S = 1.0
+"""Most seconds of this node's own loading that claims ahead may tie to it (depth x unit time).
+Hiding a claim ties about its latency (``DepthGauge.target``): this covers three 100 ms requests
+three times over, and a run's end waits at most this much longer for the node than on demand."""
+
+SMOOTHING = 0.2
+"""Weight of a new sample in ``DepthGauge``'s moving averages (about the last five)."""
+
+
+class DepthGauge:
+    """How many claims in flight hide a claim's latency behind loading, from measured times.
+
+    A claim started ``depth`` units before it is needed has ``depth * unit_s`` to complete, so
+    it takes ``ceil(claim_s / unit_s)`` in flight, plus one for the jitter of either. Both are
+    exponential moving averages, so one slow request or one slow unit moves the depth little.
+    """
+
+    def __init__(self, smoothing: float = SMOOTHING) -> None:
+        self._smoothing = smoothing
+        self.claim_s: float | None = None
+        """Smoothed seconds from starting a claim to winning a unit (conflicts and listings included)."""
+        self.unit_s: float | None = None
+        """Smoothed seconds the loader spends on a unit (waits for claims excluded)."""
+
+    def claimed(self, seconds: float) -> None:
+        self.claim_s = self._mix(self.claim_s, seconds)
+
+    def loaded(self, seconds: float) -> None:
+        self.unit_s = self._mix(self.unit_s, seconds)
+
+    def target(self) -> int:
+        """Claims in flight that hide a claim: 0 until both times are known."""
+        if self.claim_s is None or not self.unit_s:
+            return 0
+        return math.ceil(self.claim_s / self.unit_s) + 1
+
+    def bound(self, limit: int, tied_s: float = TIED_S) -> int:
+        """The most claims in flight: ``limit``, and no more than ``tied_s`` of work (at least 1)."""
+        if not self.unit_s:
+            return limit
+        return min(limit, max(1, int(tied_s / self.unit_s)))
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self._smoothing * (new - old)
 
 
 class BufferGauge:
@@ -99,6 +152,8 @@ class ClaimAhead:
         self._handed_at = time.perf_counter()
         self._dry = 0  # waits in a row during which the loop ran dry
         self.depth = 0
+        self.times = DepthGauge()
+        """Measured claim and unit times, which set ``depth`` once the loop starves."""
 
     def next(self) -> str | None:
         """The next claimed unit (claiming it now if none is ready), or None when none is left.
@@ -107,6 +162,8 @@ class ClaimAhead:
         """
         asked = time.perf_counter()
         unit_s = asked - self._handed_at  # how long the previous unit kept the loader busy
+        if self._handed:
+            self.times.loaded(unit_s)
         while True:
             mark = self._mark()
             if self._pending:
@@ -123,8 +180,9 @@ class ClaimAhead:
                 continue  # claims started earlier may still have won a unit
             self._handed_at = time.perf_counter()
             if waited:
-                self._adapt(mark, wait_s=self._handed_at - asked, unit_s=unit_s)
+                self._adapt(mark)
             self._handed += 1
+            self.depth = min(self.depth, self.times.bound(self._limit))  # the loader's pace changes
             self._top_up()
             return identifier
 
@@ -141,7 +199,7 @@ class ClaimAhead:
         gauge = self._gauge
         return None if gauge is None else (gauge.buffered(), gauge.taken())
 
-    def _adapt(self, mark: tuple[int, int] | None, *, wait_s: float, unit_s: float) -> None:
+    def _adapt(self, mark: tuple[int, int] | None) -> None:
         """After the loader waited for a claim: claim further ahead if the loop was starving.
 
         The loop was starving when it kept taking batches during the wait and the buffer could
@@ -151,8 +209,8 @@ class ClaimAhead:
         is busy, or has stopped) lost nothing to the wait. It takes two such waits in a row (a
         start-up transient, such as a loop that takes its first batch and stops, is not a
         trend). Without a gauge every wait counts. The first unit's wait is start-up. The depth
-        grows by as many units as the wait was long (at least one), so a slow store is hidden
-        after a unit or two, not after ``limit``.
+        jumps to ``DepthGauge.target`` (at least one more than before), within
+        ``DepthGauge.bound``, so a slow store is hidden after a unit or two, not after ``limit``.
         """
         if self._handed == 0 or self.depth >= self._limit:
             return
@@ -166,8 +224,7 @@ class ClaimAhead:
             self._dry += 1
             if self._dry < 2:
                 return
-        more = math.ceil(wait_s / unit_s) if unit_s > 0 else 1
-        self.depth = min(self._limit, self.depth + max(1, more))
+        self.depth = min(max(self.depth + 1, self.times.target()), self.times.bound(self._limit))
 
     def _top_up(self) -> None:
         while not self._exhausted and not self._closing and len(self._pending) < self.depth:
@@ -177,6 +234,7 @@ class ClaimAhead:
 
     def _claim(self) -> str | None:
         claimer = self._claimer
+        started = time.perf_counter()
         while True:
             with self._lock:
                 if self._closing:
@@ -189,4 +247,5 @@ class ClaimAhead:
                 identifier = claimer.settle(pick, won)
                 if identifier is not None:
                     self._count()
+                    self.times.claimed(time.perf_counter() - started)
                     return identifier

@@ -28,6 +28,7 @@ import os
 import socket
 import time
 import uuid
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,11 @@ RISK_MEMORY = 32
 UNSEEN_RISK = 0.5
 """The risk ``adaptive`` assumes for a step it has not seen yet, once it has seen another
 claimer's claims (alone, it uses its overall rate): it lists first, then learns."""
+
+SPREAD = 64
+"""After a lost create, a claimer takes one of its next 16 free units (doubling with each loss
+in a row, up to ``SPREAD``) rather than the first: claimers that lost the same race list at the
+same moment, and would otherwise all create the same next unit again and go on losing together."""
 
 _STEP_CLASSES = 4096  # distinct steps remembered; beyond that, new steps use the overall rate
 
@@ -264,6 +270,12 @@ class Claimer:
       claims; where nodes compete for the same next units (every node in the mapping's order,
       or the seed's plain rotation) every step is found contested, and it lists first: three
       requests per claim, without conflicts. A node alone never meets anyone: two.
+    After a lost create it lists (every policy but ``"never"``) and then takes one of its next
+    free units that listing settled (16 of them, doubling with each loss in a row, up to
+    ``SPREAD``), chosen by its learner id and worker rather than the first: claimers that lost
+    the same race listed at the same moment and would otherwise keep creating the same unit
+    together.
+
     - ``"always"``: list before every attempt that no listing since the last attempt covers
       (the seed's protocol: list, create, read back).
     - ``"conflict"``: list only before the first attempt and after a conflict.
@@ -317,6 +329,8 @@ class Claimer:
         self._seen = 0.0
         self._taken = 0.0
         self._others = False  # a listing has shown a claim that is not this claimer's
+        self._losses = 0  # creates lost in a row
+        self._seat = zlib.crc32(f"{learner_id}/{worker}".encode())  # spreads claimers after a loss
         self.stats: Counter[str] = Counter()
 
     def claim_next(self) -> str | None:
@@ -365,7 +379,12 @@ class Claimer:
                 else:
                     self.stats["blind"] += 1
                     blind = True
-            self._next += 1
+            if self._losses and not blind:
+                index = self._spread(index)
+                position = order[index]
+                step = position - order[index - 1] if index else None
+            if index == self._next:
+                self._next += 1
             self.stats["attempts"] += 1
             self._fresh = False
             known[position] = 1  # settled by this attempt, whoever wins
@@ -383,6 +402,7 @@ class Claimer:
     def settle(self, pick: Pick, won: bool) -> str | None:
         """Record the outcome of an attempt; the identifier if it was won."""
         self._conflicted = not won
+        self._losses = self._losses + 1 if not won else 0
         if not won:
             self.stats["conflicts"] += 1
         if pick.blind:
@@ -411,6 +431,28 @@ class Claimer:
         if self.listing == "conflict":
             return False
         return self.risk(step) > RISK_LIMIT
+
+    def _spread(self, index: int) -> int:
+        """One of the first free candidates from ``index`` that the latest listing settled.
+
+        Which one depends on the claimer (its learner id and worker) and on how many creates
+        it lost in a row, so claimers that lost together part, deterministically.
+        """
+        order = self._order
+        known = self._known
+        width = min(SPREAD, 8 << self._losses)
+        free = []
+        for later in range(index, len(order)):
+            position = order[later]
+            if position > self._covered:
+                break
+            if not known[position]:
+                free.append(later)
+                if len(free) == width:
+                    break
+            if later - index >= 4 * width:
+                break  # a run of known claims: the scan stays short
+        return free[zlib.crc32(self._losses.to_bytes(4, "little"), self._seat) % len(free)]
 
     def _near_others(self) -> bool:
         """Whether one of the next ``NEAR`` units in order is known claimed by someone else."""

@@ -102,7 +102,7 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.start()
         self._thread = threading.Thread(
-            target=self._run, name=f"gradientmail-progress-{self.learner_id}", daemon=True
+            target=self._run, name=f"gradientmail-display-{self.learner_id}", daemon=True
         )
         self._thread.start()
 

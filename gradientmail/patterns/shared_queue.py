@@ -1079,12 +1079,14 @@ def shared_queue(
         pin_memory: Passed to the DataLoader (page-locked batches, every tensor of a
             structured one, for faster GPU copies; needs ``workers >= 1``).
         multiprocessing_context: Start method for workers (default: Python's default).
-        claim_ahead: Most units each loader claims ahead of the one it is loading, so that a
-            slow store's round trips overlap loading (default 4; 0: on demand, as the seed).
-            The depth grows (by as many units as the wait lasted) from the second wait for a
-            claim in a row during which the loop ran dry or the buffer was under half full; a
-            loop slower than its loader, or one that stopped taking batches, never triggers
-            it. Units claimed ahead are lost to the run if the block is left early.
+        claim_ahead: Most claims each loader keeps in flight ahead of the one it is loading,
+            so that a slow store's round trips overlap loading (default 64, a cap; 0: on
+            demand, as the seed). From the second wait for a claim in a row during which the
+            loop ran dry or the buffer was under half full, the depth is set to the measured
+            claim time over the measured unit time, plus one, and never ties more than
+            ``claim_ahead.TIED_S`` (1 s) of loading to the node; a loop slower than its
+            loader, or one that stopped taking batches, never triggers it. Units claimed ahead
+            are lost to the run if the block is left early.
         shutdown_timeout: Longest wait for an operation in flight when leaving the block.
         resume: Record progress, release unfinished units when leaving the block, and take
             back this learner's (and released) units first when restarted; see

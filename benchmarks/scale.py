@@ -1,0 +1,239 @@
+"""How the shared queue and its simulation scale, towards 1M units over 1,024 nodes.
+
+The balance and requests benchmarks at growing sizes on the virtual clock
+(``gradientmail.patterns.simulate``: real ``SharedQueueDataset`` claimers on one ``MemoryMailbox``,
+times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter, one lane per node with rotation),
+with what the simulation itself costs: its wall time and memory per simulated node.
+
+- A ladder of sizes at about 1,000 units per node (the ratio of 1M units to 1,024 nodes): each
+  row is one full simulation, with makespan / fluid bound (total work / total speed), requests
+  per claim, its wall time and RSS growth per node (measured in a fresh process).
+- One node's start-up at the target size (1M units, 1,024 lanes), built as ``simulate`` builds
+  it: its rotated preference order, its ``Claimer`` over the shared claim index, the run's unit
+  fingerprint it checks on start. Its time and memory (``tracemalloc``) are measured, not
+  estimated; both grow with the number of units, and the simulation pays them once per node.
+- ``sim_wall_s_1m_estimate``: the 1M/1,024 wall time extrapolated as 1,024 times that start-up
+  plus 1M claims at the per-claim cost of the ladder, grown linearly with nodes from its last
+  two rows (``_flat``: not grown past the last row). Estimates: they say whether the direct run
+  is worth starting (target < 120 s).
+- ``shared_over_bound_1m`` and ``requests_per_claim_1m`` come from the direct simulation at the
+  target size, which runs only with ``--direct`` (far longer than 2 minutes with today's per-node
+  start-up) and under ``--quick`` (where the target is small); otherwise they are null and the
+  ladder's largest row (``*_ladder``) stands in: the tail that bounds the makespan ratio is about
+  one unit of the slowest node over the units per node, which the ladder keeps.
+
+``--quick``: a ladder of 2k/8 and 4k/16 and a target of 20k units over 64 nodes, run directly.
+
+Usage: ``python -m benchmarks.scale [--quick] [--direct] [--jobs N]``; the last line is one JSON
+object.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import resource
+import time
+import tracemalloc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks._common import default_jobs, emit, parser, table, verdicts
+
+PATTERN = (1.0, 2.0, 2.0, 4.0)
+JITTER = 0.2
+TARGET = (1_000_000, 1_024)
+LADDER = ((16_000, 16), (64_000, 64), (128_000, 128), (256_000, 256))
+QUICK_TARGET = (20_000, 64)
+QUICK_LADDER = ((2_000, 8), (4_000, 16))
+
+
+def unit_times(nodes: int) -> list[float]:
+    return [PATTERN[rank % len(PATTERN)] for rank in range(nodes)]
+
+
+def fluid_bound(units: int, nodes: int) -> float:
+    """Total work / total speed (jitter is centred: it leaves the expected work unchanged)."""
+    return units / sum(1.0 / t for t in unit_times(nodes))
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+@dataclass(frozen=True)
+class Row:
+    units: int
+    nodes: int
+    shared_over_bound: float
+    requests_per_claim: float
+    conflicts_per_claim: float
+    seconds: float
+    rss_mb_per_node: float
+
+
+def run_sizes(sizes: Sequence[tuple[int, int]], jobs: int) -> list[Row]:
+    """``run_size`` for each size, each in a fresh process (spawn, one size per process): the peak
+    RSS of a process that already ran a larger size would hide this one's growth."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context, max_tasks_per_child=1) as pool:
+        return list(pool.map(run_size, sizes))
+
+
+def run_size(size: tuple[int, int]) -> Row:
+    """One full simulation (module-level: sizes run in fresh worker processes)."""
+    from benchmarks.balance import grid
+    from gradientmail.patterns.simulate import simulate
+
+    units, nodes = size
+    mapping = grid(units, nodes)
+    before = _max_rss_mb()
+    start = time.perf_counter()
+    result = simulate(mapping, unit_times(nodes), rotate_lanes=nodes, jitter=JITTER, seed=0)
+    seconds = time.perf_counter() - start
+    if result.claims != units:
+        raise RuntimeError(f"{units} units over {nodes} nodes: {result.claims} claimed")
+    return Row(
+        units=units, nodes=nodes, shared_over_bound=result.makespan / fluid_bound(units, nodes),
+        requests_per_claim=result.requests_per_claim, conflicts_per_claim=result.conflicts_per_claim,
+        seconds=seconds, rss_mb_per_node=(_max_rss_mb() - before) / nodes,
+    )
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One simulated node's start-up at a given size: seconds by part, and bytes it keeps."""
+
+    order_s: float
+    claimer_s: float
+    fingerprint_s: float
+    memory_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        return self.order_s + self.claimer_s + self.fingerprint_s
+
+
+def node_cost(size: tuple[int, int]) -> NodeCost:
+    """Build one node's per-node state as ``simulate`` does, timing each part (no tracing), then
+    again under ``tracemalloc`` for the memory it keeps (the claim index is shared, not counted)."""
+    from benchmarks.balance import grid
+    from gradientmail.mailbox.memory import MemoryMailbox
+    from gradientmail.patterns.claims import ClaimIndex, Claimer
+    from gradientmail.patterns.units import rotated_order
+    from gradientmail.run_record import unit_fingerprint
+
+    units, nodes = size
+    mapping = grid(units, nodes)
+    index = ClaimIndex(mapping)
+    mailbox = MemoryMailbox(f"bench-scale-{time.time_ns()}")
+    rank = min(1, nodes - 1)  # not the mapping's order: a rotated one, as every node has
+    start = time.perf_counter()
+    order = rotated_order(mapping, rank, nodes)
+    ordered = time.perf_counter()
+    Claimer(mailbox, order, f"node-{rank}", index=index)
+    built = time.perf_counter()
+    unit_fingerprint(mapping)
+    fingerprinted = time.perf_counter()
+    del order
+    tracemalloc.start()
+    try:
+        kept = (rotated_order(mapping, rank, nodes),)
+        kept += (Claimer(mailbox, kept[0], f"node-{rank}", index=index),)
+        memory, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return NodeCost(ordered - start, built - ordered, fingerprinted - built, memory)
+
+
+def per_claim_at(rows: list[Row], costs: dict[tuple[int, int], NodeCost], nodes: int) -> float:
+    """Seconds per claim of the claim loop (wall less the nodes' start-up), grown linearly with
+    nodes from the last two rows to ``nodes`` (never below the last row's)."""
+    loop = [(row.nodes, (row.seconds - row.nodes * costs[(row.units, row.nodes)].seconds) / row.units)
+            for row in rows]
+    loop = [(n, max(per_claim, 0.0)) for n, per_claim in loop]
+    if len(loop) == 1:
+        return loop[0][1]
+    (n0, c0), (n1, c1) = loop[-2], loop[-1]
+    slope = max(0.0, (c1 - c0) / (n1 - n0))
+    return c1 + slope * (nodes - n1)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    options = parser(__doc__)
+    options.add_argument("--jobs", type=int, default=None, help="simulations in parallel (default: 2, quick 1)")
+    options.add_argument("--direct", action="store_true",
+                         help="also simulate the target size itself (1M units, 1,024 nodes: very long)")
+    args = options.parse_args(argv)
+    ladder = list(QUICK_LADDER if args.quick else LADDER)
+    target = QUICK_TARGET if args.quick else TARGET
+    jobs = args.jobs or (1 if args.quick else default_jobs())
+
+    start = time.perf_counter()
+    # Largest first, so that it never starts last.
+    rows = sorted(run_sizes(sorted(ladder, reverse=True), jobs), key=lambda row: row.units)
+    costs = {size: node_cost(size) for size in [*ladder, target]}
+    direct = run_sizes([target], 1)[0] if args.quick or args.direct else None
+    wall = time.perf_counter() - start
+
+    units, nodes = target
+    at_target = costs[target]
+    per_claim = per_claim_at(rows, costs, nodes)
+    setup = nodes * at_target.seconds
+    estimate = setup + units * per_claim
+    flat = setup + units * per_claim_at(rows[-1:], costs, nodes)  # no growth past the last row
+
+    print(f"Scale on a virtual clock: times per unit {', '.join(f'{t:g}' for t in PATTERN)} repeated, "
+          f"jitter {JITTER:.0%}, rotation{' (quick)' if args.quick else ''}")
+    shown = [*rows, *([direct] if direct is not None else [])]
+    print(table(
+        ["units", "nodes", "makespan/bound", "requests/claim", "conflicts/claim", "sim time",
+         "node start-up", "RSS/node"],
+        [[f"{row.units:,}", row.nodes, f"{row.shared_over_bound:.4f}", f"{row.requests_per_claim:.3f}",
+          f"{row.conflicts_per_claim:.4f}", f"{row.seconds:.1f}s",
+          f"{costs[(row.units, row.nodes)].seconds * 1e3:.0f}ms", f"{row.rss_mb_per_node:.2f}MB"]
+         for row in shown],
+    ))
+    print()
+    print(f"One node's start-up at {units:,} units, {nodes:,} lanes: rotated order "
+          f"{at_target.order_s * 1e3:.0f} ms, claimer {at_target.claimer_s * 1e3:.0f} ms, unit fingerprint "
+          f"{at_target.fingerprint_s * 1e3:.0f} ms; keeps {at_target.memory_bytes / 2**20:.1f} MB "
+          f"(tracemalloc; the claim index is shared)")
+    print(f"{units:,} units over {nodes:,} nodes, extrapolated: start-up {nodes:,} x "
+          f"{at_target.seconds:.2f} s = {setup:.0f} s, claim loop {units:,} x {per_claim * 1e6:.0f} us "
+          f"= {units * per_claim:.0f} s; about {estimate:.0f} s in all ({flat:.0f} s if the cost per "
+          f"claim stopped growing at {rows[-1].nodes} nodes), "
+          f"{nodes * at_target.memory_bytes / 2**30:.1f} GB of per-node state"
+          + ("" if direct is None else f" (measured directly: {direct.seconds:.1f} s)"))
+    print(f"{len(shown)} simulations and {len(costs)} start-ups in {wall:.1f}s on {jobs} process(es)")
+
+    largest = rows[-1]
+    figures: dict[str, object] = {
+        "shared_over_bound_1m": None if direct is None else direct.shared_over_bound,
+        "requests_per_claim_1m": None if direct is None else direct.requests_per_claim,
+        "conflicts_per_claim_1m": None if direct is None else direct.conflicts_per_claim,
+        "sim_wall_s_1m": None if direct is None else direct.seconds,
+        "sim_wall_s_1m_estimate": estimate,
+        "sim_wall_s_1m_estimate_flat": flat,
+        "node_startup_s_1m": at_target.seconds,
+        "memory_mb_per_node_1m": at_target.memory_bytes / 2**20,
+        "shared_over_bound_ladder": largest.shared_over_bound,
+        "requests_per_claim_ladder": largest.requests_per_claim,
+        "sim_wall_s_ladder": largest.seconds,
+        "rss_mb_per_node_ladder": largest.rss_mb_per_node,
+        "claim_loop_us_1m": per_claim * 1e6,
+        "ladder_units": largest.units,
+        "ladder_nodes": largest.nodes,
+        "target_units": units,
+        "target_nodes": nodes,
+    }
+    measured = {name: value for name, value in figures.items() if isinstance(value, float)}
+    for line in verdicts({name: measured[name] for name in ("shared_over_bound_1m", "sim_wall_s_1m",
+                                                             "sim_wall_s_1m_estimate") if name in measured}):
+        print(line)
+    emit(figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
