@@ -11,26 +11,13 @@ import pytest
 from gradientmail.mailbox.wrappers import DelayedMailbox
 from gradientmail.patterns.claim_ahead import TIED_S, ClaimAhead, DepthGauge
 from gradientmail.patterns.claims import Claimer
+from test_claim_ahead import DryGauge  # tests/ is on sys.path, as for every test helper
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def ids(count: int) -> list[str]:
     return [f"u{i:04d}" for i in range(count)]
-
-
-class DryGauge:
-    """A loop that takes every buffered batch while the loader claims (it is starving)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def buffered(self) -> int:
-        return 1
-
-    def taken(self) -> int:
-        self.count += 1
-        return self.count
 
 
 class FixedTimes(DepthGauge):
