@@ -25,6 +25,7 @@ from gradientmail.mailbox.wrappers import _Wrapper
 from gradientmail.patterns.elastic import take_over
 from gradientmail.patterns.shared_queue import shared_queue
 from queue_nodes import RecordingLoad
+from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 
 def _append(path: Path, line: str) -> None:
@@ -117,16 +118,7 @@ def run_elastic_nodes(specs: list[ElasticSpec], *, timeout: float = 60, killed: 
         processes.append(context.Process(target=run_elastic_node, args=(spec,), name=spec.learner))
     for process in processes:
         process.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    codes = {p.name: p.exitcode for p in processes}
+    codes = dict(zip((p.name for p in processes), join_all(processes, timeout)))
     for name, code in codes.items():
         expected = -signal.SIGKILL if name in killed else 0
         assert code == expected, f"node processes ended with {codes} (expected {name}: {expected})"

@@ -25,6 +25,7 @@ import torch
 from gradientmail import DuplicateLearnerError
 from gradientmail.patterns.shared_queue import shared_queue
 from elastic_nodes import ProgressLog  # tests/ is on sys.path, as for every test helper
+from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 
 def _append(path: Path, line: str) -> None:
@@ -112,16 +113,7 @@ def start(nodes: list[Node], *, together: bool = False) -> list[Any]:
 
 def finish(processes: list[Any], *, timeout: float = 60, killed: int = 0) -> None:
     """Wait for every process; ``killed`` of them must have died of SIGKILL, the rest exit 0."""
-    deadline = time.monotonic() + timeout
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    codes = [process.exitcode for process in processes]
+    codes = join_all(processes, timeout)
     assert sorted(codes) == sorted([-signal.SIGKILL] * killed + [0] * (len(codes) - killed)), codes
 
 

@@ -26,6 +26,7 @@ import torch
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.patterns.shared_queue import shared_queue, units_claimed_by
 from gradientmail.patterns.units import Unit
+from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 
 @dataclass(frozen=True)
@@ -141,16 +142,8 @@ def run_nodes(specs: list[NodeSpec], *, isolated: bool = False, timeout: float =
         processes.append(context.Process(target=run_node, args=(spec,), name=f"node {spec.learner}"))
     for process in processes:
         process.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-    failed = {p.name: p.exitcode for p in processes if p.exitcode != 0}
+    codes = join_all(processes, timeout)
+    failed = {p.name: code for p, code in zip(processes, codes) if code != 0}
     assert not failed, f"node processes failed: {failed}"
 
 
