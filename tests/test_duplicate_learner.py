@@ -55,7 +55,7 @@ def test_a_second_process_under_a_live_learner_id_is_refused(tmp_path, mode):
         finish([duplicate])
         kind, pid, *message = _event(events)
         assert (kind, pid) == ("refused", duplicate.pid), "the second incarnation was not refused"
-        assert f"learner 'node-1' is already running in this run" in message[0]
+        assert "learner 'node-1' is already running in this run" in message[0]
         assert f"pid {running.pid}" in message[0] and "use a unique learner_id" in message[0]
     finally:
         go.set()

@@ -122,7 +122,7 @@ def _open_child(fd: int, name: str, relative: str, *, create: bool) -> int | Non
             if not create:
                 return None
             continue  # removed between mkdir and open: make it again
-        except OSError as exc:
+        except OSError:
             mode = lstat_mode(fd, name)
             if mode is None:
                 if not create:
