@@ -1,4 +1,4 @@
-"""The ``gradientmail`` command: ``demo``, ``status``, ``plot``; also ``python -m gradientmail``.
+"""The ``gradientmail`` command: ``demo``, ``status``, ``plot``, ``tokens``; also ``python -m gradientmail``.
 
 User errors (a missing mailbox, an empty run, an unknown URL scheme, missing credentials, an
 unreachable store) print one line, ``gradientmail: error: ...``, on stderr and exit with 1;
