@@ -58,7 +58,11 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("training", "time_to_ddp_loss", "wall time until the consensus reaches DDP's final loss / DDP's wall time"),
     ("training", "makespan_over_ddp", "one pass: last node done / DDP's makespan"),
     ("training", "loss_over_single", "validation loss of the consensus / one node trained on all the data"),
-    ("scale", "shared_over_bound_1m", "shared queue / bound, 1M units, 1,024 nodes (only with `benchmarks.scale --direct`)"),
+    (
+        "scale",
+        "shared_over_bound_1m",
+        "shared queue / bound, 1M units, 1,024 nodes (only with `benchmarks.scale --direct`)",
+    ),
     ("scale", "requests_per_claim_1m", "requests per claim, same (only with `--direct`)"),
     ("scale", "sim_wall_s_1m_estimate", "wall s of the 1M-unit, 1,024-node simulation, extrapolated from the ladder"),
     ("scale", "node_startup_s_1m", "one simulated node's start-up at 1M units (order, claimer, fingerprint), s"),
@@ -90,8 +94,9 @@ def run_script(name: str, quick: bool) -> Outcome:
     command = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if quick else [])]
     print(f"$ python -m benchmarks.{name}{' --quick' if quick else ''}", flush=True)
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1,
-                               cwd=Path(__file__).resolve().parent.parent)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=Path(__file__).resolve().parent.parent
+    )
     assert process.stdout is not None
     lines = []
     for line in process.stdout:
@@ -107,8 +112,9 @@ def run_script(name: str, quick: bool) -> Outcome:
         if isinstance(parsed, dict):
             outcome.figures = parsed
             outcome.lines = lines[:-1]
-    print(f"({name}: {outcome.seconds:.1f}s{'' if outcome.ok else f', FAILED with exit code {returncode}'})\n",
-          flush=True)
+    print(
+        f"({name}: {outcome.seconds:.1f}s{'' if outcome.ok else f', FAILED with exit code {returncode}'})\n", flush=True
+    )
     return outcome
 
 
@@ -142,8 +148,10 @@ def machine() -> str:
         torch_version = torch.__version__
     except ImportError:  # pragma: no cover - torch is a dependency
         torch_version = "?"
-    return (f"{os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
-            f"torch {torch_version}, {platform.system()}")
+    return (
+        f"{os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
+        f"torch {torch_version}, {platform.system()}"
+    )
 
 
 def render(outcomes: dict[str, Outcome], wall: float, quick: bool) -> str:
@@ -159,20 +167,33 @@ def render(outcomes: dict[str, Outcome], wall: float, quick: bool) -> str:
         "",
     ]
     for outcome in outcomes.values():
-        parts += [f"## {outcome.name}", "", f"`python -m benchmarks.{outcome.name}`"
-                  + ("" if outcome.ok else f" **failed (exit code {outcome.returncode})**"), "",
-                  "```text", *outcome.lines, "```", ""]
+        parts += [
+            f"## {outcome.name}",
+            "",
+            f"`python -m benchmarks.{outcome.name}`"
+            + ("" if outcome.ok else f" **failed (exit code {outcome.returncode})**"),
+            "",
+            "```text",
+            *outcome.lines,
+            "```",
+            "",
+        ]
     return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="every script in its quick mode (CI)")
-    parser.add_argument("--full", action="store_true",
-                        help="also the training (about 6 minutes) and scale (about 3) benchmarks")
+    parser.add_argument(
+        "--full", action="store_true", help="also the training (about 6 minutes) and scale (about 3) benchmarks"
+    )
     parser.add_argument("--only", nargs="+", choices=FULL_SCRIPTS, help="run only these scripts")
-    parser.add_argument("--output", type=Path, default=None,
-                        help=f"where to write the results (default {DEFAULT_OUTPUT.name}; --quick: nowhere)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"where to write the results (default {DEFAULT_OUTPUT.name}; --quick: nowhere)",
+    )
     args = parser.parse_args(argv)
     output = args.output or (None if args.quick else DEFAULT_OUTPUT)
     start = time.perf_counter()
@@ -189,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [name for name, outcome in outcomes.items() if not outcome.ok]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
-    print(json.dumps({**{name: outcome.figures for name, outcome in outcomes.items()},
-                      "wall_s": round(wall, 1)}))
+    print(json.dumps({**{name: outcome.figures for name, outcome in outcomes.items()}, "wall_s": round(wall, 1)}))
     return 1 if failed else 0
 
 

@@ -43,8 +43,12 @@ TARGETS: dict[str, Target] = {
     "shared_over_bound": Target("<=", 1.05, "shared-queue makespan / fluid lower bound, 64 nodes"),
     "requests_per_claim": Target("<=", 3.0, "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
     "conflicts_per_claim": Target("<=", 0.05, "lost claims per claimed unit, same run"),
-    "conflicts_per_claim_threads": Target("<=", 0.05, "lost claims per claimed unit, 64 threads racing for real, rotation"),
-    "ratio_local": Target(">=", 0.95, "shared_queue / plain DataLoader batches/s, LocalMailbox (worse of small, large)"),
+    "conflicts_per_claim_threads": Target(
+        "<=", 0.05, "lost claims per claimed unit, 64 threads racing for real, rotation"
+    ),
+    "ratio_local": Target(
+        ">=", 0.95, "shared_queue / plain DataLoader batches/s, LocalMailbox (worse of small, large)"
+    ),
     "ratio_latency_20ms": Target(">=", 0.90, "the same with 20 ms per mailbox request"),
     "stall_fraction": Target("<", 0.01, "share of wall time the training loop waits for data, after the first batch"),
     "step_overhead": Target("<", 0.01, "Session.step with nothing due / one training step"),
@@ -79,7 +83,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     first = (doc or "").strip().splitlines()[0] if doc else None
     result = argparse.ArgumentParser(description=first)
     result.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="small sizes and few repeats, for CI: it runs every code path, its figures are noisy",
     )
     return result
@@ -95,8 +100,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
     def line(row: Sequence[str]) -> str:
         parts = [
-            cell.ljust(widths[column]) if column == 0 else cell.rjust(widths[column])
-            for column, cell in enumerate(row)
+            cell.ljust(widths[column]) if column == 0 else cell.rjust(widths[column]) for column, cell in enumerate(row)
         ]
         return "  ".join(parts).rstrip()
 

@@ -145,7 +145,7 @@ class TrainingData:
         """The batches of unit ``(pass, index)``, labelled with their global step."""
         pass_, index = unit
         size = self.plan.unit_batches * BATCH
-        rows = self.order(pass_)[index * size:(index + 1) * size]
+        rows = self.order(pass_)[index * size : (index + 1) * size]
         contexts = contexts_at(self.corpus, self.positions[rows])
         first = ((pass_ - 1) * self.plan.units + index) * self.plan.unit_batches
         for offset, batch in enumerate(contexts.split(BATCH)):
@@ -269,8 +269,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 # -- the methods ----------------------------------------------------------------------------------
 
 
-def run_fixed(config: NodeConfig, model: torch.nn.Module, data: TrainingData, start: float,
-              net: torch.nn.Module | None = None) -> dict[str, Any]:
+def run_fixed(
+    config: NodeConfig, model: torch.nn.Module, data: TrainingData, start: float, net: torch.nn.Module | None = None
+) -> dict[str, Any]:
     """Train on this node's fixed units in order (single, fixed_split and each DDP rank).
 
     ``net`` is what the batches go through (the DDP wrapper), ``model`` what is checkpointed.
@@ -315,8 +316,9 @@ def ddp(config: NodeConfig) -> dict[str, Any]:
     import torch.distributed as dist
 
     store = Path(config.run_dir) / "ddp-store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=config.rank,
-                            world_size=config.world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=config.rank, world_size=config.world, timeout=timedelta(seconds=120)
+    )
     try:
         model, data = make_model(), TrainingData(config.data_dir, config.plan)
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -356,14 +358,23 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
     data = TrainingData(config.data_dir, config.plan)
     model = make_model()
     optimizer = adam(model)
-    session = Session(model, mailbox=box, learner_id=config.name,
-                      every=timedelta(seconds=config.plan.every_s), every_steps=None,
-                      **session_options(config.outer))
+    session = Session(
+        model,
+        mailbox=box,
+        learner_id=config.name,
+        every=timedelta(seconds=config.plan.every_s),
+        every_steps=None,
+        **session_options(config.outer),
+    )
     units = unit_table(config.plan, config.passes)
     start = start_line(Path(config.run_dir), config.rank, config.world)
     batches, stopped, next_check = 0, False, 0.0
-    with session, shared_queue(units, mailbox=box, learner_id=config.name, load=data.load,
-                               workers=0, shutdown_timeout=60.0) as queue:
+    with (
+        session,
+        shared_queue(
+            units, mailbox=box, learner_id=config.name, load=data.load, workers=0, shutdown_timeout=60.0
+        ) as queue,
+    ):
         for _, batch in queue:
             began = time.monotonic()
             train_step(model, optimizer, batch)
@@ -377,10 +388,16 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
             pad(began, config.sleep_s)
     end = time.time()
     box.put(f"{DONE_PREFIX}{config.name}", b"")
-    return {"start": start, "end": end, "batches": batches, "units": units_claimed_by(config.name),
-            "exchanges": getattr(session, "exchanges", None), "merges": getattr(session, "merges", None),
-            "stopped": stopped,
-            "outer": str(config.outer or "average")}
+    return {
+        "start": start,
+        "end": end,
+        "batches": batches,
+        "units": units_claimed_by(config.name),
+        "exchanges": getattr(session, "exchanges", None),
+        "merges": getattr(session, "merges", None),
+        "stopped": stopped,
+        "outer": str(config.outer or "average"),
+    }
 
 
 METHODS = {"single": single, "ddp": ddp, "fixed_split": fixed_split, "gradientmail": gradientmail}
@@ -389,8 +406,10 @@ METHODS = {"single": single, "ddp": ddp, "fixed_split": fixed_split, "gradientma
 def node_main(config: NodeConfig) -> None:
     """A node process: run the method, write the result (or the error) for the parent."""
     launched = time.time()
-    _run_and_report(Path(config.run_dir) / f"result-{config.name}.json",
-                    lambda: {"launched": launched, **METHODS[config.method](config)})
+    _run_and_report(
+        Path(config.run_dir) / f"result-{config.name}.json",
+        lambda: {"launched": launched, **METHODS[config.method](config)},
+    )
 
 
 def _run_and_report(path: Path, run: Any) -> None:
@@ -448,4 +467,3 @@ class Monitor:
 
 def monitor_main(config: MonitorConfig) -> None:
     _run_and_report(Path(config.run_dir) / f"result-{config.name}.json", lambda: Monitor(config).run())
-

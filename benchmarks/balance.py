@@ -151,9 +151,14 @@ def run_case(name: str, nodes: int, units: int, slowdown: bool = False) -> Case:
     if result.claims != units:
         raise RuntimeError(f"{name}: {result.claims} units claimed of {units}")
     return Case(
-        name=name, nodes=nodes, units=units, bound=fluid_bound(units, times, slow),
-        shared=result.makespan, fixed=fixed_split(units, times, slow),
-        units_by_learner=result.units_by_learner, seconds=seconds,
+        name=name,
+        nodes=nodes,
+        units=units,
+        bound=fluid_bound(units, times, slow),
+        shared=result.makespan,
+        fixed=fixed_split(units, times, slow),
+        units_by_learner=result.units_by_learner,
+        seconds=seconds,
     )
 
 
@@ -178,25 +183,50 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     done = parallel_map(_run_case, [todo[index] for index in order], jobs)
     cases = [case for _, case in sorted(zip(order, done, strict=True), key=lambda pair: pair[0])]
 
-    print(f"Balance on a virtual clock: node times per unit {', '.join(f'{t:g}' for t in PATTERN)} repeated, "
-          f"one batch per unit{' (quick)' if args.quick else ''}")
+    print(
+        f"Balance on a virtual clock: node times per unit {', '.join(f'{t:g}' for t in PATTERN)} repeated, "
+        f"one batch per unit{' (quick)' if args.quick else ''}"
+    )
     rows = []
     for case in [seed, *cases]:
-        rows.append([
-            case.name, case.nodes, f"{case.units:,}", f"{case.bound:.2f}", f"{case.shared:.2f}",
-            f"{case.shared_over_bound:.3f}", f"{case.fixed:.2f}", f"{case.fixed_over_bound:.3f}",
-            f"{case.fixed / case.shared:.2f}x", f"{case.seconds:.1f}s",
-        ])
-    print(table(
-        ["case", "nodes", "units", "fluid bound", "shared queue", "/bound", "fixed split", "/bound",
-         "fixed/shared", "sim time"],
-        rows,
-    ))
+        rows.append(
+            [
+                case.name,
+                case.nodes,
+                f"{case.units:,}",
+                f"{case.bound:.2f}",
+                f"{case.shared:.2f}",
+                f"{case.shared_over_bound:.3f}",
+                f"{case.fixed:.2f}",
+                f"{case.fixed_over_bound:.3f}",
+                f"{case.fixed / case.shared:.2f}x",
+                f"{case.seconds:.1f}s",
+            ]
+        )
+    print(
+        table(
+            [
+                "case",
+                "nodes",
+                "units",
+                "fluid bound",
+                "shared queue",
+                "/bound",
+                "fixed split",
+                "/bound",
+                "fixed/shared",
+                "sim time",
+            ],
+            rows,
+        )
+    )
     names = "ABCD"
-    print(f"seed example: shared queue t = {seed.shared:g} with "
-          + ", ".join(f"{names[rank]} {count}" for rank, count in enumerate(seed_units))
-          + f"; fixed split t = {seed.fixed:g}: "
-          + ("reproduced exactly" if reproduced else "MISMATCH (expected t = 12 with A 11, B 5, C 5, D 3; fixed 24)"))
+    print(
+        f"seed example: shared queue t = {seed.shared:g} with "
+        + ", ".join(f"{names[rank]} {count}" for rank, count in enumerate(seed_units))
+        + f"; fixed split t = {seed.fixed:g}: "
+        + ("reproduced exactly" if reproduced else "MISMATCH (expected t = 12 with A 11, B 5, C 5, D 3; fixed 24)")
+    )
 
     by_nodes = {case.nodes: case for case in cases[: len(NODE_COUNTS)]}
     slowdown = cases[-1]

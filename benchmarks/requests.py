@@ -91,9 +91,7 @@ def run_cell(cell: Cell) -> Outcome:
     times = [PATTERN[rank % len(PATTERN)] for rank in range(cell.learners)]
     units = grid(cell.units, cell.learners)
     start = time.perf_counter()
-    result = simulate(
-        units, times, rotate_lanes=cell.learners if cell.rotation else None, jitter=JITTER, seed=0
-    )
+    result = simulate(units, times, rotate_lanes=cell.learners if cell.rotation else None, jitter=JITTER, seed=0)
     seconds = time.perf_counter() - start
     return Outcome(
         cell=cell,
@@ -123,8 +121,11 @@ def race(units_count: int, learners: int, rotation: bool) -> Outcome:
     counters = [CountingMailbox(store) for _ in range(learners)]
     datasets = [
         SharedQueueDataset(
-            units, mailbox=DelayedMailbox(counters[rank], RACE_LATENCY_S), learner_id=f"node-{rank}",
-            load=_one_batch, order=rotated_order(units, rank, learners) if rotation else None,
+            units,
+            mailbox=DelayedMailbox(counters[rank], RACE_LATENCY_S),
+            learner_id=f"node-{rank}",
+            load=_one_batch,
+            order=rotated_order(units, rank, learners) if rotation else None,
         )
         for rank in range(learners)
     ]
@@ -157,23 +158,31 @@ def race(units_count: int, learners: int, rotation: bool) -> Outcome:
     if stats["claims"] != units_count:
         raise RuntimeError(f"race: {stats['claims']} claims for {units_count} units")
     return Outcome(
-        cell=Cell(units_count, learners, rotation), claims=stats["claims"],
-        requests=sum(operations.values()), conflicts=stats["conflicts"], listings=stats["listings"],
-        by_operation=dict(operations), seconds=seconds,
+        cell=Cell(units_count, learners, rotation),
+        claims=stats["claims"],
+        requests=sum(operations.values()),
+        conflicts=stats["conflicts"],
+        listings=stats["listings"],
+        by_operation=dict(operations),
+        seconds=seconds,
     )
 
 
-HEADERS = ["units", "learners", "rotation", "requests/claim", "conflicts/claim", "lists", "creates",
-           "gets", "sim time"]
+HEADERS = ["units", "learners", "rotation", "requests/claim", "conflicts/claim", "lists", "creates", "gets", "sim time"]
 
 
 def row(outcome: Outcome) -> list[object]:
     cell, ops, claims = outcome.cell, outcome.by_operation, max(1, outcome.claims)
     return [
-        f"{cell.units:,}", cell.learners, cell.label,
-        f"{outcome.requests_per_claim:.3f}", f"{outcome.conflicts_per_claim:.4f}",
-        f"{ops.get('list', 0) / claims:.3f}", f"{ops.get('put_if_absent', 0) / claims:.3f}",
-        f"{ops.get('get', 0) / claims:.3f}", f"{outcome.seconds:.1f}s",
+        f"{cell.units:,}",
+        cell.learners,
+        cell.label,
+        f"{outcome.requests_per_claim:.3f}",
+        f"{outcome.conflicts_per_claim:.4f}",
+        f"{ops.get('list', 0) / claims:.3f}",
+        f"{ops.get('put_if_absent', 0) / claims:.3f}",
+        f"{ops.get('get', 0) / claims:.3f}",
+        f"{outcome.seconds:.1f}s",
     ]
 
 
@@ -183,7 +192,7 @@ def cells(unit_counts: tuple[int, ...], full: bool = True) -> list[Cell]:
     for units, learners in itertools.product(unit_counts, LEARNER_COUNTS):
         if not full and units == max(unit_counts) and learners != HEADLINE_LEARNERS:
             continue
-        for rotation in ((True,) if learners == 1 else (True, False)):
+        for rotation in (True,) if learners == 1 else (True, False):
             result.append(Cell(units, learners, rotation))
     return result
 
@@ -196,10 +205,10 @@ def run_all(todo: list[Cell], jobs: int) -> dict[Cell, Outcome]:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     options = parser(__doc__)
-    options.add_argument("--jobs", type=int, default=None,
-                         help="simulations run in parallel (default: 2, quick 1)")
-    options.add_argument("--full", action="store_true",
-                         help="also 100k units with 1 and 16 learners (about a minute more)")
+    options.add_argument("--jobs", type=int, default=None, help="simulations run in parallel (default: 2, quick 1)")
+    options.add_argument(
+        "--full", action="store_true", help="also 100k units with 1 and 16 learners (about a minute more)"
+    )
     args = options.parse_args(argv)
     jobs = args.jobs or (1 if args.quick else default_jobs())
     unit_counts = QUICK_UNIT_COUNTS if args.quick else UNIT_COUNTS
@@ -208,17 +217,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     outcomes = run_all(todo, jobs)
     wall = time.perf_counter() - start
 
-    print(f"Mailbox requests per claimed unit (virtual clock, times per unit "
-          f"{', '.join(f'{t:g}' for t in PATTERN)} repeated, jitter {JITTER:.0%})"
-          f"{' (quick)' if args.quick else ''}")
+    print(
+        f"Mailbox requests per claimed unit (virtual clock, times per unit "
+        f"{', '.join(f'{t:g}' for t in PATTERN)} repeated, jitter {JITTER:.0%})"
+        f"{' (quick)' if args.quick else ''}"
+    )
     print(table(HEADERS, [row(outcomes[cell]) for cell in todo]))
     print(f"{len(todo)} simulations in {wall:.1f}s on {jobs} process(es)")
 
     race_units = QUICK_RACE_UNITS if args.quick else RACE_UNITS
     raced = [race(race_units, HEADLINE_LEARNERS, rotation) for rotation in (True, False)]
     print()
-    print(f"Racing for real: {HEADLINE_LEARNERS} threads, {RACE_LATENCY_S * 1e3:g} ms per request, "
-          f"{RACE_UNIT_S * 1e3:g} ms per unit at relative time 1")
+    print(
+        f"Racing for real: {HEADLINE_LEARNERS} threads, {RACE_LATENCY_S * 1e3:g} ms per request, "
+        f"{RACE_UNIT_S * 1e3:g} ms per unit at relative time 1"
+    )
     print(table(HEADERS[:-1] + ["wall time"], [row(outcome) for outcome in raced]))
 
     largest = max(unit_counts)

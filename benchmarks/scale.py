@@ -94,9 +94,13 @@ def run_size(size: tuple[int, int]) -> Row:
     if result.claims != units:
         raise RuntimeError(f"{units} units over {nodes} nodes: {result.claims} claimed")
     return Row(
-        units=units, nodes=nodes, shared_over_bound=result.makespan / fluid_bound(units, nodes),
-        requests_per_claim=result.requests_per_claim, conflicts_per_claim=result.conflicts_per_claim,
-        seconds=seconds, rss_mb_per_node=(_max_rss_mb() - before) / nodes,
+        units=units,
+        nodes=nodes,
+        shared_over_bound=result.makespan / fluid_bound(units, nodes),
+        requests_per_claim=result.requests_per_claim,
+        conflicts_per_claim=result.conflicts_per_claim,
+        seconds=seconds,
+        rss_mb_per_node=(_max_rss_mb() - before) / nodes,
     )
 
 
@@ -119,7 +123,7 @@ def node_cost(size: tuple[int, int]) -> NodeCost:
     again under ``tracemalloc`` for the memory it keeps (the claim index is shared, not counted)."""
     from benchmarks.balance import grid
     from gradientmail.mailbox.memory import MemoryMailbox
-    from gradientmail.patterns.claims import ClaimIndex, Claimer
+    from gradientmail.patterns.claims import Claimer, ClaimIndex
     from gradientmail.patterns.units import rotated_order
     from gradientmail.run_record import unit_fingerprint
 
@@ -149,8 +153,7 @@ def node_cost(size: tuple[int, int]) -> NodeCost:
 def per_claim_at(rows: list[Row], costs: dict[tuple[int, int], NodeCost], nodes: int) -> float:
     """Seconds per claim of the claim loop (wall less the nodes' start-up), grown linearly with
     nodes from the last two rows to ``nodes`` (never below the last row's)."""
-    loop = [(row.nodes, (row.seconds - row.nodes * costs[(row.units, row.nodes)].seconds) / row.units)
-            for row in rows]
+    loop = [(row.nodes, (row.seconds - row.nodes * costs[(row.units, row.nodes)].seconds) / row.units) for row in rows]
     loop = [(n, max(per_claim, 0.0)) for n, per_claim in loop]
     if len(loop) == 1:
         return loop[0][1]
@@ -162,8 +165,9 @@ def per_claim_at(rows: list[Row], costs: dict[tuple[int, int], NodeCost], nodes:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     options = parser(__doc__)
     options.add_argument("--jobs", type=int, default=None, help="simulations in parallel (default: 2, quick 1)")
-    options.add_argument("--direct", action="store_true",
-                         help="also simulate the target size itself (1M units, 1,024 nodes: very long)")
+    options.add_argument(
+        "--direct", action="store_true", help="also simulate the target size itself (1M units, 1,024 nodes: very long)"
+    )
     args = options.parse_args(argv)
     ladder = list(QUICK_LADDER if args.quick else LADDER)
     target = QUICK_TARGET if args.quick else TARGET
@@ -183,28 +187,53 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     estimate = setup + units * per_claim
     flat = setup + units * per_claim_at(rows[-1:], costs, nodes)  # no growth past the last row
 
-    print(f"Scale on a virtual clock: times per unit {', '.join(f'{t:g}' for t in PATTERN)} repeated, "
-          f"jitter {JITTER:.0%}, rotation{' (quick)' if args.quick else ''}")
+    print(
+        f"Scale on a virtual clock: times per unit {', '.join(f'{t:g}' for t in PATTERN)} repeated, "
+        f"jitter {JITTER:.0%}, rotation{' (quick)' if args.quick else ''}"
+    )
     shown = [*rows, *([direct] if direct is not None else [])]
-    print(table(
-        ["units", "nodes", "makespan/bound", "requests/claim", "conflicts/claim", "sim time",
-         "node start-up", "RSS/node"],
-        [[f"{row.units:,}", row.nodes, f"{row.shared_over_bound:.4f}", f"{row.requests_per_claim:.3f}",
-          f"{row.conflicts_per_claim:.4f}", f"{row.seconds:.1f}s",
-          f"{costs[(row.units, row.nodes)].seconds * 1e3:.0f}ms", f"{row.rss_mb_per_node:.2f}MB"]
-         for row in shown],
-    ))
+    print(
+        table(
+            [
+                "units",
+                "nodes",
+                "makespan/bound",
+                "requests/claim",
+                "conflicts/claim",
+                "sim time",
+                "node start-up",
+                "RSS/node",
+            ],
+            [
+                [
+                    f"{row.units:,}",
+                    row.nodes,
+                    f"{row.shared_over_bound:.4f}",
+                    f"{row.requests_per_claim:.3f}",
+                    f"{row.conflicts_per_claim:.4f}",
+                    f"{row.seconds:.1f}s",
+                    f"{costs[(row.units, row.nodes)].seconds * 1e3:.0f}ms",
+                    f"{row.rss_mb_per_node:.2f}MB",
+                ]
+                for row in shown
+            ],
+        )
+    )
     print()
-    print(f"One node's start-up at {units:,} units, {nodes:,} lanes: rotated order "
-          f"{at_target.order_s * 1e3:.0f} ms, claimer {at_target.claimer_s * 1e3:.0f} ms, unit fingerprint "
-          f"{at_target.fingerprint_s * 1e3:.0f} ms; keeps {at_target.memory_bytes / 2**20:.1f} MB "
-          f"(tracemalloc; the claim index is shared)")
-    print(f"{units:,} units over {nodes:,} nodes, extrapolated: start-up {nodes:,} x "
-          f"{at_target.seconds:.2f} s = {setup:.0f} s, claim loop {units:,} x {per_claim * 1e6:.0f} us "
-          f"= {units * per_claim:.0f} s; about {estimate:.0f} s in all ({flat:.0f} s if the cost per "
-          f"claim stopped growing at {rows[-1].nodes} nodes), "
-          f"{nodes * at_target.memory_bytes / 2**30:.1f} GB of per-node state"
-          + ("" if direct is None else f" (measured directly: {direct.seconds:.1f} s)"))
+    print(
+        f"One node's start-up at {units:,} units, {nodes:,} lanes: rotated order "
+        f"{at_target.order_s * 1e3:.0f} ms, claimer {at_target.claimer_s * 1e3:.0f} ms, unit fingerprint "
+        f"{at_target.fingerprint_s * 1e3:.0f} ms; keeps {at_target.memory_bytes / 2**20:.1f} MB "
+        f"(tracemalloc; the claim index is shared)"
+    )
+    print(
+        f"{units:,} units over {nodes:,} nodes, extrapolated: start-up {nodes:,} x "
+        f"{at_target.seconds:.2f} s = {setup:.0f} s, claim loop {units:,} x {per_claim * 1e6:.0f} us "
+        f"= {units * per_claim:.0f} s; about {estimate:.0f} s in all ({flat:.0f} s if the cost per "
+        f"claim stopped growing at {rows[-1].nodes} nodes), "
+        f"{nodes * at_target.memory_bytes / 2**30:.1f} GB of per-node state"
+        + ("" if direct is None else f" (measured directly: {direct.seconds:.1f} s)")
+    )
     print(f"{len(shown)} simulations and {len(costs)} start-ups in {wall:.1f}s on {jobs} process(es)")
 
     largest = rows[-1]
@@ -228,8 +257,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "target_nodes": nodes,
     }
     measured = {name: value for name, value in figures.items() if isinstance(value, float)}
-    for line in verdicts({name: measured[name] for name in ("shared_over_bound_1m", "sim_wall_s_1m",
-                                                             "sim_wall_s_1m_estimate") if name in measured}):
+    for line in verdicts(
+        {
+            name: measured[name]
+            for name in ("shared_over_bound_1m", "sim_wall_s_1m", "sim_wall_s_1m_estimate")
+            if name in measured
+        }
+    ):
         print(line)
     emit(figures)
     return figures

@@ -96,8 +96,7 @@ def exchange_step_seconds(calls: int) -> tuple[float, float]:
     trainer = Trainer()
     peer = Session(small_model(), mailbox=box, learner_id="peer", every=None, every_steps=1, catch_up=False)
     # Three steps per round, the second one due: every_steps=3, and one step before the rounds.
-    session = Session(trainer.model, mailbox=box, learner_id="bench", every=None, every_steps=3,
-                      catch_up=False)
+    session = Session(trainer.model, mailbox=box, learner_id="bench", every=None, every_steps=3, catch_up=False)
     starts, merges = [], []
     with peer, session:
         session.step(samples=64)
@@ -131,9 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     # One thread: a small model's step is then not at the mercy of how many cores are idle.
     torch.set_num_threads(1)
-    train_calls, quiet_calls, repeats, exchange_calls = (
-        (50, 20_000, 3, 10) if args.quick else (300, 200_000, 7, 50)
-    )
+    train_calls, quiet_calls, repeats, exchange_calls = (50, 20_000, 3, 10) if args.quick else (300, 200_000, 7, 50)
     train = training_step_seconds(train_calls, repeats)
     quiet = quiet_step_seconds(quiet_calls, repeats)
     exchange, merge = exchange_step_seconds(exchange_calls)
@@ -149,8 +146,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ("session.step, exchange due", exchange, figures["step_overhead_exchange"]),
         ("session.step, applies a merge", merge, figures["step_overhead_merge"]),
     ]
-    print(f"Session.step cost vs a training step: MLP 128-256-128 ({params:,} parameters), batch 64, "
-          f"CPU, {torch.get_num_threads()} threads{' (quick)' if args.quick else ''}")
+    print(
+        f"Session.step cost vs a training step: MLP 128-256-128 ({params:,} parameters), batch 64, "
+        f"CPU, {torch.get_num_threads()} threads{' (quick)' if args.quick else ''}"
+    )
     print(f"{'call':<32}{'time':>12}{'vs training step':>20}")
     for name, seconds, ratio in rows:
         print(f"{name:<32}{seconds * 1e6:>10.2f}us{ratio:>19.2%}")

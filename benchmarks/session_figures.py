@@ -80,8 +80,10 @@ def drag_once(nodes: int, every_steps: int, steps: int, outer: str = "average") 
     rule by default: the default ``delayed_nesterov`` adds momentum on purpose (advance > 1)."""
     box = MemoryMailbox(f"drag-{uuid.uuid4().hex}")
     models = [_scalar() for _ in range(nodes)]
-    sessions = [Session(model, mailbox=box, learner_id=f"n{i}", every=None, every_steps=every_steps,
-                        outer=outer) for i, model in enumerate(models)]
+    sessions = [
+        Session(model, mailbox=box, learner_id=f"n{i}", every=None, every_steps=every_steps, outer=outer)
+        for i, model in enumerate(models)
+    ]
     done = [0] * nodes
 
     def train(i: int) -> None:
@@ -113,9 +115,10 @@ def read_once(learners: int, exchanges: int, width: int = 256, every_s: float = 
     torch.manual_seed(0)
     models = [torch.nn.Linear(width, width) for _ in range(learners)]
     model_bytes = sum(p.numel() * 4 for p in models[0].parameters())
-    sessions = [Session(model, mailbox=counting, learner_id=f"n{i}", every=None, every_steps=1,
-                        timeout=timedelta(seconds=120))
-                for i, model in enumerate(models)]
+    sessions = [
+        Session(model, mailbox=counting, learner_id=f"n{i}", every=None, every_steps=1, timeout=timedelta(seconds=120))
+        for i, model in enumerate(models)
+    ]
     for session in sessions:
         session.__enter__()
     before = counting.bytes_read
@@ -163,8 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"model sizes read per node per exchange, {learners} learners: {reads:.3f}")
     figures["drag"] = min(v for k, v in figures.items() if k.startswith("drag_every_"))
     figures["drag_delayed_nesterov"] = drag_once(4, 4, steps, outer="delayed_nesterov")
-    print(f"advance per step with the default outer (momentum on top), every_steps=4: "
-          f"{figures['drag_delayed_nesterov']:.4f}")
+    print(
+        f"advance per step with the default outer (momentum on top), every_steps=4: "
+        f"{figures['drag_delayed_nesterov']:.4f}"
+    )
     figures["read_per_exchange"] = max(v for k, v in figures.items() if k.startswith("read_per_exchange_"))
     emit(figures)
     return figures

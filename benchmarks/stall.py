@@ -80,8 +80,7 @@ class PlainUnits(IterableDataset):
 @contextlib.contextmanager
 def open_batches(variant: Variant, units: dict[str, Unit], load_s: float):
     if variant.kind == "plain":
-        iterator = iter(DataLoader(PlainUnits(units, load_s), batch_size=None, num_workers=1,
-                                   prefetch_factor=PREFETCH))
+        iterator = iter(DataLoader(PlainUnits(units, load_s), batch_size=None, num_workers=1, prefetch_factor=PREFETCH))
         try:
             yield iterator
         finally:
@@ -91,8 +90,13 @@ def open_batches(variant: Variant, units: dict[str, Unit], load_s: float):
         box = LocalMailbox(directory)
         mailbox = DelayedMailbox(box, variant.latency) if variant.latency else box
         with shared_queue(
-            units, mailbox=mailbox, learner_id="bench", load=functools.partial(load, seconds=load_s),
-            prefetch=PREFETCH, workers=variant.workers, multiprocessing_context="fork",
+            units,
+            mailbox=mailbox,
+            learner_id="bench",
+            load=functools.partial(load, seconds=load_s),
+            prefetch=PREFETCH,
+            workers=variant.workers,
+            multiprocessing_context="fork",
         ) as batches:
             yield batches
 
@@ -132,22 +136,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         options.error("--load-ms must be below --step-ms (a loader slower than training always stalls)")
     # Warm up (the first DataLoader of a process starts its helper threads), untimed.
     measure(VARIANTS[0], 5, args.step_ms / 1e3, args.load_ms / 1e3)
-    results = {variant.name: measure(variant, steps, args.step_ms / 1e3, args.load_ms / 1e3)
-               for variant in VARIANTS}
+    results = {variant.name: measure(variant, steps, args.step_ms / 1e3, args.load_ms / 1e3) for variant in VARIANTS}
 
-    print(f"Stall: training step {args.step_ms:g} ms, load {args.load_ms:g} ms per batch, {steps} steps, "
-          f"units of {UNIT_STEPS} batches, prefetch {PREFETCH}{' (quick)' if args.quick else ''}")
+    print(
+        f"Stall: training step {args.step_ms:g} ms, load {args.load_ms:g} ms per batch, {steps} steps, "
+        f"units of {UNIT_STEPS} batches, prefetch {PREFETCH}{' (quick)' if args.quick else ''}"
+    )
     rows = [
-        [name, f"{result['stall_fraction']:.4f}", f"{result['waited_s'] * 1e3:.1f}",
-         f"{result['median_wait_s'] * 1e3:.2f}", f"{result['longest_wait_s'] * 1e3:.1f}",
-         f"{result['wall_s']:.2f}", f"{result['first_batch_s'] * 1e3:.0f}"]
+        [
+            name,
+            f"{result['stall_fraction']:.4f}",
+            f"{result['waited_s'] * 1e3:.1f}",
+            f"{result['median_wait_s'] * 1e3:.2f}",
+            f"{result['longest_wait_s'] * 1e3:.1f}",
+            f"{result['wall_s']:.2f}",
+            f"{result['first_batch_s'] * 1e3:.0f}",
+        ]
         for name, result in results.items()
     ]
-    print(table(["variant", "stall fraction", "waited ms", "median wait ms", "longest wait ms", "wall s",
-                 "first batch ms"], rows))
-    print("a wait of about the median on every batch is the DataLoader handing a batch over from its "
-          "worker process (compare the plain DataLoader); a claim the buffer cannot hide shows as a "
-          "longest wait near the claim's round trips")
+    print(
+        table(
+            ["variant", "stall fraction", "waited ms", "median wait ms", "longest wait ms", "wall s", "first batch ms"],
+            rows,
+        )
+    )
+    print(
+        "a wait of about the median on every batch is the DataLoader handing a batch over from its "
+        "worker process (compare the plain DataLoader); a claim the buffer cannot hide shows as a "
+        "longest wait near the claim's round trips"
+    )
     figures = {
         "stall_fraction": results["shared_queue, local"]["stall_fraction"],
         "stall_fraction_20ms": results["shared_queue, 20ms"]["stall_fraction"],

@@ -184,8 +184,13 @@ def run_shared(
         box = DelayedMailbox(inner, latency) if latency else inner
         timed = TimedMailbox(box, totals)
         with shared_queue(
-            units, mailbox=timed, learner_id="bench", load=functools.partial(load, shape=shape),
-            prefetch=PREFETCH, workers=1, multiprocessing_context="fork",
+            units,
+            mailbox=timed,
+            learner_id="bench",
+            load=functools.partial(load, shape=shape),
+            prefetch=PREFETCH,
+            workers=1,
+            multiprocessing_context="fork",
         ) as batches:
             # Start-up requests (store check, run.json) ran here, in this process; reset.
             totals[0] = totals[1] = 0.0
@@ -212,16 +217,16 @@ class Config:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     options = parser(__doc__)
-    options.add_argument("--repeats", type=int, default=None, help="runs of each variant (default 8, quick 1; disk, 100 ms: every other)")
+    options.add_argument(
+        "--repeats", type=int, default=None, help="runs of each variant (default 8, quick 1; disk, 100 ms: every other)"
+    )
     options.add_argument("--seconds", type=float, default=None, help="seconds per run (default 0.8, quick 0.2)")
     args = options.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 8)
     seconds = args.seconds or (0.2 if args.quick else 0.8)
     torch.set_num_threads(1)
     units = unit_grid(steps=UNITS * UNIT_STEPS, unit_steps=UNIT_STEPS, lanes=1)
-    configs = {
-        size: [Config(size, None)] + [Config(size, name) for name in LATENCIES] for size in SIZES
-    }
+    configs = {size: [Config(size, None)] + [Config(size, name) for name in LATENCIES] for size in SIZES}
     start = time.perf_counter()
     for repeat in range(repeats):
         for size, variants in configs.items():
@@ -238,9 +243,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     config.runs.append(run_shared(units, shape, LATENCIES[config.latency], seconds, where))
     wall = time.perf_counter() - start
 
-    print(f"Throughput, loader-bound: batches/s, median of {repeats} alternating runs of ~{seconds:g}s "
-          f"({', '.join(sorted(SPARSE))}: every other), "
-          f"units of {UNIT_STEPS} batches, prefetch {PREFETCH}, 1 worker{' (quick)' if args.quick else ''}")
+    print(
+        f"Throughput, loader-bound: batches/s, median of {repeats} alternating runs of ~{seconds:g}s "
+        f"({', '.join(sorted(SPARSE))}: every other), "
+        f"units of {UNIT_STEPS} batches, prefetch {PREFETCH}, 1 worker{' (quick)' if args.quick else ''}"
+    )
     rows = []
     figures: dict[str, float] = {}
     for size, variants in configs.items():
@@ -250,33 +257,50 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             # Each repeat ran both sides back to back: the median of those paired ratios cancels
             # the drift of a shared machine better than a ratio of two medians.
             ratio = median(
-                run.rate / baseline.runs[repeat].rate
-                for run, repeat in zip(config.runs, config.repeats, strict=True)
+                run.rate / baseline.runs[repeat].rate for run, repeat in zip(config.runs, config.repeats, strict=True)
             )
             wait = median(run.mailbox_wait_per_unit_s for run in config.runs)
             requests = median(run.requests_per_unit for run in config.runs)
             predicted = unit_load / (unit_load + wait) if config.latency is not None else 1.0
             spread = f"{min(r.rate for r in config.runs):.0f}-{max(r.rate for r in config.runs):.0f}"
-            rows.append([
-                f"{size} {config.label}", f"{config.rate:.1f}", spread, f"{ratio:.3f}",
-                "-" if config.latency is None else f"{requests:.2f}",
-                "-" if config.latency is None else f"{wait * 1e3:.1f}",
-                f"{unit_load * 1e3:.1f}" if config.latency is None else f"{predicted:.3f}",
-                f"{median(run.first_batch_s for run in config.runs) * 1e3:.0f}",
-                f"{median(run.warmup_s for run in config.runs) * 1e3:.0f}",
-            ])
+            rows.append(
+                [
+                    f"{size} {config.label}",
+                    f"{config.rate:.1f}",
+                    spread,
+                    f"{ratio:.3f}",
+                    "-" if config.latency is None else f"{requests:.2f}",
+                    "-" if config.latency is None else f"{wait * 1e3:.1f}",
+                    f"{unit_load * 1e3:.1f}" if config.latency is None else f"{predicted:.3f}",
+                    f"{median(run.first_batch_s for run in config.runs) * 1e3:.0f}",
+                    f"{median(run.warmup_s for run in config.runs) * 1e3:.0f}",
+                ]
+            )
             if config.latency is not None:
                 key = config.latency if config.latency in ("local", "disk") else f"latency_{config.latency}"
                 figures[f"ratio_{key}_{size}"] = ratio
             figures[f"batches_per_s_{size}_{'baseline' if config.latency is None else config.latency}"] = config.rate
-    print(table(
-        ["variant", "batches/s", "min-max", "ratio", "requests/unit", "mailbox ms/unit",
-         "unit load ms | on demand", "first batch ms", f"{WARMUP_UNITS} units warm-up ms"],
-        rows,
-    ))
-    print("on demand = unit load / (unit load + mailbox time per unit): the ratio if every claim's requests "
-          "ran between two units (claim_ahead=0); claiming ahead overlaps them with loading. "
-          f"{wall:.0f}s in all.")
+    print(
+        table(
+            [
+                "variant",
+                "batches/s",
+                "min-max",
+                "ratio",
+                "requests/unit",
+                "mailbox ms/unit",
+                "unit load ms | on demand",
+                "first batch ms",
+                f"{WARMUP_UNITS} units warm-up ms",
+            ],
+            rows,
+        )
+    )
+    print(
+        "on demand = unit load / (unit load + mailbox time per unit): the ratio if every claim's requests "
+        "ran between two units (claim_ahead=0); claiming ahead overlaps them with loading. "
+        f"{wall:.0f}s in all."
+    )
     headline = {
         "ratio_local": min(figures["ratio_local_small"], figures["ratio_local_large"]),
         "ratio_latency_20ms": min(figures["ratio_latency_20ms_small"], figures["ratio_latency_20ms_large"]),

@@ -64,10 +64,24 @@ from benchmarks._training_nodes import (
     validation_set,
 )
 
-FULL = Plan(units=96, unit_batches=20, sleeps=(0.012, 0.024, 0.024, 0.048), every_s=0.05,
-            monitor_s=0.5, checkpoint_s=1.0, timeout_s=240.0)
-QUICK = Plan(units=8, unit_batches=4, sleeps=(0.001, 0.002, 0.002, 0.004), every_s=0.1,
-             monitor_s=0.2, checkpoint_s=0.25, timeout_s=60.0)
+FULL = Plan(
+    units=96,
+    unit_batches=20,
+    sleeps=(0.012, 0.024, 0.024, 0.048),
+    every_s=0.05,
+    monitor_s=0.5,
+    checkpoint_s=1.0,
+    timeout_s=240.0,
+)
+QUICK = Plan(
+    units=8,
+    unit_batches=4,
+    sleeps=(0.001, 0.002, 0.002, 0.004),
+    every_s=0.1,
+    monitor_s=0.2,
+    checkpoint_s=0.25,
+    timeout_s=60.0,
+)
 DEFAULT_OUTER = OUTERS[0]
 VARIANTS = (*OUTERS, *WIRE_VARIANTS)
 """Every Session variant run for one pass; the time-to-quality runs are for ``OUTERS``."""
@@ -147,8 +161,16 @@ def node_context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "benchmarks._training_nodes",
-                                    "gradientmail.session", "gradientmail.patterns.shared_queue"])
+    context.set_forkserver_preload(
+        [
+            "torch",
+            "torch._dynamo",
+            "torch.distributed",
+            "benchmarks._training_nodes",
+            "gradientmail.session",
+            "gradientmail.patterns.shared_queue",
+        ]
+    )
     return context
 
 
@@ -188,8 +210,10 @@ class Bench:
 
     def start(self, jobs: Sequence[tuple[Callable[[Any], None], Any]], run_dir: Path) -> list[dict]:
         """Run ``target(config)`` for each job in its own process; their results, in order."""
-        processes = [self.context.Process(target=target, args=(config,), name=config.name, daemon=True)
-                     for target, config in jobs]
+        processes = [
+            self.context.Process(target=target, args=(config,), name=config.name, daemon=True)
+            for target, config in jobs
+        ]
         try:
             for process in processes:
                 process.start()
@@ -215,9 +239,17 @@ class Bench:
         return f"{run_dir.name}: {name} exited with code {exitcode}\n{error}"
 
     def node(self, method: str, rank: int, run_dir: Path, **options: Any) -> NodeConfig:
-        return NodeConfig(method=method, name=f"node-{rank}", rank=rank, world=self.plan.nodes,
-                          data_dir=str(self.data_dir), run_dir=str(run_dir), plan=self.plan,
-                          sleep_s=self.plan.sleeps[rank], **options)
+        return NodeConfig(
+            method=method,
+            name=f"node-{rank}",
+            rank=rank,
+            world=self.plan.nodes,
+            data_dir=str(self.data_dir),
+            run_dir=str(run_dir),
+            plan=self.plan,
+            sleep_s=self.plan.sleeps[rank],
+            **options,
+        )
 
     def quarters(self) -> list[tuple[int, ...]]:
         """Rank r trains units r, r + 4, ... (a DistributedSampler-style fixed split)."""
@@ -253,11 +285,19 @@ class Bench:
         """single, ddp or fixed_split: fixed units per process, then the final model(s)."""
         run_dir = self.run_dir(method)
         if method == "single":
-            configs = [replace(self.node(method, 0, run_dir, checkpoints=checkpoints), world=1,
-                               sleep_s=0.0, units=tuple(range(self.plan.units)))]
+            configs = [
+                replace(
+                    self.node(method, 0, run_dir, checkpoints=checkpoints),
+                    world=1,
+                    sleep_s=0.0,
+                    units=tuple(range(self.plan.units)),
+                )
+            ]
         else:
-            configs = [self.node(method, rank, run_dir, units=units, checkpoints=checkpoints)
-                       for rank, units in enumerate(self.quarters())]
+            configs = [
+                self.node(method, rank, run_dir, units=units, checkpoints=checkpoints)
+                for rank, units in enumerate(self.quarters())
+            ]
         results = self.start([(node_main, config) for config in configs], run_dir)
         start = min(r["start"] for r in results)
         makespan = max(r["end"] for r in results) - start
@@ -272,30 +312,38 @@ class Bench:
         passes = 1 if target is None else 2
         label = f"gradientmail:{outer}" + ("" if target is None else ":to-target")
         run_dir = self.run_dir(label)
-        configs = [self.node("gradientmail", rank, run_dir, passes=passes, outer=outer)
-                   for rank in range(self.plan.nodes)]
+        configs = [
+            self.node("gradientmail", rank, run_dir, passes=passes, outer=outer) for rank in range(self.plan.nodes)
+        ]
         jobs: list[tuple[Callable[[Any], None], Any]] = [(node_main, c) for c in configs]
         if target is not None:
-            monitor = MonitorConfig(name="monitor", run_dir=str(run_dir), data_dir=str(self.data_dir),
-                                    plan=self.plan, nodes=self.plan.nodes, target=target,
-                                    deadline_s=self.plan.timeout_s - 10)
+            monitor = MonitorConfig(
+                name="monitor",
+                run_dir=str(run_dir),
+                data_dir=str(self.data_dir),
+                plan=self.plan,
+                nodes=self.plan.nodes,
+                target=target,
+                deadline_s=self.plan.timeout_s - 10,
+            )
             jobs.append((monitor_main, monitor))
         results = self.start(jobs, run_dir)
-        nodes = results[:self.plan.nodes]
+        nodes = results[: self.plan.nodes]
         start = min(r["start"] for r in nodes)
         makespan = max(r["end"] for r in nodes) - start
-        detail = (f"units {'/'.join(str(r['units']) for r in nodes)}, "
-                  f"batches {'/'.join(str(r['batches']) for r in nodes)}, "
-                  f"merges {'/'.join(str(r['merges']) for r in nodes)}, outer {nodes[0]['outer']}"
-                  + (", stopped at the target" if any(r["stopped"] for r in nodes) else ""))
+        detail = (
+            f"units {'/'.join(str(r['units']) for r in nodes)}, "
+            f"batches {'/'.join(str(r['batches']) for r in nodes)}, "
+            f"merges {'/'.join(str(r['merges']) for r in nodes)}, outer {nodes[0]['outer']}"
+            + (", stopped at the target" if any(r["stopped"] for r in nodes) else "")
+        )
         if target is None:
             run = Run(label, self.consensus_loss(run_dir), makespan, detail=detail)
         else:
             watched = results[-1]
             curve = [(0.0, self.initial_loss)] + [(at - start, loss) for at, loss in watched["points"]]
             reached = watched["reached_at"]
-            run = Run(label, curve[-1][1], makespan, curve,
-                      None if reached is None else reached - start, detail)
+            run = Run(label, curve[-1][1], makespan, curve, None if reached is None else reached - start, detail)
         shutil.rmtree(run_dir)
         return run
 
@@ -329,8 +377,7 @@ def repeat_figures(runs: dict[str, Run], single: Run) -> dict[str, float | None]
         loss = None if one_pass is None else one_pass.loss
         figures[f"loss_over_ddp_{outer}"] = ratio(loss, ddp.loss)
         figures[f"loss_over_single_{outer}"] = ratio(loss, single.loss)
-        figures[f"makespan_over_ddp_{outer}"] = ratio(None if one_pass is None else one_pass.makespan,
-                                                      ddp.makespan)
+        figures[f"makespan_over_ddp_{outer}"] = ratio(None if one_pass is None else one_pass.makespan, ddp.makespan)
         figures[f"time_to_ddp_loss_{outer}"] = ratio(seconds, ddp.makespan)
     for name in RATIOS:
         figures[name] = figures[f"{name}_{DEFAULT_OUTER}"]
@@ -355,8 +402,9 @@ def session_figures(quick: bool) -> dict[str, float]:
     return {"drag": measure_drag(quick), "read_per_exchange": measure_read_per_exchange(quick)}
 
 
-def draw(path: Path, curves: dict[str, Curve], finals: dict[str, tuple[float, float]],
-         ddp_loss: float, title: str) -> None:
+def draw(
+    path: Path, curves: dict[str, Curve], finals: dict[str, tuple[float, float]], ddp_loss: float, title: str
+) -> None:
     """Validation loss against wall-clock seconds, DDP's final loss dashed."""
     import matplotlib
 
@@ -403,8 +451,10 @@ def run_repeats(bench: Bench, outers: Sequence[str], repeats: int, curves: bool)
     repeat_runs: list[dict[str, Run]] = []
     for repeat in range(repeats):
         checkpoints = curves and repeat == 0
-        runs = {"ddp": bench.fixed("ddp", checkpoints=checkpoints),
-                "fixed_split": bench.fixed("fixed_split", checkpoints=checkpoints)}
+        runs = {
+            "ddp": bench.fixed("ddp", checkpoints=checkpoints),
+            "fixed_split": bench.fixed("fixed_split", checkpoints=checkpoints),
+        }
         for outer in (*outers, *WIRE_VARIANTS):
             runs[f"gradientmail:{outer}"] = bench.gradientmail(outer)
         for outer in outers:
@@ -445,10 +495,14 @@ def collect(single: Run, repeat_runs: list[dict[str, Run]], initial: float) -> t
         outer = suffix(variant)
         figures[f"val_loss_gradientmail_{outer}"] = raw(f"gradientmail:{variant}", "loss")
         figures[f"makespan_s_gradientmail_{outer}"] = raw(f"gradientmail:{variant}", "makespan")
-        times = [r[f"gradientmail:{outer}:to-target"].seconds_to_target for r in repeat_runs
-                 if f"gradientmail:{outer}:to-target" in r]
+        times = [
+            r[f"gradientmail:{outer}:to-target"].seconds_to_target
+            for r in repeat_runs
+            if f"gradientmail:{outer}:to-target" in r
+        ]
         figures[f"seconds_to_ddp_loss_{outer}"] = (
-            None if not times else statistics.median([math.inf if t is None else t for t in times]))
+            None if not times else statistics.median([math.inf if t is None else t for t in times])
+        )
         figures[f"val_loss_to_target_{outer}"] = raw(f"gradientmail:{outer}:to-target", "loss")
     figures["repeats"] = len(repeat_runs)
     return figures, spreads
@@ -456,33 +510,69 @@ def collect(single: Run, repeat_runs: list[dict[str, Run]], initial: float) -> t
 
 def print_tables(figures: dict[str, Any], spreads: dict[str, Spread], outers: Sequence[str]) -> None:
     """Per method: loss, time and both against DDP (medians); then each ratio's spread."""
-    rows = [["single (1 process, no padding)", fmt(figures["val_loss_single"], 4), fmt(figures["seconds_single"], 1),
-             fmt(ratio(figures["val_loss_single"], figures["val_loss_ddp"])), "-"],
-            ["ddp (gloo, fixed quarters)", fmt(figures["val_loss_ddp"], 4), fmt(figures["makespan_s_ddp"], 1),
-             "1.000", "1.000"],
-            ["fixed_split (4 models averaged)", fmt(figures["val_loss_fixed_split"], 4),
-             fmt(figures["makespan_s_fixed_split"], 1), fmt(figures["fixed_split_loss_over_ddp"]),
-             fmt(figures["fixed_split_makespan_over_ddp"])]]
+    rows = [
+        [
+            "single (1 process, no padding)",
+            fmt(figures["val_loss_single"], 4),
+            fmt(figures["seconds_single"], 1),
+            fmt(ratio(figures["val_loss_single"], figures["val_loss_ddp"])),
+            "-",
+        ],
+        [
+            "ddp (gloo, fixed quarters)",
+            fmt(figures["val_loss_ddp"], 4),
+            fmt(figures["makespan_s_ddp"], 1),
+            "1.000",
+            "1.000",
+        ],
+        [
+            "fixed_split (4 models averaged)",
+            fmt(figures["val_loss_fixed_split"], 4),
+            fmt(figures["makespan_s_fixed_split"], 1),
+            fmt(figures["fixed_split_loss_over_ddp"]),
+            fmt(figures["fixed_split_makespan_over_ddp"]),
+        ],
+    ]
     for variant in (*outers, *WIRE_VARIANTS):
         outer = suffix(variant)
-        rows.append([f"gradientmail:{variant} (1 pass)", fmt(figures[f"val_loss_gradientmail_{outer}"], 4),
-                     fmt(figures[f"makespan_s_gradientmail_{outer}"], 1),
-                     fmt(figures[f"loss_over_ddp_{outer}"]), fmt(figures[f"makespan_over_ddp_{outer}"])])
+        rows.append(
+            [
+                f"gradientmail:{variant} (1 pass)",
+                fmt(figures[f"val_loss_gradientmail_{outer}"], 4),
+                fmt(figures[f"makespan_s_gradientmail_{outer}"], 1),
+                fmt(figures[f"loss_over_ddp_{outer}"]),
+                fmt(figures[f"makespan_over_ddp_{outer}"]),
+            ]
+        )
     for outer in outers:  # val loss: the consensus when the run ended (at the stop, or pass 2 done)
-        rows.append([f"gradientmail:{outer} to DDP's loss (<= 2 passes)",
-                     fmt(figures[f"val_loss_to_target_{outer}"], 4), fmt(figures[f"seconds_to_ddp_loss_{outer}"], 1),
-                     "-", fmt(figures[f"time_to_ddp_loss_{outer}"])])
+        rows.append(
+            [
+                f"gradientmail:{outer} to DDP's loss (<= 2 passes)",
+                fmt(figures[f"val_loss_to_target_{outer}"], 4),
+                fmt(figures[f"seconds_to_ddp_loss_{outer}"], 1),
+                "-",
+                fmt(figures[f"time_to_ddp_loss_{outer}"]),
+            ]
+        )
     print()
-    print(f"validation loss (initial {figures['val_loss_initial']:.4f}) and wall time, "
-          f"median of {figures['repeats']} repeat(s)")
+    print(
+        f"validation loss (initial {figures['val_loss_initial']:.4f}) and wall time, "
+        f"median of {figures['repeats']} repeat(s)"
+    )
     print(table(["method", "val loss", "time s", "loss/DDP", "time/DDP"], rows))
     print()
-    names = [*RATIOS, *(f"{n}_{o}" for o in outers if o != DEFAULT_OUTER for n in RATIOS),
-             *(f"loss_over_ddp_{suffix(v)}" for v in WIRE_VARIANTS),
-             "fixed_split_loss_over_ddp", "fixed_split_makespan_over_ddp"]
+    names = [
+        *RATIOS,
+        *(f"{n}_{o}" for o in outers if o != DEFAULT_OUTER for n in RATIOS),
+        *(f"loss_over_ddp_{suffix(v)}" for v in WIRE_VARIANTS),
+        "fixed_split_loss_over_ddp",
+        "fixed_split_makespan_over_ddp",
+    ]
     print(table(["figure", "min", "median", "max"], [[name, *(fmt(v) for v in spreads[name])] for name in names]))
-    print(f"drag {fmt(figures['drag'])}, read_per_exchange {fmt(figures['read_per_exchange'])}"
-          " (benchmarks.session_figures)")
+    print(
+        f"drag {fmt(figures['drag'])}, read_per_exchange {fmt(figures['read_per_exchange'])}"
+        " (benchmarks.session_figures)"
+    )
 
 
 def chart(path: Path, single: Run, first: dict[str, Run], title: str) -> None:
@@ -490,24 +580,40 @@ def chart(path: Path, single: Run, first: dict[str, Run], title: str) -> None:
     curves = {"single (1 process, no padding)": single.curve}
     for name, run in first.items():
         if run.curve:
-            label = (f"{name.removesuffix(':to-target')} (consensus; 2 passes, stops at DDP's loss)"
-                     if name.endswith(":to-target") else name)
+            label = (
+                f"{name.removesuffix(':to-target')} (consensus; 2 passes, stops at DDP's loss)"
+                if name.endswith(":to-target")
+                else name
+            )
             curves[label] = run.curve
-    finals = {f"{name} (1 pass, final consensus)": (run.makespan, run.loss)
-              for name, run in first.items() if name.startswith("gradientmail:") and not run.curve}
+    finals = {
+        f"{name} (1 pass, final consensus)": (run.makespan, run.loss)
+        for name, run in first.items()
+        if name.startswith("gradientmail:") and not run.curve
+    }
     draw(path, curves, finals, first["ddp"].loss, title)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="a few units and 1-4 ms per batch, every method (CI: runs, not judged)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="repeat sets (default 3; --quick: 1); ratios are given as min/median/max")
-    parser.add_argument("--every", type=float, default=None,
-                        help="seconds between a node's exchanges (default 0.05; --quick: 0.1)")
-    parser.add_argument("--png", type=Path, default=None,
-                        help="draw the loss curves here (default: docs/training-loss.png, full run only)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few units and 1-4 ms per batch, every method (CI: runs, not judged)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="repeat sets (default 3; --quick: 1); ratios are given as min/median/max",
+    )
+    parser.add_argument(
+        "--every", type=float, default=None, help="seconds between a node's exchanges (default 0.05; --quick: 0.1)"
+    )
+    parser.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        help="draw the loss curves here (default: docs/training-loss.png, full run only)",
+    )
     args = parser.parse_args(argv)
     began = time.perf_counter()
     plan = QUICK if args.quick else FULL
@@ -529,11 +635,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         params = sum(p.numel() for p in bench.model.parameters())
         speeds = "/".join(f"{s * 1000:g}" for s in plan.sleeps)
         shared, quarters = fluid_bounds(plan)
-        print(f"byte-level MLP ({params:,} parameters), Adam lr 2e-3; stdlib corpus: {corpus.files} files, "
-              f"{corpus.train_bytes / 1e6:.1f} MB train, {corpus.validation_bytes / 1e6:.1f} MB held out")
-        print(f"{plan.units} units x {plan.unit_batches} batches x {BATCH} contexts per pass; "
-              f"{plan.nodes} nodes at {speeds} ms per batch; Session every {plan.every_s:g}s; "
-              f"{repeats} repeat(s){' (quick)' if args.quick else ''}")
+        print(
+            f"byte-level MLP ({params:,} parameters), Adam lr 2e-3; stdlib corpus: {corpus.files} files, "
+            f"{corpus.train_bytes / 1e6:.1f} MB train, {corpus.validation_bytes / 1e6:.1f} MB held out"
+        )
+        print(
+            f"{plan.units} units x {plan.unit_batches} batches x {BATCH} contexts per pass; "
+            f"{plan.nodes} nodes at {speeds} ms per batch; Session every {plan.every_s:g}s; "
+            f"{repeats} repeat(s){' (quick)' if args.quick else ''}"
+        )
         print(f"padding alone: {shared:.2f}s for a shared queue (fluid bound), {quarters:.2f}s for fixed quarters")
         sys.stdout.flush()
 
@@ -544,8 +654,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         figures.update(session_figures(args.quick))
         print_tables(figures, spreads, outers)
         if png is not None:
-            chart(png, single, repeat_runs[0],
-                  f"{params:,}-parameter byte MLP, 4 nodes at {speeds} ms/batch (first repeat)")
+            chart(
+                png,
+                single,
+                repeat_runs[0],
+                f"{params:,}-parameter byte MLP, 4 nodes at {speeds} ms/batch (first repeat)",
+            )
             print(f"chart: {png}")
         figures["wall_s"] = time.perf_counter() - began
         print(f"wall time {figures['wall_s']:.0f}s")

@@ -1,7 +1,8 @@
 """Train a byte-level language model on the Python standard library, one process per node.
 
-    torchrun --standalone --nproc_per_node=4 examples/quickstart.py runs/quickstart-1
+torchrun --standalone --nproc_per_node=4 examples/quickstart.py runs/quickstart-1
 """
+
 import os
 import socket
 import sys
@@ -42,9 +43,11 @@ box = open_mailbox(sys.argv[1] if len(sys.argv) > 1 else "runs/quickstart")
 me = f"{socket.gethostname()}-{os.environ.get('RANK', os.environ.get('SLURM_PROCID', '0'))}"  # unique in the run
 units = {f"{i:05d}": i for i in range(UNITS)}
 
-with Session(model, mailbox=box, learner_id=me, every=timedelta(seconds=1)) as session, \
-        shared_queue(units, mailbox=box, learner_id=me, load=load_unit) as batches:
-    for step, rows in batches:
+with (
+    Session(model, mailbox=box, learner_id=me, every=timedelta(seconds=1)) as session,
+    shared_queue(units, mailbox=box, learner_id=me, load=load_unit) as batches,
+):
+    for _step, rows in batches:
         optimizer.zero_grad()
         loss_of(model, rows).backward()
         optimizer.step()

@@ -40,8 +40,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256, help="vocabulary of --data (256: bytes)")
     p.add_argument("--data-dir", default=str(Path.home() / ".cache/gradientmail/stdlib"))
     p.add_argument("--rank", type=int, default=int(env("RANK", env("SLURM_PROCID", "0"))))
-    p.add_argument("--world", type=int, default=int(env("WORLD_SIZE", env("SLURM_NTASKS", "1"))),
-                   help="learners in the run: the lanes of each step (default: torchrun's WORLD_SIZE)")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=int(env("WORLD_SIZE", env("SLURM_NTASKS", "1"))),
+        help="learners in the run: the lanes of each step (default: torchrun's WORLD_SIZE)",
+    )
     p.add_argument("--machine", type=int, default=0, help="this machine's index, with torchrun per machine")
     p.add_argument("--machines", type=int, default=1, help="machines, each running --world processes")
     p.add_argument("--steps", type=int, default=480, help="dataset steps of the run, all learners together")
@@ -68,8 +72,9 @@ class GPT(nn.Module):
     def __init__(self, vocab: int, seq_len: int, width: int, layers: int) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(seq_len, width)
-        block = nn.TransformerEncoderLayer(width, width // 32, 4 * width, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        block = nn.TransformerEncoderLayer(
+            width, width // 32, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
 
@@ -141,15 +146,18 @@ def main() -> None:
 
     started, batches = time.time(), 0
     session = Session(model, mailbox=box, learner_id=learner, every=timedelta(seconds=args.exchange_every))
-    with session, shared_queue(
-        units,
-        mailbox=box,
-        learner_id=learner,
-        load=partial(load_unit, train, args.batch),
-        prefetch=4,
-        pin_memory=cuda,
-        order=rotated_order(units, args.rank, args.world),
-    ) as queue:
+    with (
+        session,
+        shared_queue(
+            units,
+            mailbox=box,
+            learner_id=learner,
+            load=partial(load_unit, train, args.batch),
+            prefetch=4,
+            pin_memory=cuda,
+            order=rotated_order(units, args.rank, args.world),
+        ) as queue,
+    ):
         for step, batch in queue:
             batch = batch.to(device, non_blocking=True)
             for group in optimizer.param_groups:
@@ -173,8 +181,11 @@ def main() -> None:
         if not wait_for_learners(box, [f"node-{rank}" for rank in range(args.world)]):
             print("not every learner finished within 10 minutes: the consensus is the run so far")
         samples = consensus(box, model)
-        print(f"validation loss {validation_loss(model, val, device):.4f} (consensus of {len(samples)} "
-              f"learners, {sum(samples.values()):,} sequences, {time.time() - started:.1f}s)", flush=True)
+        print(
+            f"validation loss {validation_loss(model, val, device):.4f} (consensus of {len(samples)} "
+            f"learners, {sum(samples.values()):,} sequences, {time.time() - started:.1f}s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def _known_fsspec_protocol(scheme: str) -> bool:
     return scheme in known_implementations or scheme in registry
 
 
-def open_cli_mailbox(url: str, *, endpoint_url: str | None = None, create: bool = False,
-                     s3_options: dict[str, Any] | None = None):
+def open_cli_mailbox(
+    url: str, *, endpoint_url: str | None = None, create: bool = False, s3_options: dict[str, Any] | None = None
+):
     """Open ``url`` for a command; a local directory is never created unless ``create``."""
     from gradientmail.mailbox import open_mailbox
 
@@ -98,8 +99,7 @@ def describe_error(exc: BaseException) -> str:
     message = " ".join(str(exc).split()) or type(exc).__name__
     name = type(exc).__name__
     if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
-        message += (" (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, for "
-                    "this S3 mailbox)")
+        message += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, for this S3 mailbox)"
     elif name == "EndpointConnectionError" or isinstance(exc, ConnectionError):
         message += " (is the endpoint URL right and the store reachable?)"
     elif isinstance(exc, FileNotFoundError) and not message.startswith("no mailbox"):
@@ -147,8 +147,10 @@ def status_table(run) -> Any:
         units = f"units claimed {run.units_claimed} (total unknown: no run.json)"
     created = f", created {_ago(run.created, run.read_at)}" if run.created else ""
     if run.elastic:
-        units += (f"\ndone {len(run.done)}, in progress {run.units_in_progress}, "
-                  f"released {len(run.released)}, orphaned (lease expired) {len(run.orphaned)}")
+        units += (
+            f"\ndone {len(run.done)}, in progress {run.units_in_progress}, "
+            f"released {len(run.released)}, orphaned (lease expired) {len(run.orphaned)}"
+        )
     table = Table(title=f"{run.mailbox}\n{units}{created}", title_justify="left")
     table.add_column("learner")
     table.add_column("units", justify="right")
@@ -163,9 +165,16 @@ def status_table(run) -> Any:
         state = {True: "finished", False: "running", None: "-"}[row.finished]
         if row.lease is not None:
             state = f"{state}, lease {row.lease}" if state != "-" else f"lease {row.lease}"
-        table.add_row(Text(row.learner), str(row.units), share, _count(row.samples),
-                      _count(row.samples_per_s, 1), _count(row.steps),
-                      _ago(row.last_seen, run.read_at), state)
+        table.add_row(
+            Text(row.learner),
+            str(row.units),
+            share,
+            _count(row.samples),
+            _count(row.samples_per_s, 1),
+            _count(row.steps),
+            _ago(row.last_seen, run.read_at),
+            state,
+        )
     notes = [] if run.learners else ["no learner has claimed a unit or reported progress yet"]
     notes += unreadable_notes(run)
     if notes:
@@ -182,8 +191,9 @@ def unreadable_notes(run) -> list[str]:
     """One line per unusable record (the first few), for the table's caption."""
     if not run.unreadable:
         return []
-    notes = [f"{len(run.unreadable)} unreadable record(s) skipped (an unreadable claim still "
-             "counts as claimed, under '?'):"]
+    notes = [
+        f"{len(run.unreadable)} unreadable record(s) skipped (an unreadable claim still counts as claimed, under '?'):"
+    ]
     notes += [f"  {_one_line(record.problem)}" for record in run.unreadable[:UNREADABLE_SHOWN]]
     if len(run.unreadable) > UNREADABLE_SHOWN:
         notes.append(f"  ... and {len(run.unreadable) - UNREADABLE_SHOWN} more (--json lists all)")
@@ -214,9 +224,7 @@ def _console():
     try:
         from rich.console import Console
     except ImportError as exc:
-        raise MissingExtraError(
-            f"this command needs rich: pip install 'gradientmail[cli]' ({exc})"
-        ) from exc
+        raise MissingExtraError(f"this command needs rich: pip install 'gradientmail[cli]' ({exc})") from exc
     return Console()
 
 
@@ -224,8 +232,7 @@ def _console():
 def cmd_status(args: argparse.Namespace) -> int:
     from gradientmail.status import RunReader, require_run
 
-    mailbox = open_cli_mailbox(args.url, endpoint_url=args.endpoint_url,
-                               s3_options=S3_READ_OPTIONS)
+    mailbox = open_cli_mailbox(args.url, endpoint_url=args.endpoint_url, s3_options=S3_READ_OPTIONS)
     reader = RunReader(mailbox, threads=args.threads)
     if not args.watch:
         run = require_run(reader.read())
@@ -261,15 +268,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from gradientmail.plot import describe_spans, plot_run, spans_from_run
     from gradientmail.status import read_run, require_run
 
-    mailbox = open_cli_mailbox(args.url, endpoint_url=args.endpoint_url,
-                               s3_options=S3_READ_OPTIONS)
+    mailbox = open_cli_mailbox(args.url, endpoint_url=args.endpoint_url, s3_options=S3_READ_OPTIONS)
     run = require_run(read_run(mailbox, threads=args.threads))
     spans = spans_from_run(run)
     if not spans:
         raise UsageError(f"nothing to plot in {run.mailbox}: no claim records a claimed_at time")
     path = plot_run(run, args.output, title=args.title)
-    print(f"wrote {path} ({run.units_claimed} units, {len(run.learners)} learners; "
-          f"{describe_spans(spans)})")
+    print(f"wrote {path} ({run.units_claimed} units, {len(run.learners)} learners; {describe_spans(spans)})")
     return 0
 
 
@@ -334,7 +339,9 @@ def _slowdown(text: str) -> tuple[str, float]:
 
 def _add_store_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--endpoint-url", metavar="URL", default=None,
+        "--endpoint-url",
+        metavar="URL",
+        default=None,
         help="S3-compatible endpoint for s3:// mailboxes (default: AWS_ENDPOINT_URL or AWS)",
     )
 
@@ -357,13 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one model on machines of unequal speed through a shared mailbox.",
         epilog="Run 'gradientmail demo' to see four nodes of speeds 1:2:2:4 share 24 units.",
     )
-    parser.add_argument("--debug", action="store_true",
-                        help=f"show tracebacks instead of one-line errors (or {DEBUG_ENV}=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help=f"show tracebacks instead of one-line errors (or {DEBUG_ENV}=1)"
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = commands.add_parser(
-        "demo", help="run nodes of unequal speed on one mailbox and compare with a fixed split",
+        "demo",
+        help="run nodes of unequal speed on one mailbox and compare with a fixed split",
         description=(
             "Start N node processes of unequal speed. Each runs the documented loop "
             "(shared_queue + Session) on a small model and a synthetic dataset, on one mailbox. "
@@ -371,40 +380,76 @@ def build_parser() -> argparse.ArgumentParser:
             "fixed split computed for the same speeds, final loss) and writes a Gantt chart."
         ),
     )
-    demo.add_argument("--nodes", type=_positive_int, default=4, metavar="N",
-                      help="node processes to start (default 4)")
-    demo.add_argument("--speeds", type=_speeds, default=None, metavar="T1:T2:...",
-                      help="relative time per batch of each node, larger = slower "
-                           "(default 1:2:2:4, repeated for more nodes)")
-    demo.add_argument("--units", type=_positive_int, default=24, metavar="U",
-                      help="work units in the run, a multiple of --nodes (default 24)")
-    demo.add_argument("--unit-steps", type=_positive_int, default=4, metavar="S",
-                      help="batches per unit (default 4)")
-    demo.add_argument("--batch-time", type=_positive_float, default=0.1, metavar="SECONDS",
-                      help="seconds per batch at relative time 1 (default 0.1)")
-    demo.add_argument("--slowdown", type=_slowdown, default=None, metavar="NODE:FACTOR",
-                      help="make NODE (a name like A, or an index from 0) FACTOR times slower "
-                           "from --slowdown-at on")
-    demo.add_argument("--slowdown-at", type=_positive_float, default=None, metavar="SECONDS",
-                      help="when the slowdown starts (default: half the ideal shared-queue time)")
-    demo.add_argument("--prefetch", type=_positive_int, default=2, metavar="B",
-                      help="batches each node loads ahead (default 2)")
-    demo.add_argument("--mailbox", default=None, metavar="URL",
-                      help="run on this mailbox, a directory or s3://bucket/prefix, which must "
-                           "not hold a run yet (default: OUT/mailbox)")
+    demo.add_argument("--nodes", type=_positive_int, default=4, metavar="N", help="node processes to start (default 4)")
+    demo.add_argument(
+        "--speeds",
+        type=_speeds,
+        default=None,
+        metavar="T1:T2:...",
+        help="relative time per batch of each node, larger = slower (default 1:2:2:4, repeated for more nodes)",
+    )
+    demo.add_argument(
+        "--units",
+        type=_positive_int,
+        default=24,
+        metavar="U",
+        help="work units in the run, a multiple of --nodes (default 24)",
+    )
+    demo.add_argument("--unit-steps", type=_positive_int, default=4, metavar="S", help="batches per unit (default 4)")
+    demo.add_argument(
+        "--batch-time",
+        type=_positive_float,
+        default=0.1,
+        metavar="SECONDS",
+        help="seconds per batch at relative time 1 (default 0.1)",
+    )
+    demo.add_argument(
+        "--slowdown",
+        type=_slowdown,
+        default=None,
+        metavar="NODE:FACTOR",
+        help="make NODE (a name like A, or an index from 0) FACTOR times slower from --slowdown-at on",
+    )
+    demo.add_argument(
+        "--slowdown-at",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="when the slowdown starts (default: half the ideal shared-queue time)",
+    )
+    demo.add_argument(
+        "--prefetch", type=_positive_int, default=2, metavar="B", help="batches each node loads ahead (default 2)"
+    )
+    demo.add_argument(
+        "--mailbox",
+        default=None,
+        metavar="URL",
+        help="run on this mailbox, a directory or s3://bucket/prefix, which must "
+        "not hold a run yet (default: OUT/mailbox)",
+    )
     _add_store_options(demo)
-    demo.add_argument("--out", default=None, metavar="DIR",
-                      help="directory for the mailbox, chart and summary (default: a new "
-                           "temporary directory)")
-    demo.add_argument("--gantt", default=None, metavar="PNG",
-                      help="where to write the Gantt chart (default OUT/gantt.png)")
-    demo.add_argument("--summary", default=None, metavar="PATH", dest="summary_json",
-                      help="where to write the summary as JSON (default OUT/summary.json)")
+    demo.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="directory for the mailbox, chart and summary (default: a new temporary directory)",
+    )
+    demo.add_argument(
+        "--gantt", default=None, metavar="PNG", help="where to write the Gantt chart (default OUT/gantt.png)"
+    )
+    demo.add_argument(
+        "--summary",
+        default=None,
+        metavar="PATH",
+        dest="summary_json",
+        help="where to write the summary as JSON (default OUT/summary.json)",
+    )
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default 0)")
     demo.set_defaults(func=cmd_demo, check=check_demo, subparser=demo)
 
     status = commands.add_parser(
-        "status", help="show the run in a mailbox: units, samples and last seen per learner",
+        "status",
+        help="show the run in a mailbox: units, samples and last seen per learner",
         description=(
             "Show each learner's units claimed, samples, samples/s and last seen, and units "
             "claimed/total when run.json gives the total. Cost: lists units/ and progress/, "
@@ -419,18 +464,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("url", metavar="URL", help="the mailbox: a directory or s3://bucket/prefix")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
-    status.add_argument("--watch", action="store_true",
-                        help="refresh every --interval seconds until Ctrl-C "
-                             "(with --json: one JSON document per line)")
-    status.add_argument("--interval", type=_positive_float, default=2.0, metavar="SECONDS",
-                        help="refresh interval for --watch (default 2)")
-    status.add_argument("--threads", type=_positive_int, default=16, metavar="N",
-                        help="parallel GETs for claim bodies (default 16)")
+    status.add_argument(
+        "--watch",
+        action="store_true",
+        help="refresh every --interval seconds until Ctrl-C (with --json: one JSON document per line)",
+    )
+    status.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="refresh interval for --watch (default 2)",
+    )
+    status.add_argument(
+        "--threads", type=_positive_int, default=16, metavar="N", help="parallel GETs for claim bodies (default 16)"
+    )
     _add_store_options(status)
     status.set_defaults(func=cmd_status)
 
     plot = commands.add_parser(
-        "plot", help="write the Gantt chart of a run (learner x time, one bar per unit)",
+        "plot",
+        help="write the Gantt chart of a run (learner x time, one bar per unit)",
         description=(
             "Write a Gantt chart of the run in a mailbox: one row per learner, one bar per "
             "unit from its claim to the next claim by the same thread (a learner's last unit "
@@ -438,11 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     plot.add_argument("url", metavar="URL", help="the mailbox: a directory or s3://bucket/prefix")
-    plot.add_argument("-o", "--output", default="gantt.png", metavar="PNG",
-                      help="output PNG (default gantt.png)")
+    plot.add_argument("-o", "--output", default="gantt.png", metavar="PNG", help="output PNG (default gantt.png)")
     plot.add_argument("--title", default=None, help="chart title (default: the mailbox URL)")
-    plot.add_argument("--threads", type=_positive_int, default=16, metavar="N",
-                      help="parallel GETs for claim bodies (default 16)")
+    plot.add_argument(
+        "--threads", type=_positive_int, default=16, metavar="N", help="parallel GETs for claim bodies (default 16)"
+    )
     _add_store_options(plot)
     plot.set_defaults(func=cmd_plot)
 

@@ -108,11 +108,9 @@ def simulate(plan: Plan, *, shared: bool) -> list[Span]:
     for _ in range(plan.units):
         # Rounded: 40 x 0.1 s and 20 x 0.2 s are one tie, whatever the float error.
         node = min(range(plan.lanes), key=lambda n: (round(ready[n], 9), n))
-        group = next(g for g in range(0, plan.units, plan.lanes)
-                     if not all(taken[g:g + plan.lanes]))
+        group = next(g for g in range(0, plan.units, plan.lanes) if not all(taken[g : g + plan.lanes]))
         lanes = range(group, min(group + plan.lanes, plan.units))
-        index = next(i for i in [*lanes[node % len(lanes):], *lanes[:node % len(lanes)]]
-                     if not taken[i])
+        index = next(i for i in [*lanes[node % len(lanes) :], *lanes[: node % len(lanes)]] if not taken[i])
         taken[index] = True
         end = plan.unit_end(node, ready[node])
         spans.append(Span(plan.learner_id(node), plan.identifier(index), ready[node], end))
@@ -204,8 +202,13 @@ def _context(url: str):
 
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo: the first optimizer a process builds imports it (seconds of CPU each).
-    preload = ["torch", "torch._dynamo", "gradientmail.session",
-               "gradientmail.patterns.shared_queue", "gradientmail.demo_node"]
+    preload = [
+        "torch",
+        "torch._dynamo",
+        "gradientmail.session",
+        "gradientmail.patterns.shared_queue",
+        "gradientmail.demo_node",
+    ]
     if url.startswith(("s3://", "s3a://")):
         preload.append("gradientmail.mailbox.s3")
     context.set_forkserver_preload(preload)
@@ -253,8 +256,9 @@ class _LineView:
                 highlight=False,
             )
         elif event.get("event") == "done":
-            self.console.print(f"{time.time() - self.start:7.2f}s  {node.learner}  finished: "
-                               f"no unclaimed unit left", highlight=False)
+            self.console.print(
+                f"{time.time() - self.start:7.2f}s  {node.learner}  finished: no unclaimed unit left", highlight=False
+            )
 
 
 def _units_text(units: int) -> str:
@@ -281,19 +285,26 @@ class _BarView:
         )
         self.tasks = [
             self.progress.add_task(
-                f"{node.learner} {node.seconds_per_batch:.2f}s/batch", total=plan.units,
-                units_text=_units_text(0), samples=0, status="starting")
+                f"{node.learner} {node.seconds_per_batch:.2f}s/batch",
+                total=plan.units,
+                units_text=_units_text(0),
+                samples=0,
+                status="starting",
+            )
             for node in nodes
         ]
-        self.total = self.progress.add_task("all nodes", total=plan.units,
-                                            units_text=_units_text(0), samples=0, status="")
+        self.total = self.progress.add_task(
+            "all nodes", total=plan.units, units_text=_units_text(0), samples=0, status=""
+        )
         self.nodes = nodes
         self.console = console
 
     def __enter__(self):
         self.console.print(
             f"each bar: the units a node trained, out of all {self.plan.units} (a node stops at "
-            "its share of the run); the last bar: all nodes together", highlight=False)
+            "its share of the run); the last bar: all nodes together",
+            highlight=False,
+        )
         self.progress.start()
         return self
 
@@ -311,17 +322,22 @@ class _BarView:
         if kind == "ready":
             self.progress.update(task, status="ready")
         elif kind == "batch":
-            self.progress.update(task, completed=node.batches / self.plan.unit_steps,
-                                 units_text=_units_text(node.units), samples=node.samples,
-                                 status=f"loss {node.loss:.3f}")
             self.progress.update(
-                self.total, completed=sum(n.batches for n in self.nodes) / self.plan.unit_steps,
+                task,
+                completed=node.batches / self.plan.unit_steps,
+                units_text=_units_text(node.units),
+                samples=node.samples,
+                status=f"loss {node.loss:.3f}",
+            )
+            self.progress.update(
+                self.total,
+                completed=sum(n.batches for n in self.nodes) / self.plan.unit_steps,
                 units_text=_units_text(sum(n.units for n in self.nodes)),
-                samples=sum(n.samples for n in self.nodes))
+                samples=sum(n.samples for n in self.nodes),
+            )
         elif kind == "done":
             share = node.units / self.plan.units if self.plan.units else 0.0
-            self.progress.update(task, status=f"no unit left: trained {share:.0%} of the run, "
-                                              f"loss {node.loss:.3f}")
+            self.progress.update(task, status=f"no unit left: trained {share:.0%} of the run, loss {node.loss:.3f}")
             self.progress.stop_task(task)
 
 
@@ -342,14 +358,24 @@ def _node_configs(plan: Plan, args: argparse.Namespace, url: str, logs: Path) ->
     configs = []
     for index, name in enumerate(plan.names):
         slow = plan.slowdown if plan.slowdown is not None and plan.slowdown[0] == index else None
-        configs.append(NodeConfig(
-            name=name, learner_id=plan.learner_id(index), rank=index, mailbox=url,
-            endpoint_url=args.endpoint_url, units=plan.units, unit_steps=plan.unit_steps,
-            lanes=plan.lanes, batch_time=plan.base_seconds_per_batch(index),
-            slowdown_factor=slow[1] if slow else 1.0, slowdown_at=slow[2] if slow else 0.0,
-            prefetch=args.prefetch, seed=args.seed,
-            log=str(logs / f"{plan.learner_id(index)}.log"),
-        ))
+        configs.append(
+            NodeConfig(
+                name=name,
+                learner_id=plan.learner_id(index),
+                rank=index,
+                mailbox=url,
+                endpoint_url=args.endpoint_url,
+                units=plan.units,
+                unit_steps=plan.unit_steps,
+                lanes=plan.lanes,
+                batch_time=plan.base_seconds_per_batch(index),
+                slowdown_factor=slow[1] if slow else 1.0,
+                slowdown_at=slow[2] if slow else 0.0,
+                prefetch=args.prefetch,
+                seed=args.seed,
+                log=str(logs / f"{plan.learner_id(index)}.log"),
+            )
+        )
     return configs
 
 
@@ -367,14 +393,16 @@ def _preload_charts() -> None:
         import matplotlib.figure  # noqa: F401
 
 
-def _run_nodes(plan: Plan, configs: list[Any], context: Any, console, deadline_s: float
-               ) -> tuple[list[NodeState], float]:
+def _run_nodes(
+    plan: Plan, configs: list[Any], context: Any, console, deadline_s: float
+) -> tuple[list[NodeState], float]:
     """Start the nodes, wait until all are ready, start them together, follow them to the end."""
     from gradientmail.demo_node import node_process
 
-    nodes = [NodeState(index, name, plan.learner_id(index), plan.base_seconds_per_batch(index),
-                       log=configs[index].log)
-             for index, name in enumerate(plan.names)]
+    nodes = [
+        NodeState(index, name, plan.learner_id(index), plan.base_seconds_per_batch(index), log=configs[index].log)
+        for index, name in enumerate(plan.names)
+    ]
     events = context.Queue()
     go = context.Event()
     start_at = context.Value("d", 0.0)
@@ -386,14 +414,14 @@ def _run_nodes(plan: Plan, configs: list[Any], context: Any, console, deadline_s
     try:
         with view_class(console, plan, nodes) as view:
             for node, config in zip(nodes, configs, strict=True):
-                node.process = context.Process(target=node_process, name=node.learner,
-                                               args=(config, events, go, start_at), daemon=True)
+                node.process = context.Process(
+                    target=node_process, name=node.learner, args=(config, events, go, start_at), daemon=True
+                )
                 node.process.start()
             limit = time.monotonic() + READY_TIMEOUT
             while not all(node.done is not None for node in nodes):
                 if time.monotonic() > limit:
-                    waiting = [n.learner for n in nodes
-                               if (n.done is None if go.is_set() else not n.ready)]
+                    waiting = [n.learner for n in nodes if (n.done is None if go.is_set() else not n.ready)]
                     raise DemoError(f"timed out waiting for {', '.join(waiting)}")
                 item = _next_event(events, 0.5)
                 if item is None:
@@ -410,8 +438,9 @@ def _run_nodes(plan: Plan, configs: list[Any], context: Any, console, deadline_s
                 if kind == "ready":
                     node.ready = True
                 elif kind == "unit":
-                    node.spans.append(Span(node.learner, str(event["unit"]),
-                                           float(event["start"]), float(event["end"])))
+                    node.spans.append(
+                        Span(node.learner, str(event["unit"]), float(event["start"]), float(event["end"]))
+                    )
                     node.units = len(node.spans)
                 elif kind in ("batch", "done"):
                     node.units = int(event.get("units", node.units))
@@ -440,14 +469,12 @@ def _run_nodes(plan: Plan, configs: list[Any], context: Any, console, deadline_s
         _stop([node.process for node in nodes])
 
 
-def _consensus_losses(context: Any, url: str, endpoint_url: str | None, seed: int
-                      ) -> tuple[float, float, int]:
+def _consensus_losses(context: Any, url: str, endpoint_url: str | None, seed: int) -> tuple[float, float, int]:
     """Loss before training and of the consensus model, computed in a forked process."""
     from gradientmail.demo_node import consensus_process
 
     events = context.Queue()
-    process = context.Process(target=consensus_process, args=(url, endpoint_url, seed, events),
-                              daemon=True)
+    process = context.Process(target=consensus_process, args=(url, endpoint_url, seed, events), daemon=True)
     process.start()
     try:
         while True:
@@ -456,29 +483,38 @@ def _consensus_losses(context: Any, url: str, endpoint_url: str | None, seed: in
                 break
             except queue.Empty:
                 if process.exitcode is not None and events.empty():
-                    raise DemoError(f"computing the consensus failed (exit code "
-                                    f"{process.exitcode})") from None
+                    raise DemoError(f"computing the consensus failed (exit code {process.exitcode})") from None
         return float(event["initial"]), float(event["final"]), int(event["learners"])
     finally:
         _stop([process])
 
 
-def _draw(plan: Plan, fixed: list[Span], measured: list[Span], path: str, fixed_s: float,
-          measured_s: float) -> str:
+def _draw(plan: Plan, fixed: list[Span], measured: list[Span], path: str, fixed_s: float, measured_s: float) -> str:
     from gradientmail.plot import draw_gantt, new_figure
 
     rows = [plan.learner_id(index) for index in range(plan.lanes)]
     figure = new_figure(8.0, 1.6 + 0.8 * plan.lanes)
     top, bottom = figure.subplots(2, 1, sharex=True)
     speeds = ":".join(f"{speed:g}" for speed in plan.speeds)
-    draw_gantt(fixed, top, origin=0.0, rows=rows, markers={},
-               title=f"fixed split (computed): {plan.units} units, time per batch {speeds}")
+    draw_gantt(
+        fixed,
+        top,
+        origin=0.0,
+        rows=rows,
+        markers={},
+        title=f"fixed split (computed): {plan.units} units, time per batch {speeds}",
+    )
     slow = ""
     if plan.slowdown is not None:
-        slow = (f", {plan.learner_id(plan.slowdown[0])} {plan.slowdown[1]:g}x slower "
-                f"from {plan.slowdown[2]:.1f}s")
-    draw_gantt(measured, bottom, origin=0.0, rows=rows, markers={"fixed split": fixed_s},
-               title=f"shared queue (measured, {len(plan.names)} processes{slow})")
+        slow = f", {plan.learner_id(plan.slowdown[0])} {plan.slowdown[1]:g}x slower from {plan.slowdown[2]:.1f}s"
+    draw_gantt(
+        measured,
+        bottom,
+        origin=0.0,
+        rows=rows,
+        markers={"fixed split": fixed_s},
+        title=f"shared queue (measured, {len(plan.names)} processes{slow})",
+    )
     top.set_xlabel("")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -500,8 +536,16 @@ def _summary_table(plan: Plan, nodes: list[NodeState], start: float, ideal: list
         if plan.slowdown is not None and plan.slowdown[0] == node.index:
             speed += f" → {node.seconds_per_batch * plan.slowdown[1]:.2f}"
         ideal_units = sum(1 for span in ideal if span.learner == node.learner)
-        table.add_row(node.learner, speed, str(node.units), str(ideal_units),
-                      f"{node.samples:,}", f"{busy:.2f}", f"{done_at:.2f}", f"{node.loss:.4f}")
+        table.add_row(
+            node.learner,
+            speed,
+            str(node.units),
+            str(ideal_units),
+            f"{node.samples:,}",
+            f"{busy:.2f}",
+            f"{done_at:.2f}",
+            f"{node.loss:.4f}",
+        )
     return table
 
 
@@ -528,10 +572,10 @@ def run_demo(args: argparse.Namespace) -> int:
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     context = _context(url)
-    nodes, start = _run_nodes(plan, _node_configs(plan, args, url, logs), context, console,
-                              deadline)
-    measured = [Span(span.learner, span.unit, span.start - start, span.end - start)
-                for node in nodes for span in node.spans]
+    nodes, start = _run_nodes(plan, _node_configs(plan, args, url, logs), context, console, deadline)
+    measured = [
+        Span(span.learner, span.unit, span.start - start, span.end - start) for node in nodes for span in node.spans
+    ]
     measured_s = makespan(measured)
     initial, final, averaged = _consensus_losses(context, url, args.endpoint_url, args.seed)
     _draw(plan, fixed, measured, gantt, fixed_s, measured_s)
@@ -549,9 +593,9 @@ def run_demo(args: argparse.Namespace) -> int:
         "loss_initial": initial,
         "loss_consensus": final,
         "learners_averaged": averaged,
-        "slowdown": None if plan.slowdown is None else {
-            "learner": plan.learner_id(plan.slowdown[0]), "factor": plan.slowdown[1],
-            "at_s": plan.slowdown[2]},
+        "slowdown": None
+        if plan.slowdown is None
+        else {"learner": plan.learner_id(plan.slowdown[0]), "factor": plan.slowdown[1], "at_s": plan.slowdown[2]},
         "nodes": [
             {
                 "learner": node.learner,
@@ -579,8 +623,7 @@ def run_demo(args: argparse.Namespace) -> int:
     lines = [
         ("makespan", f"shared queue {measured_s:.2f}s measured (ideal {ideal_s:.2f}s)"),
         ("", f"fixed split {fixed_s:.2f}s computed for the same speeds{ratio}"),
-        ("loss", f"{initial:.4f} → {final:.4f} (validation MSE, consensus of {averaged} "
-                 "learners)"),
+        ("loss", f"{initial:.4f} → {final:.4f} (validation MSE, consensus of {averaged} learners)"),
         ("chart", gantt),
         ("summary", summary_path),
         ("mailbox", f"{url}  (try: gradientmail status {url})"),

@@ -64,9 +64,7 @@ def make_model(seed: int):
     import torch
 
     torch.manual_seed(seed)  # every node starts from the same parameters
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
 
 
 def _teacher(seed: int):
@@ -140,17 +138,19 @@ def run_node(config: NodeConfig, emit: Callable[..., None], go: Any, start_at: A
     unit_start = 0.0
     current = None
     loss_value = float("nan")
-    session = Session(model, mailbox=mailbox, learner_id=config.learner_id,
-                      every=EXCHANGE_EVERY)
-    with session, shared_queue(
-        units,
-        mailbox=mailbox,
-        learner_id=config.learner_id,
-        load=load,
-        prefetch=config.prefetch,
-        workers=0,  # one loader thread: the synthetic data costs nothing to make
-        order=rotated_order(units, config.rank, config.lanes),
-    ) as batches:
+    session = Session(model, mailbox=mailbox, learner_id=config.learner_id, every=EXCHANGE_EVERY)
+    with (
+        session,
+        shared_queue(
+            units,
+            mailbox=mailbox,
+            learner_id=config.learner_id,
+            load=load,
+            prefetch=config.prefetch,
+            workers=0,  # one loader thread: the synthetic data costs nothing to make
+            order=rotated_order(units, config.rank, config.lanes),
+        ) as batches,
+    ):
         for step, batch in batches:
             began = time.time()
             # Every unit has unit_steps batches (the grid divides evenly) and one loader
@@ -175,17 +175,32 @@ def run_node(config: NodeConfig, emit: Callable[..., None], go: Any, start_at: A
             now = time.time()
             finished_unit = batches_done % config.unit_steps == 0
             units_done += finished_unit
-            emit(event="batch", units=units_done, batches=batches_done, samples=samples,
-                 loss=loss_value, step=step, time=now)
+            emit(
+                event="batch",
+                units=units_done,
+                batches=batches_done,
+                samples=samples,
+                loss=loss_value,
+                step=step,
+                time=now,
+            )
             if finished_unit:
                 emit(event="unit", unit=current, start=unit_start, end=now)
         if batches_done % config.unit_steps:  # a last, shorter unit
             units_done += 1
             emit(event="unit", unit=current, start=unit_start, end=time.time())
     finished = time.time()
-    emit(event="done", units=units_done, batches=batches_done, samples=samples,
-          train_loss=loss_value, loss=validation_loss(model, config.seed),
-          exchanges=session.exchanges, merges=session.merges, finished=finished)
+    emit(
+        event="done",
+        units=units_done,
+        batches=batches_done,
+        samples=samples,
+        train_loss=loss_value,
+        loss=validation_loss(model, config.seed),
+        exchanges=session.exchanges,
+        merges=session.merges,
+        finished=finished,
+    )
 
 
 def node_process(config: NodeConfig, events: Any, go: Any, start_at: Any) -> None:
@@ -217,5 +232,9 @@ def consensus_process(url: str, endpoint_url: str | None, seed: int, events: Any
     model = make_model(seed)
     initial = validation_loss(model, seed)
     weights = consensus(_open(config), model)
-    events.put((-1, {"event": "consensus", "initial": initial,
-                     "final": validation_loss(model, seed), "learners": len(weights)}))
+    events.put(
+        (
+            -1,
+            {"event": "consensus", "initial": initial, "final": validation_loss(model, seed), "learners": len(weights)},
+        )
+    )

@@ -52,8 +52,11 @@ def spans_from_run(run: RunStatus) -> list[Span]:
     """The bars of ``run``: measured training spans where progress records carry them, claim
     times for the other units (see the module doc)."""
     claimed = _claim_spans(run)
-    measured = [Span(learner, span.unit, span.first, span.last, measured=True)
-                for learner, spans in run.unit_spans.items() for span in spans]
+    measured = [
+        Span(learner, span.unit, span.first, span.last, measured=True)
+        for learner, spans in run.unit_spans.items()
+        for span in spans
+    ]
     typical = statistics.median([s.end - s.start for s in measured] or [1.0])
     window: dict[str, tuple[float, float]] = {}
     for span in measured:
@@ -81,8 +84,10 @@ def describe_spans(spans: Sequence[Span]) -> str:
         return "bars: first to last batch"
     if measured == 0:
         return "bars: claim to next claim (no batch times in the progress records)"
-    return (f"bars: first to last batch ({measured}), claim to next claim "
-            f"({len(spans) - measured}, units without batch times)")
+    return (
+        f"bars: first to last batch ({measured}), claim to next claim "
+        f"({len(spans) - measured}, units without batch times)"
+    )
 
 
 def _claim_spans(run: RunStatus) -> list[Span]:
@@ -96,8 +101,7 @@ def _claim_spans(run: RunStatus) -> list[Span]:
     for claims in streams.values():
         claims.sort(key=lambda c: (c.claimed_at, c.identifier))
         for claim, following in zip(claims, claims[1:], strict=False):
-            known.append(Span(claim.learner, claim.identifier, claim.claimed_at,
-                              following.claimed_at))
+            known.append(Span(claim.learner, claim.identifier, claim.claimed_at, following.claimed_at))
         last.append(claims[-1])
     typical = statistics.median(s.end - s.start for s in known) if known else 1.0
     spans = list(known)
@@ -107,8 +111,9 @@ def _claim_spans(run: RunStatus) -> list[Span]:
         if end is not None and end > claim.claimed_at:
             spans.append(Span(claim.learner, claim.identifier, claim.claimed_at, end))
         else:
-            spans.append(Span(claim.learner, claim.identifier, claim.claimed_at,
-                              claim.claimed_at + typical, estimated=True))
+            spans.append(
+                Span(claim.learner, claim.identifier, claim.claimed_at, claim.claimed_at + typical, estimated=True)
+            )
     return sorted(spans, key=lambda s: (s.learner, s.start))
 
 
@@ -124,9 +129,7 @@ def new_figure(width: float, height: float):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise MissingExtraError(
-            f"charts need matplotlib: pip install 'gradientmail[cli]' ({exc})"
-        ) from exc
+        raise MissingExtraError(f"charts need matplotlib: pip install 'gradientmail[cli]' ({exc})") from exc
     figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
@@ -168,19 +171,39 @@ def draw_gantt(
             continue
         row = position[span.learner]
         left, width = span.start - origin, max(span.end - span.start, 0.0)
-        ax.barh(row, width, left=left, height=0.7, color=colors[row], edgecolor="white",
-                linewidth=1.0, alpha=0.45 if span.estimated else 0.9,
-                hatch="//" if span.estimated else None)
+        ax.barh(
+            row,
+            width,
+            left=left,
+            height=0.7,
+            color=colors[row],
+            edgecolor="white",
+            linewidth=1.0,
+            alpha=0.45 if span.estimated else 0.9,
+            hatch="//" if span.estimated else None,
+        )
         if labels and width >= 0.035 * extent:
-            ax.text(left + width / 2, row, short_label(span.unit), ha="center",
-                    va="center", fontsize=6, color="white", clip_on=True)
+            ax.text(
+                left + width / 2,
+                row,
+                short_label(span.unit),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+                clip_on=True,
+            )
     end = max((s.end - origin for s in spans), default=0.0)
     lines = {"makespan": end, **(markers or {})}
     for index, (label, x) in enumerate(lines.items()):
-        ax.axvline(x, color="black" if index == 0 else f"C{(index + 3) % 10}",
-                   linestyle="--", linewidth=1.0, label=f"{label} {x:.3g}")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False,
-              handlelength=1.5)
+        ax.axvline(
+            x,
+            color="black" if index == 0 else f"C{(index + 3) % 10}",
+            linestyle="--",
+            linewidth=1.0,
+            label=f"{label} {x:.3g}",
+        )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False, handlelength=1.5)
     ax.set_yticks(range(len(names)), names)
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlim(0, max([end, *lines.values()]) * 1.04 or 1.0)
@@ -205,7 +228,10 @@ def save_gantt(spans: Iterable[Span], path: str | os.PathLike[str], **options: A
 def plot_run(run: RunStatus, path: str | os.PathLike[str], *, title: str | None = None) -> str:
     """The Gantt chart of ``run`` (from its mailbox) written to ``path`` as PNG."""
     spans = spans_from_run(run)
-    return save_gantt(spans, path, origin=run_origin(run, spans),
-                      rows=sorted({*(row.learner for row in run.learners if row.units),
-                                   *(span.learner for span in spans)}) or None,
-                      title=title or f"{run.mailbox}: {len(spans)} units; {describe_spans(spans)}")
+    return save_gantt(
+        spans,
+        path,
+        origin=run_origin(run, spans),
+        rows=sorted({*(row.learner for row in run.learners if row.units), *(span.learner for span in spans)}) or None,
+        title=title or f"{run.mailbox}: {len(spans)} units; {describe_spans(spans)}",
+    )

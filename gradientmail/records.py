@@ -175,8 +175,12 @@ def _unit_spans(value: Any) -> str | None:
     for index, entry in enumerate(recent):
         if not isinstance(entry, dict):
             return f"'recent'[{index}] is {type(entry).__name__}, not an object"
-        problem = (_text(entry.get("unit")) or _time(entry.get("first")) or _time(entry.get("last"))
-                   or _COUNT(entry.get("batches")))
+        problem = (
+            _text(entry.get("unit"))
+            or _time(entry.get("first"))
+            or _time(entry.get("last"))
+            or _COUNT(entry.get("batches"))
+        )
         if problem is None and entry["last"] < entry["first"]:
             problem = "ends before it starts"
         if problem is not None:
@@ -200,28 +204,64 @@ class RecordKind:
     required: tuple[str, ...] = ()
 
 
-CLAIM = RecordKind("claim", {
-    "learner": _segment, "token": _text, "host": _text, "pid": _COUNT,
-    "worker": _nullable(_COUNT), "claimed_at": _time, "incarnation": _text,
-    "state": _one_of("active", "released"), "step": _nullable(_STEP),
-    "taken_from": _nullable(_segment), "released_at": _time, "position": _nullable(_COUNT),
-}, required=("learner",))
-WORK = RecordKind("work record", {
-    "learner": _segment, "token": _text, "incarnation": _text, "step": _nullable(_STEP),
-    "position": _nullable(_COUNT), "done": _flag, "updated": _time,
-})
+CLAIM = RecordKind(
+    "claim",
+    {
+        "learner": _segment,
+        "token": _text,
+        "host": _text,
+        "pid": _COUNT,
+        "worker": _nullable(_COUNT),
+        "claimed_at": _time,
+        "incarnation": _text,
+        "state": _one_of("active", "released"),
+        "step": _nullable(_STEP),
+        "taken_from": _nullable(_segment),
+        "released_at": _time,
+        "position": _nullable(_COUNT),
+    },
+    required=("learner",),
+)
+WORK = RecordKind(
+    "work record",
+    {
+        "learner": _segment,
+        "token": _text,
+        "incarnation": _text,
+        "step": _nullable(_STEP),
+        "position": _nullable(_COUNT),
+        "done": _flag,
+        "updated": _time,
+    },
+)
 DONE = RecordKind("done record", {"learner": _segment, "token": _text, "at": _time})
-LEASE = RecordKind("lease", {
-    "learner": _segment, "incarnation": _text, "beat": _COUNT, "consumed": _COUNT, "time": _time,
-    "lease_s": _positive, "state": _one_of("running", "stopped"),
-})
-PROGRESS = RecordKind("progress record", {
-    "learner": _segment, "steps": _COUNT, "samples": _COUNT, "samples_per_s": _nullable(_rate),
-    "units": _nullable(_COUNT), "started": _nullable(_time), "last_seen": _nullable(_time),
-    # Some writers store a finish time rather than a flag.
-    "finished": _nullable(_either(_flag, _time)),
-    "unit_spans": _nullable(_unit_spans),  # the recent units' training spans (unit_timing)
-})
+LEASE = RecordKind(
+    "lease",
+    {
+        "learner": _segment,
+        "incarnation": _text,
+        "beat": _COUNT,
+        "consumed": _COUNT,
+        "time": _time,
+        "lease_s": _positive,
+        "state": _one_of("running", "stopped"),
+    },
+)
+PROGRESS = RecordKind(
+    "progress record",
+    {
+        "learner": _segment,
+        "steps": _COUNT,
+        "samples": _COUNT,
+        "samples_per_s": _nullable(_rate),
+        "units": _nullable(_COUNT),
+        "started": _nullable(_time),
+        "last_seen": _nullable(_time),
+        # Some writers store a finish time rather than a flag.
+        "finished": _nullable(_either(_flag, _time)),
+        "unit_spans": _nullable(_unit_spans),  # the recent units' training spans (unit_timing)
+    },
+)
 RUN = RecordKind("run record", {"units": _COUNT, "created": _time, "fingerprint": _fingerprint})
 
 
@@ -323,7 +363,8 @@ class SkippedRecords:
             warnings.warn(
                 f"{self.reader}: skipped {error}; further unusable {kind.name}s{whose} are "
                 "skipped without a warning (gradientmail status lists them)",
-                RecordSkippedWarning, stacklevel=3,
+                RecordSkippedWarning,
+                stacklevel=3,
             )
 
 

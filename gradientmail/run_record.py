@@ -54,8 +54,7 @@ def check_run_record(data: bytes, units: int, fingerprint: str | None, store: st
         record = parse(RUN, data, RUN_KEY)
     except RecordError as exc:
         raise RunMismatchError(
-            f"{store}: {exc}; this prefix does not hold a run this version can join: "
-            "use a fresh prefix"
+            f"{store}: {exc}; this prefix does not hold a run this version can join: use a fresh prefix"
         ) from None
     recorded = record.get("fingerprint")
     if fingerprint is None or recorded is None or recorded == fingerprint:

@@ -177,8 +177,6 @@ class RunStatus:
         }
 
 
-
-
 def _number(value: Any, kind: type = float) -> Any:
     """``value`` as ``kind`` when it is a real number (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -233,8 +231,10 @@ def parse_progress(learner: str, data: bytes | None) -> LearnerStatus | None:
 def _spans(body: dict[str, Any]) -> list[UnitSpan]:
     """The ``unit_spans`` of a progress record already checked by ``gradientmail.records``."""
     spans = body.get("unit_spans") or {}
-    return [UnitSpan(entry["unit"], float(entry["first"]), float(entry["last"]), entry["batches"])
-            for entry in spans.get("recent", ())]
+    return [
+        UnitSpan(entry["unit"], float(entry["first"]), float(entry["last"]), entry["batches"])
+        for entry in spans.get("recent", ())
+    ]
 
 
 def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | None, list[UnitSpan]]:
@@ -286,15 +286,17 @@ class RunReader:
         run_body, unreadable[RUN_KEY] = (None, None) if run_data is None else _checked(RUN, RUN_KEY, run_data)
         run = run_body or {}
 
-        listed = [key[len(CLAIMS_PREFIX):] for key in self.mailbox.list(CLAIMS_PREFIX)]
-        self._done.update(key[len(DONE_PREFIX):] for key in self.mailbox.list(DONE_PREFIX))
+        listed = [key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)]
+        self._done.update(key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX))
         lease_keys = [key for key in self.mailbox.list(LEASES_PREFIX) if key.endswith(".json")]
-        elastic = bool(self._done or lease_keys or any(
-            claim.state is not None for claim in self._claims.values()))
+        elastic = bool(self._done or lease_keys or any(claim.state is not None for claim in self._claims.values()))
         # Seed claims are permanent; elastic claims change hands until their unit is done.
-        new = [CLAIMS_PREFIX + identifier for identifier in listed
-               if identifier not in self._claims
-               or (self._claims[identifier].state is not None and identifier not in self._done)]
+        new = [
+            CLAIMS_PREFIX + identifier
+            for identifier in listed
+            if identifier not in self._claims
+            or (self._claims[identifier].state is not None and identifier not in self._done)
+        ]
         progress_keys = [key for key in self.mailbox.list(PROGRESS_PREFIX) if key.endswith(".json")]
         fetched = self._get_all([*new, *progress_keys, *lease_keys])
 
@@ -303,7 +305,7 @@ class RunReader:
         leases: dict[str, bytes | None] = {}
         for key, data in fetched:
             if key.startswith(CLAIMS_PREFIX):
-                identifier = key[len(CLAIMS_PREFIX):]
+                identifier = key[len(CLAIMS_PREFIX) :]
                 if data is not None:
                     claim, problem = _claim(identifier, data)
                     self._claims[identifier] = claim
@@ -311,11 +313,11 @@ class RunReader:
                     if problem is not None:
                         self._unreadable_claims[key] = problem
             elif key.startswith(LEASES_PREFIX):
-                leases[key[len(LEASES_PREFIX):-len(".json")]] = data
+                leases[key[len(LEASES_PREFIX) : -len(".json")]] = data
                 if data is not None:
                     unreadable[key] = _checked(LEASE, key, data)[1]
             elif data is not None:
-                name = key[len(PROGRESS_PREFIX):-len(".json")]
+                name = key[len(PROGRESS_PREFIX) : -len(".json")]
                 row, unreadable[key], spans = _progress(name, data)
                 if row is not None:
                     learners[row.learner] = row
@@ -358,8 +360,11 @@ class RunReader:
             released=sorted(released),
             orphaned=sorted(orphaned),
             elastic=elastic,
-            unreadable=[Unreadable(key, problem) for key, problem in
-                        sorted({**self._unreadable_claims, **unreadable}.items()) if problem is not None],
+            unreadable=[
+                Unreadable(key, problem)
+                for key, problem in sorted({**self._unreadable_claims, **unreadable}.items())
+                if problem is not None
+            ],
             unit_spans=unit_spans,
         )
 

@@ -25,12 +25,17 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
-            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: str | os.PathLike[str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``python -m gradientmail ARGS`` in a fresh process, output captured as text."""
     return subprocess.run(
         [sys.executable, "-m", "gradientmail", *args],
-        capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or cli_env(),
+        cwd=cwd or REPO,
     )
 
 
@@ -45,8 +50,9 @@ def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str)
         assert fragment.lower() in lines[0].lower(), (fragment, lines[0])
 
 
-def write_seed_run(mailbox, *, t0: float = 1_700_000_000.0, units: int = 24,
-                   run_json: bool = True, progress: bool = True) -> dict[str, int]:
+def write_seed_run(
+    mailbox, *, t0: float = 1_700_000_000.0, units: int = 24, run_json: bool = True, progress: bool = True
+) -> dict[str, int]:
     """The seed's schedule written as claims: each learner claims the next unit when ready.
 
     Returns the expected units per learner.
@@ -59,16 +65,28 @@ def write_seed_run(mailbox, *, t0: float = 1_700_000_000.0, units: int = 24,
     for index in range(units):
         identifier = f"{index // lanes:06d}-{index % lanes}.json"
         learner = min(ready, key=lambda name: (ready[name], name))
-        body = {"learner": learner, "token": f"t{index}", "host": "host-1", "pid": 100,
-                "worker": 0, "claimed_at": t0 + ready[learner]}
+        body = {
+            "learner": learner,
+            "token": f"t{index}",
+            "host": "host-1",
+            "pid": 100,
+            "worker": 0,
+            "claimed_at": t0 + ready[learner],
+        }
         assert mailbox.put_if_absent(f"units/{identifier}", json.dumps(body).encode())
         ready[learner] += SEED_SPEEDS[learner]
         counts[learner] += 1
     if progress:
         for learner, seconds in ready.items():
-            record = {"learner": learner, "steps": 20 * counts[learner],
-                      "samples": 640 * counts[learner], "samples_per_s": 640 / SEED_SPEEDS[learner],
-                      "units": counts[learner], "started": t0, "last_seen": t0 + seconds,
-                      "finished": True}
+            record = {
+                "learner": learner,
+                "steps": 20 * counts[learner],
+                "samples": 640 * counts[learner],
+                "samples_per_s": 640 / SEED_SPEEDS[learner],
+                "units": counts[learner],
+                "started": t0,
+                "last_seen": t0 + seconds,
+                "finished": True,
+            }
             mailbox.put(f"progress/{learner}.json", json.dumps(record).encode())
     return counts

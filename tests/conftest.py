@@ -106,9 +106,7 @@ def seaweedfs_bucket(seaweedfs_endpoint: str) -> str:
     import boto3
 
     name = "gm-tests"
-    boto3.client("s3", endpoint_url=seaweedfs_endpoint, region_name="us-east-1").create_bucket(
-        Bucket=name
-    )
+    boto3.client("s3", endpoint_url=seaweedfs_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
 
 
@@ -134,10 +132,13 @@ class S3Target:
 def s3_target(request) -> S3Target:
     """Each S3 server in turn: moto (a fresh bucket) and SeaweedFS (a fresh prefix)."""
     if request.param == "moto":
-        return S3Target("moto", request.getfixturevalue("s3_endpoint"),
-                        request.getfixturevalue("s3_bucket"), "")
-    return S3Target("seaweedfs", request.getfixturevalue("seaweedfs_endpoint"),
-                    request.getfixturevalue("seaweedfs_bucket"), f"t-{uuid.uuid4().hex[:12]}/")
+        return S3Target("moto", request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket"), "")
+    return S3Target(
+        "seaweedfs",
+        request.getfixturevalue("seaweedfs_endpoint"),
+        request.getfixturevalue("seaweedfs_bucket"),
+        f"t-{uuid.uuid4().hex[:12]}/",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -172,8 +173,7 @@ MAILBOX_BACKENDS = ("local", "memory", "s3", "fsspec-local", "fsspec-s3", "s3-se
 """Every backend of the conformance suite: directory, in-process, boto3 S3, fsspec on local disk
 and s3fs (these two S3 ones against moto's server), and boto3 S3 against SeaweedFS."""
 
-S3_BACKEND_SERVERS = {"s3": "s3_endpoint", "fsspec-s3": "s3_endpoint",
-                      "s3-seaweedfs": "seaweedfs_endpoint"}
+S3_BACKEND_SERVERS = {"s3": "s3_endpoint", "fsspec-s3": "s3_endpoint", "s3-seaweedfs": "seaweedfs_endpoint"}
 """The endpoint fixture of each S3 backend."""
 
 

@@ -20,12 +20,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from process_harness import join_all  # tests/ is on sys.path, as for every test helper
+from queue_nodes import RecordingLoad
+
 from gradientmail.layout import WORK_PREFIX
 from gradientmail.mailbox.wrappers import _Wrapper
 from gradientmail.patterns.elastic import take_over
 from gradientmail.patterns.shared_queue import shared_queue
-from queue_nodes import RecordingLoad
-from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 
 def _append(path: Path, line: str) -> None:
@@ -38,8 +39,7 @@ class ProgressLog(_Wrapper):
     ``identifier value`` per write, ``value`` the record's ``field`` (-1 when it has none), into
     ``written-{learner}.txt`` or ``written-{learner}-{run}.txt`` (one log per incarnation)."""
 
-    def __init__(self, inner: Any, out_dir: str, learner: str, field: str = "step",
-                 run: int | None = None) -> None:
+    def __init__(self, inner: Any, out_dir: str, learner: str, field: str = "step", run: int | None = None) -> None:
         super().__init__(inner)
         self.out_dir = out_dir
         self.learner = learner
@@ -57,8 +57,9 @@ class ProgressLog(_Wrapper):
 
             value = json.loads(data).get(self.field)
             name = self.learner if self.run is None else f"{self.learner}-{self.run}"
-            _append(Path(self.out_dir) / f"written-{name}.txt",
-                    f"{key[len(prefix):]} {-1 if value is None else value}")
+            _append(
+                Path(self.out_dir) / f"written-{name}.txt", f"{key[len(prefix) :]} {-1 if value is None else value}"
+            )
 
 
 @dataclass
@@ -91,9 +92,15 @@ def run_elastic_node(spec: ElasticSpec) -> None:
     consumed = out / f"consumed-{spec.learner}-{spec.run}.txt"
     received = 0
     with shared_queue(
-        spec.units, mailbox=mailbox, learner_id=spec.learner, load=load,
-        prefetch=spec.prefetch, workers=spec.workers, order=spec.order,
-        resume=spec.resume, lease=lease,
+        spec.units,
+        mailbox=mailbox,
+        learner_id=spec.learner,
+        load=load,
+        prefetch=spec.prefetch,
+        workers=spec.workers,
+        order=spec.order,
+        resume=spec.resume,
+        lease=lease,
     ) as batches:
         for step, batch in batches:
             index, batch_step = (int(v) for v in batch)
@@ -129,8 +136,7 @@ def consumed_pairs(out_dir: str | Path) -> dict[str, list[tuple[str, int]]]:
     result = {}
     for path in sorted(Path(out_dir).glob("consumed-*.txt")):
         name = path.name[len("consumed-") : -len(".txt")]
-        result[name] = [(ident, int(step)) for ident, step in
-                        (line.split() for line in path.read_text().splitlines())]
+        result[name] = [(ident, int(step)) for ident, step in (line.split() for line in path.read_text().splitlines())]
     return result
 
 
@@ -153,7 +159,12 @@ def reclaim_racer(root: Any, learner: str, identifiers: list[str], barrier, resu
     mailbox = LocalMailbox(root, create=False) if isinstance(root, str) else root
     mailbox.get("run.json")  # connect first: the race is the takeovers, not start-up
     barrier.wait(timeout=60)
-    won = [ident for ident in identifiers
-           if take_over(mailbox, ident, learner, f"incarnation-{learner}",
-                        expect=lambda claim: claim.get("learner") == "dead") is not None]
+    won = [
+        ident
+        for ident in identifiers
+        if take_over(
+            mailbox, ident, learner, f"incarnation-{learner}", expect=lambda claim: claim.get("learner") == "dead"
+        )
+        is not None
+    ]
     results.put((learner, won))

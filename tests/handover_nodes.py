@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from elastic_nodes import ProgressLog  # tests/ is on sys.path, as for every test helper
+from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 from gradientmail import DuplicateLearnerError
 from gradientmail.patterns.shared_queue import shared_queue
-from elastic_nodes import ProgressLog  # tests/ is on sys.path, as for every test helper
-from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 
 def _append(path: Path, line: str) -> None:
@@ -77,9 +77,14 @@ def run_node(node: Node) -> None:
     received = 0
     try:
         with shared_queue(
-            node.units, mailbox=mailbox, learner_id=node.learner,
-            load=LabelledLoad(node.labels, node.delay), prefetch=node.prefetch,
-            workers=node.workers, resume=node.resume, lease=lease,
+            node.units,
+            mailbox=mailbox,
+            learner_id=node.learner,
+            load=LabelledLoad(node.labels, node.delay),
+            prefetch=node.prefetch,
+            workers=node.workers,
+            resume=node.resume,
+            lease=lease,
         ) as batches:
             for step, batch in batches:
                 index, position = (int(v) for v in batch)
@@ -121,8 +126,7 @@ def consumed(out_dir: str | Path) -> dict[str, list[tuple[int, int]]]:
     """File stem → the ``(unit index, position)`` of each batch that process consumed."""
     found = {}
     for path in sorted(Path(out_dir).glob("consumed-*.txt")):
-        found[path.stem] = [(int(i), int(p)) for i, p, _ in
-                            (line.split() for line in path.read_text().splitlines())]
+        found[path.stem] = [(int(i), int(p)) for i, p, _ in (line.split() for line in path.read_text().splitlines())]
     return found
 
 

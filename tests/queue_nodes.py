@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.patterns.shared_queue import shared_queue, units_claimed_by
 from gradientmail.patterns.units import Unit
-from process_harness import join_all  # tests/ is on sys.path, as for every test helper
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,13 @@ def run_node(spec: NodeSpec) -> None:
     received = 0
     lines = []
     with shared_queue(
-        spec.units, mailbox=spec.mailbox, learner_id=spec.learner, load=load,
-        prefetch=spec.prefetch, workers=spec.workers, order=spec.order,
+        spec.units,
+        mailbox=spec.mailbox,
+        learner_id=spec.learner,
+        load=load,
+        prefetch=spec.prefetch,
+        workers=spec.workers,
+        order=spec.order,
     ) as batches:
         for step, batch in batches:
             index, batch_step = (int(v) for v in batch)
@@ -110,10 +115,16 @@ def run_node(spec: NodeSpec) -> None:
                 break
     end = time.monotonic()
     (out / f"consumed-{spec.learner}.txt").write_text("".join(line + "\n" for line in lines))
-    (out / f"node-{spec.learner}.json").write_text(json.dumps({
-        "start": start, "end": end, "batches": received,
-        "units_claimed": units_claimed_by(spec.learner) - claimed_before,
-    }))
+    (out / f"node-{spec.learner}.json").write_text(
+        json.dumps(
+            {
+                "start": start,
+                "end": end,
+                "batches": received,
+                "units_claimed": units_claimed_by(spec.learner) - claimed_before,
+            }
+        )
+    )
 
 
 def run_nodes(specs: list[NodeSpec], *, isolated: bool = False, timeout: float = 120) -> None:
@@ -157,8 +168,7 @@ def _launch(specs: list[NodeSpec], timeout: float) -> None:
 def read_lines(out_dir: str | Path, pattern: str) -> dict[str, list[str]]:
     """File name → its lines, for every file matching ``pattern`` in ``out_dir``."""
     return {
-        path.name: path.read_text().split()
-        if pattern.startswith("loaded") else path.read_text().splitlines()
+        path.name: path.read_text().split() if pattern.startswith("loaded") else path.read_text().splitlines()
         for path in sorted(Path(out_dir).glob(pattern))
     }
 

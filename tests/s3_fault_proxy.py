@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL = (
-    "pass", "truncate", "break", "reset", "lost", "drop", "stall",
+    "pass",
+    "truncate",
+    "break",
+    "reset",
+    "lost",
+    "drop",
+    "stall",
 )
 _ACTIONS = frozenset({PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL})
 _MAX_HEADER = 64 * 1024
@@ -130,12 +136,11 @@ class FaultProxy:
             if action == LOST:
                 _reset(conn)
                 return
-            length = next(
-                (int(v) for k, v in answer_headers if k.lower() == "content-length"), len(answer)
-            )
+            length = next((int(v) for k, v in answer_headers if k.lower() == "content-length"), len(answer))
             lines = [f"HTTP/1.1 {status} {reason}"]
             lines += [
-                f"{k}: {v}" for k, v in answer_headers
+                f"{k}: {v}"
+                for k, v in answer_headers
                 if k.lower() not in ("connection", "transfer-encoding", "content-length")
             ]
             lines += [f"Content-Length: {length}", "Connection: close", "", ""]

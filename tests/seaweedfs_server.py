@@ -121,15 +121,27 @@ class SeaweedServer:
         data = self.directory / "data"
         data.mkdir(parents=True, exist_ok=True)
         command = [
-            self.weed, "-logtostderr", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            self.weed,
+            "-logtostderr",
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
             *options,
-            "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             "-master.telemetry=false",
         ]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=_server_env(access_key, secret_key), start_new_session=True,
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=_server_env(access_key, secret_key),
+                start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
         self.endpoint = f"http://127.0.0.1:{s3_port}"
@@ -143,18 +155,19 @@ class SeaweedServer:
         import botocore.exceptions
 
         client = boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id=access_key, aws_secret_access_key=secret_key,
-            config=botocore.config.Config(retries={"total_max_attempts": 1}, connect_timeout=2,
-                                          read_timeout=10),
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            config=botocore.config.Config(retries={"total_max_attempts": 1}, connect_timeout=2, read_timeout=10),
         )
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"weed mini exited with {self.process.returncode} before S3 answered:\n"
-                    + self.log_tail()
+                    f"weed mini exited with {self.process.returncode} before S3 answered:\n" + self.log_tail()
                 )
             try:
                 client.list_buckets()

@@ -106,18 +106,20 @@ def seed_node(config: dict) -> dict:
     # ---- the seed's loop, verbatim -------------------------------------------------------------
     from gradientmail.patterns.shared_queue import shared_queue
 
-
     micro_batch = 8
     share = BATCH // nodes
     accumulation = share // micro_batch
 
-    with session, shared_queue(
-        units,
-        mailbox=box,
-        learner_id=f"node-{rank}",
-        load=load_unit,
-        prefetch=8,
-    ) as batches:
+    with (
+        session,
+        shared_queue(
+            units,
+            mailbox=box,
+            learner_id=f"node-{rank}",
+            load=load_unit,
+            prefetch=8,
+        ) as batches,
+    ):
         for step, batch in batches:
             batch = batch.to(device)
 
@@ -137,9 +139,12 @@ def seed_node(config: dict) -> dict:
 
     last_loss = locals().get("loss")  # None when this node got no unit at all
     return {
-        "rank": rank, "loss": None if last_loss is None else float(last_loss),
-        "steps": session.steps, "samples": session.samples,
-        "exchanges": session.exchanges, "merges": session.merges,
+        "rank": rank,
+        "loss": None if last_loss is None else float(last_loss),
+        "steps": session.steps,
+        "samples": session.samples,
+        "exchanges": session.exchanges,
+        "merges": session.merges,
     }
 
 
@@ -212,16 +217,23 @@ def regression_run(config: dict, run: dict) -> dict:
     session = (
         # The plain rule: with SGD on a convex loss near its optimum, outer momentum
         # (the default, tuned for Adam on a language model) overshoots.
-        Session(model, mailbox=box, learner_id=learner, every=timedelta(seconds=config["every_s"]),
-                outer="average")
-        if run["session"] else None
+        Session(model, mailbox=box, learner_id=learner, every=timedelta(seconds=config["every_s"]), outer="average")
+        if run["session"]
+        else None
     )
     start_line(box, rank, config["nodes"])
     batches_done = 0
-    with session or nullcontext(), shared_queue(
-        regression_units(), mailbox=box, learner_id=learner,
-        load=lambda index: regression_batches(x, y, index), prefetch=REG_UNIT_STEPS, workers=0,
-    ) as batches:
+    with (
+        session or nullcontext(),
+        shared_queue(
+            regression_units(),
+            mailbox=box,
+            learner_id=learner,
+            load=lambda index: regression_batches(x, y, index),
+            prefetch=REG_UNIT_STEPS,
+            workers=0,
+        ) as batches,
+    ):
         for _, batch in batches:
             began = time.monotonic()
             train_step(model, optimizer, batch)

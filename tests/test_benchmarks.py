@@ -19,44 +19,82 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FIGURES = {
     "balance": [
-        "shared_over_bound", "fixed_over_bound", "shared_over_bound_4", "shared_over_bound_64",
-        "shared_over_bound_256", "fixed_over_bound_256", "shared_over_bound_slowdown",
-        "fixed_over_bound_slowdown", "seed_makespan", "seed_fixed_makespan", "seed_units",
+        "shared_over_bound",
+        "fixed_over_bound",
+        "shared_over_bound_4",
+        "shared_over_bound_64",
+        "shared_over_bound_256",
+        "fixed_over_bound_256",
+        "shared_over_bound_slowdown",
+        "fixed_over_bound_slowdown",
+        "seed_makespan",
+        "seed_fixed_makespan",
+        "seed_units",
     ],
     "requests": [
-        "requests_per_claim", "conflicts_per_claim", "requests_per_claim_no_rotation",
-        "conflicts_per_claim_no_rotation", "requests_per_claim_threads", "conflicts_per_claim_threads",
-        "requests_per_claim_threads_no_rotation", "conflicts_per_claim_threads_no_rotation",
+        "requests_per_claim",
+        "conflicts_per_claim",
+        "requests_per_claim_no_rotation",
+        "conflicts_per_claim_no_rotation",
+        "requests_per_claim_threads",
+        "conflicts_per_claim_threads",
+        "requests_per_claim_threads_no_rotation",
+        "conflicts_per_claim_threads_no_rotation",
     ],
     "throughput": [
-        "ratio_local", "ratio_latency_20ms", "ratio_latency_100ms", "ratio_disk", "ratio_local_small",
-        "ratio_local_large", "batches_per_s_small_baseline", "batches_per_s_large_baseline",
+        "ratio_local",
+        "ratio_latency_20ms",
+        "ratio_latency_100ms",
+        "ratio_disk",
+        "ratio_local_small",
+        "ratio_local_large",
+        "batches_per_s_small_baseline",
+        "batches_per_s_large_baseline",
     ],
     "stall": [
-        "stall_fraction", "stall_fraction_20ms", "stall_fraction_100ms", "stall_fraction_dataloader",
-        "stall_fraction_workers0", "handoff_ms",
+        "stall_fraction",
+        "stall_fraction_20ms",
+        "stall_fraction_100ms",
+        "stall_fraction_dataloader",
+        "stall_fraction_workers0",
+        "handoff_ms",
     ],
     "session": ["step_overhead", "step_overhead_exchange", "step_overhead_merge"],
-    "session_figures": ["drag", "read_per_exchange", "drag_every_1", "drag_every_4", "drag_every_16",
-                        "read_per_exchange_4", "read_per_exchange_16", "read_per_exchange_64"],
+    "session_figures": [
+        "drag",
+        "read_per_exchange",
+        "drag_every_1",
+        "drag_every_4",
+        "drag_every_16",
+        "read_per_exchange_4",
+        "read_per_exchange_16",
+        "read_per_exchange_64",
+    ],
 }
 SCALE = [
-    "shared_over_bound_1m", "requests_per_claim_1m", "conflicts_per_claim_1m", "sim_wall_s_1m",
-    "sim_wall_s_1m_estimate", "sim_wall_s_1m_estimate_flat", "node_startup_s_1m", "memory_mb_per_node_1m",
-    "claim_loop_us_1m", "shared_over_bound_ladder", "requests_per_claim_ladder", "sim_wall_s_ladder",
+    "shared_over_bound_1m",
+    "requests_per_claim_1m",
+    "conflicts_per_claim_1m",
+    "sim_wall_s_1m",
+    "sim_wall_s_1m_estimate",
+    "sim_wall_s_1m_estimate_flat",
+    "node_startup_s_1m",
+    "memory_mb_per_node_1m",
+    "claim_loop_us_1m",
+    "shared_over_bound_ladder",
+    "requests_per_claim_ladder",
+    "sim_wall_s_ladder",
     "rss_mb_per_node_ladder",
 ]
 """``benchmarks.scale``: its quick mode simulates its (small) target directly, so every figure is a number."""
-SLOW = {"training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
-        "scale": SCALE}
+SLOW = {"training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"], "scale": SCALE}
 """Run by ``--full`` only; training's quick mode is tested in ``test_training_benchmark.py``."""
 
 
 def finite_numbers(value: object) -> bool:
     values = value if isinstance(value, list) else [value]
     return bool(values) and all(
-        isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item)
-        for item in values
+        isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item) for item in values
     )
 
 
@@ -64,7 +102,10 @@ def finite_numbers(value: object) -> bool:
 def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{script}", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = completed.stdout.strip().splitlines()
@@ -80,7 +121,10 @@ def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
 def test_scale_quick_mode_measures_every_figure_directly() -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.scale", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = completed.stdout.strip().splitlines()

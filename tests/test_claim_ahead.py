@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from queue_nodes import Item, RecordingLoad, named_units, read_lines
 
 from gradientmail import LocalMailbox
 from gradientmail.errors import MailboxError
@@ -19,7 +20,6 @@ from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, _Wrappe
 from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
 from gradientmail.patterns.claims import Claimer, parse_claim
 from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue, units_claimed_by
-from queue_nodes import Item, RecordingLoad, named_units, read_lines
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,10 +35,7 @@ def ids(count: int) -> list[str]:
 
 def claimed(mailbox) -> dict[str, str]:
     """Unit → learner that owns it."""
-    return {
-        key[len(CLAIMS_PREFIX) :]: parse_claim(mailbox.get(key))["learner"]
-        for key in mailbox.list(CLAIMS_PREFIX)
-    }
+    return {key[len(CLAIMS_PREFIX) :]: parse_claim(mailbox.get(key))["learner"] for key in mailbox.list(CLAIMS_PREFIX)}
 
 
 def drain(ahead: ClaimAhead) -> list[str]:
@@ -84,8 +81,7 @@ def test_limit_zero_claims_on_demand_like_the_claimer(box):
 def test_grows_while_the_loop_starves_and_claims_ahead(box):
     order = ids(40)
     counted = Counter()
-    ahead = ClaimAhead(Claimer(box, order, "node-0"), limit=3, gauge=DryGauge(),
-                       count=lambda: counted.update(["won"]))
+    ahead = ClaimAhead(Claimer(box, order, "node-0"), limit=3, gauge=DryGauge(), count=lambda: counted.update(["won"]))
     handed = [ahead.next() for _ in range(10)]
     assert ahead.depth == 3
     concurrent.futures.wait(list(ahead._pending))
@@ -246,8 +242,13 @@ def test_fast_loop_on_a_slow_store_gets_every_unit_once(tmp_path, workers):
     before = units_claimed_by("fast")
     seen = Counter()
     with shared_queue(
-        units, mailbox=mailbox, learner_id="fast", load=RecordingLoad(str(out), "fast"),
-        prefetch=4, workers=workers, multiprocessing_context="fork" if workers else None,
+        units,
+        mailbox=mailbox,
+        learner_id="fast",
+        load=RecordingLoad(str(out), "fast"),
+        prefetch=4,
+        workers=workers,
+        multiprocessing_context="fork" if workers else None,
     ) as batches:
         last_step: dict[int, int] = {}
         for step, batch in batches:
@@ -270,8 +271,13 @@ def test_a_loop_that_stops_leaves_no_unit_claimed_and_unloaded(tmp_path, workers
     out = tmp_path / "out"
     out.mkdir()
     with shared_queue(
-        units, mailbox=mailbox, learner_id="stops", load=RecordingLoad(str(out), "stops"),
-        prefetch=4, workers=workers, multiprocessing_context="fork" if workers else None,
+        units,
+        mailbox=mailbox,
+        learner_id="stops",
+        load=RecordingLoad(str(out), "stops"),
+        prefetch=4,
+        workers=workers,
+        multiprocessing_context="fork" if workers else None,
     ) as batches:
         next(batches)
     owned = [unit for unit, learner in claimed(mailbox).items() if learner == "stops"]
@@ -282,8 +288,9 @@ def test_claim_ahead_zero_is_on_demand(tmp_path):
     units = {name: item for name, item in named_units(8).items()}
     mailbox = LocalMailbox(tmp_path / "box")
     load = functools.partial(_one, tag=1)
-    with shared_queue(units, mailbox=mailbox, learner_id="n", load=load, prefetch=2, workers=0,
-                      claim_ahead=0) as batches:
+    with shared_queue(
+        units, mailbox=mailbox, learner_id="n", load=load, prefetch=2, workers=0, claim_ahead=0
+    ) as batches:
         assert len([batch for batch in batches]) == 8
 
 

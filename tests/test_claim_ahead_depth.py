@@ -7,11 +7,11 @@ import concurrent.futures
 import math
 
 import pytest
+from test_claim_ahead import DryGauge  # tests/ is on sys.path, as for every test helper
 
 from gradientmail.mailbox.wrappers import DelayedMailbox
 from gradientmail.patterns.claim_ahead import TIED_S, ClaimAhead, DepthGauge
 from gradientmail.patterns.claims import Claimer
-from test_claim_ahead import DryGauge  # tests/ is on sys.path, as for every test helper
 
 pytestmark = pytest.mark.timeout(90)
 

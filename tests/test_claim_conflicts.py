@@ -87,8 +87,7 @@ def test_nothing_is_drawn_between_a_listing_and_its_create(box, events, listing)
     units = unit_grid(steps=40, unit_steps=1, lanes=lanes)
     index = ClaimIndex(units)
     claimers = [
-        Claimer(Recorder(box, events), rotated_order(units, rank, lanes), f"node-{rank}",
-                listing=listing, index=index)
+        Claimer(Recorder(box, events), rotated_order(units, rank, lanes), f"node-{rank}", listing=listing, index=index)
         for rank in range(lanes)
     ]
     # Uneven turns, so that claimers go stale and some creates lose.
@@ -144,4 +143,4 @@ def test_a_token_drawn_for_a_listing_is_used_once(box, events):
     kinds = [event[0] for event in events]
     assert kinds == ["token", "list", "create", "token", "list", "create"]
     assert events[2][2] == events[0][1] and events[5][2] == events[3][1]
-    assert {key[len(CLAIMS_PREFIX):] for _, key, _ in (events[2], events[5])} == {"c", "d"}
+    assert {key[len(CLAIMS_PREFIX) :] for _, key, _ in (events[2], events[5])} == {"c", "d"}

@@ -24,14 +24,37 @@ from cli_helpers import (
 
 from gradientmail import LocalMailbox
 
-STATUS_KEYS = {"mailbox", "read_at", "created", "units_total", "units_claimed", "learners",
-               # added by the elastic queue (issue 7); None / [] for the seed's queue
-               "elastic", "units_done", "units_in_progress", "units_released", "units_orphaned",
-               "orphaned",
-               # added by issue 12: records skipped as unusable, [] when none
-               "unreadable"}
-LEARNER_KEYS = {"learner", "units", "samples", "samples_per_s", "steps", "started", "last_seen",
-                "finished", "done", "in_progress", "orphaned", "lease"}
+STATUS_KEYS = {
+    "mailbox",
+    "read_at",
+    "created",
+    "units_total",
+    "units_claimed",
+    "learners",
+    # added by the elastic queue (issue 7); None / [] for the seed's queue
+    "elastic",
+    "units_done",
+    "units_in_progress",
+    "units_released",
+    "units_orphaned",
+    "orphaned",
+    # added by issue 12: records skipped as unusable, [] when none
+    "unreadable",
+}
+LEARNER_KEYS = {
+    "learner",
+    "units",
+    "samples",
+    "samples_per_s",
+    "steps",
+    "started",
+    "last_seen",
+    "finished",
+    "done",
+    "in_progress",
+    "orphaned",
+    "lease",
+}
 
 
 @pytest.fixture
@@ -66,7 +89,11 @@ def test_status_json_reports_the_seed_schedule(seed_run):
         assert row["samples"] == 640 * counts[row["learner"]]
         assert row["finished"] is True
     assert {row["learner"]: row["units"] for row in doc["learners"]} == {
-        "node-A": 11, "node-B": 5, "node-C": 5, "node-D": 3}
+        "node-A": 11,
+        "node-B": 5,
+        "node-C": 5,
+        "node-D": 3,
+    }
 
 
 def test_status_table_shows_learners_and_claimed_of_total(seed_run):
@@ -91,8 +118,7 @@ def test_status_without_run_json_or_progress(tmp_path):
     assert doc["units_total"] is None and doc["units_claimed"] == 25
     rows = {row["learner"]: row for row in doc["learners"]}
     assert rows["?"]["units"] == 1  # an unreadable claim still counts, under "?"
-    assert rows["node-E"] == {**dict.fromkeys(LEARNER_KEYS), "learner": "node-E", "units": 0,
-                              "samples": 7}
+    assert rows["node-E"] == {**dict.fromkeys(LEARNER_KEYS), "learner": "node-E", "units": 0, "samples": 7}
     assert rows["node-A"]["samples"] is None and rows["node-A"]["units"] == 11
     table = run_cli("status", str(tmp_path / "run"))
     assert table.returncode == 0 and "total unknown" in table.stdout
@@ -101,15 +127,17 @@ def test_status_without_run_json_or_progress(tmp_path):
 def test_status_watch_refreshes_until_ctrl_c(seed_run):
     path, _ = seed_run
     process = subprocess.Popen(
-        [sys.executable, "-m", "gradientmail", "status", "--watch", "--json", "--interval", "0.1",
-         str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+        [sys.executable, "-m", "gradientmail", "status", "--watch", "--json", "--interval", "0.1", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
     )
     try:
         first = json.loads(process.stdout.readline())
         LocalMailbox(path).put_if_absent(
-            "units/000099-0.json",
-            json.dumps({"learner": "node-Z", "claimed_at": time.time()}).encode())
+            "units/000099-0.json", json.dumps({"learner": "node-Z", "claimed_at": time.time()}).encode()
+        )
         for _ in range(100):  # bounded: the new claim shows up within a few refreshes
             doc = json.loads(process.stdout.readline())
             if doc["units_claimed"] == 25:
@@ -170,11 +198,14 @@ def test_empty_run_is_an_error(command, tmp_path):
     assert not (tmp_path / "gantt.png").exists()
 
 
-@pytest.mark.parametrize("url, fragment", [
-    ("nosuchscheme://bucket/run", "unknown mailbox URL scheme"),
-    ("memory://run", "one Python process"),
-    ("s3://", "names a bucket"),
-])
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("nosuchscheme://bucket/run", "unknown mailbox URL scheme"),
+        ("memory://run", "one Python process"),
+        ("s3://", "names a bucket"),
+    ],
+)
 @pytest.mark.parametrize("command", ["status", "plot"])
 def test_unusable_urls_are_errors(command, url, fragment, tmp_path):
     assert_user_error(run_cli(command, url, cwd=tmp_path), fragment)
@@ -192,17 +223,20 @@ def test_debug_shows_the_traceback(tmp_path):
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 
-@pytest.mark.parametrize("args", [
-    [],
-    ["status"],
-    ["plot"],
-    ["frobnicate"],
-    ["status", "--interval", "0", "x"],
-    ["demo", "--nodes", "0"],
-    ["demo", "--speeds", "1:fast"],
-    ["demo", "--slowdown", "A"],
-    ["demo", "--batch-time", "-1"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["status"],
+        ["plot"],
+        ["frobnicate"],
+        ["status", "--interval", "0", "x"],
+        ["demo", "--nodes", "0"],
+        ["demo", "--speeds", "1:fast"],
+        ["demo", "--slowdown", "A"],
+        ["demo", "--batch-time", "-1"],
+    ],
+)
 def test_argument_errors_exit_2(args):
     result = run_cli(*args)
     assert result.returncode == 2, (result.stdout, result.stderr)
@@ -210,11 +244,12 @@ def test_argument_errors_exit_2(args):
 
 
 def test_import_stays_light():
-    code = ("import sys, gradientmail, gradientmail.cli, gradientmail.status, gradientmail.plot; "
-            "heavy = {'rich', 'matplotlib', 'torch', 'boto3'} & set(sys.modules); "
-            "assert not heavy, heavy")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=cli_env())
+    code = (
+        "import sys, gradientmail, gradientmail.cli, gradientmail.status, gradientmail.plot; "
+        "heavy = {'rich', 'matplotlib', 'torch', 'boto3'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env())
     assert result.returncode == 0, result.stderr
 
 
@@ -236,8 +271,7 @@ def test_status_json_on_s3(s3_endpoint, s3_bucket):
     # --endpoint-url works as well as AWS_ENDPOINT_URL
     env = cli_env()
     env.pop("AWS_ENDPOINT_URL", None)
-    flagged = run_cli("status", "--json", "--endpoint-url", s3_endpoint,
-                      f"s3://{s3_bucket}/runs/seed", env=env)
+    flagged = run_cli("status", "--json", "--endpoint-url", s3_endpoint, f"s3://{s3_bucket}/runs/seed", env=env)
     assert flagged.returncode == 0, flagged.stderr
     assert json.loads(flagged.stdout)["units_claimed"] == 24
 
@@ -247,8 +281,7 @@ def test_plot_on_s3(s3_endpoint, s3_bucket, tmp_path):
 
     write_seed_run(open_mailbox(f"s3://{s3_bucket}/run", endpoint_url=s3_endpoint))
     output = tmp_path / "s3.png"
-    result = run_cli("plot", f"s3://{s3_bucket}/run", "-o", str(output),
-                     env=_s3_env(s3_endpoint))
+    result = run_cli("plot", f"s3://{s3_bucket}/run", "-o", str(output), env=_s3_env(s3_endpoint))
     assert result.returncode == 0, result.stderr
     _assert_png(output)
 
@@ -264,9 +297,12 @@ def test_missing_s3_bucket_is_an_error(s3_endpoint):
 
 
 def test_missing_credentials_is_an_error(s3_endpoint, s3_bucket, tmp_path):
-    env = _s3_env(s3_endpoint, AWS_CONFIG_FILE=str(tmp_path / "none"),
-                  AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-                  AWS_EC2_METADATA_DISABLED="true")
+    env = _s3_env(
+        s3_endpoint,
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         env.pop(name, None)
     result = run_cli("status", f"s3://{s3_bucket}/run", env=env)
@@ -277,7 +313,9 @@ def test_unreachable_s3_endpoint_is_an_error(s3_endpoint):
     with socket.socket() as sock:  # a port nobody listens on once closed
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = run_cli("status", "s3://bucket/run",
-                     env=_s3_env(f"http://127.0.0.1:{port}", AWS_MAX_ATTEMPTS="1",
-                                 AWS_RETRY_MODE="standard"))
+    result = run_cli(
+        "status",
+        "s3://bucket/run",
+        env=_s3_env(f"http://127.0.0.1:{port}", AWS_MAX_ATTEMPTS="1", AWS_RETRY_MODE="standard"),
+    )
     assert_user_error(result)

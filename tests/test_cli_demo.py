@@ -15,8 +15,7 @@ from cli_helpers import PNG_SIGNATURE, assert_user_error, cli_env, run_cli, writ
 from gradientmail import LocalMailbox
 
 BATCH = 32  # samples per batch in the demo's nodes (gradientmail.demo_node.BATCH)
-SMALL = ["--nodes", "2", "--speeds", "1:3", "--units", "6", "--unit-steps", "2",
-         "--batch-time", "0.03"]
+SMALL = ["--nodes", "2", "--speeds", "1:3", "--units", "6", "--unit-steps", "2", "--batch-time", "0.03"]
 
 
 def _assert_png(path) -> None:
@@ -70,9 +69,24 @@ def test_demo_on_s3_with_a_slowdown(s3_endpoint, s3_bucket, tmp_path):
     url = f"s3://{s3_bucket}/demo"
     env = cli_env(AWS_ENDPOINT_URL=s3_endpoint)
     gantt = tmp_path / "charts" / "demo.png"
-    result = run_cli("demo", *SMALL, "--slowdown", "A:3", "--slowdown-at", "0.1",
-                     "--mailbox", url, "--out", str(tmp_path / "out"), "--gantt", str(gantt),
-                     "--summary", str(tmp_path / "summary.json"), env=env, timeout=300)
+    result = run_cli(
+        "demo",
+        *SMALL,
+        "--slowdown",
+        "A:3",
+        "--slowdown-at",
+        "0.1",
+        "--mailbox",
+        url,
+        "--out",
+        str(tmp_path / "out"),
+        "--gantt",
+        str(gantt),
+        "--summary",
+        str(tmp_path / "summary.json"),
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["slowdown"] == {"learner": "node-A", "factor": 3.0, "at_s": 0.1}
@@ -86,14 +100,20 @@ def test_demo_on_s3_with_a_slowdown(s3_endpoint, s3_bucket, tmp_path):
 
 def test_demo_refuses_a_mailbox_that_holds_a_run(tmp_path):
     write_seed_run(LocalMailbox(tmp_path / "used"))
-    result = run_cli("demo", *SMALL, "--mailbox", str(tmp_path / "used"),
-                     "--out", str(tmp_path / "out"))
+    result = run_cli("demo", *SMALL, "--mailbox", str(tmp_path / "used"), "--out", str(tmp_path / "out"))
     assert_user_error(result, "already holds a run")
 
 
 def test_demo_on_a_missing_bucket_is_an_error(s3_endpoint, tmp_path):
-    result = run_cli("demo", *SMALL, "--mailbox", "s3://gm-no-such-bucket-4711/demo",
-                     "--out", str(tmp_path / "out"), env=cli_env(AWS_ENDPOINT_URL=s3_endpoint))
+    result = run_cli(
+        "demo",
+        *SMALL,
+        "--mailbox",
+        "s3://gm-no-such-bucket-4711/demo",
+        "--out",
+        str(tmp_path / "out"),
+        env=cli_env(AWS_ENDPOINT_URL=s3_endpoint),
+    )
     assert_user_error(result, "bucket")
 
 
@@ -111,13 +131,10 @@ def test_simulated_schedules_are_the_seed_s():
 
     from gradientmail.demo import Plan, makespan, simulate
 
-    plan = Plan(("A", "B", "C", "D"), (1.0, 2.0, 2.0, 4.0), units=24, unit_steps=4,
-                batch_time=0.1)
+    plan = Plan(("A", "B", "C", "D"), (1.0, 2.0, 2.0, 4.0), units=24, unit_steps=4, batch_time=0.1)
     shared, fixed = simulate(plan, shared=True), simulate(plan, shared=False)
-    assert Counter(span.learner for span in shared) == {
-        "node-A": 11, "node-B": 5, "node-C": 5, "node-D": 3}
-    assert Counter(span.learner for span in fixed) == dict.fromkeys(
-        ["node-A", "node-B", "node-C", "node-D"], 6)
+    assert Counter(span.learner for span in shared) == {"node-A": 11, "node-B": 5, "node-C": 5, "node-D": 3}
+    assert Counter(span.learner for span in fixed) == dict.fromkeys(["node-A", "node-B", "node-C", "node-D"], 6)
     assert makespan(shared) == pytest.approx(12 * 0.4)
     assert makespan(fixed) == pytest.approx(24 * 0.4)
     assert sorted(span.unit for span in shared) == sorted(span.unit for span in fixed)

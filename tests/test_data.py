@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_workers import ReaderDataset
 from torch.utils.data import DataLoader
 
-from data_workers import ReaderDataset
 from gradientmail.cli import main as cli_main
 from gradientmail.data import (
     SequenceRangeError,
@@ -103,8 +103,12 @@ def test_cache_smaller_than_a_block_reads_just_the_range(counting):
 # -- bad inputs -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "start, count, message",
-    [(99, 1, "reads past the end"), (0, 100, "holds 99 sequences"), (-1, 1, "start must be >= 0"),
-     (0, -2, "count must be >= 0")],
+    [
+        (99, 1, "reads past the end"),
+        (0, 100, "holds 99 sequences"),
+        (-1, 1, "start must be >= 0"),
+        (0, -2, "count must be >= 0"),
+    ],
 )
 def test_out_of_range_requests_are_refused(counting, start, count, message):
     with pytest.raises(SequenceRangeError, match=message) as info:
@@ -191,8 +195,7 @@ def test_a_file_changed_after_pickling_is_refused(counting):
 
 # -- DataLoader worker processes ------------------------------------------------------------------
 def read_in_workers(reader: TokenReader, context: str) -> list[tuple[int, torch.Tensor, int]]:
-    loader = DataLoader(ReaderDataset(reader, 8), batch_size=None, num_workers=2,
-                        multiprocessing_context=context)
+    loader = DataLoader(ReaderDataset(reader, 8), batch_size=None, num_workers=2, multiprocessing_context=context)
     return list(loader)
 
 
@@ -218,8 +221,9 @@ def s3_tokens(s3_client, s3_bucket, counting) -> str:
 
 
 def test_s3_reads_are_ranged_and_cached(s3_tokens, s3_endpoint, counting):
-    reader = TokenReader(s3_tokens, seq_len=10, block_size=256, cache_bytes=512,
-                         storage_options={"endpoint_url": s3_endpoint})
+    reader = TokenReader(
+        s3_tokens, seq_len=10, block_size=256, cache_bytes=512, storage_options={"endpoint_url": s3_endpoint}
+    )
     local = TokenReader(counting, seq_len=10)
     assert torch.equal(reader.sequences(40, 3), local.sequences(40, 3))
     stats = reader.cache_stats()
@@ -242,8 +246,7 @@ def test_s3_reader_in_forked_workers(s3_tokens, s3_endpoint, counting):
 def test_s3_missing_object(s3_bucket, s3_endpoint):
     pytest.importorskip("s3fs")
     with pytest.raises(FileNotFoundError, match=f"no token file at s3://{s3_bucket}/nope.bin"):
-        TokenReader(f"s3://{s3_bucket}/nope.bin", seq_len=4,
-                    storage_options={"endpoint_url": s3_endpoint})
+        TokenReader(f"s3://{s3_bucket}/nope.bin", seq_len=4, storage_options={"endpoint_url": s3_endpoint})
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -315,7 +318,11 @@ def test_cli_writes_token_files(tmp_path, capsys):
 
 def test_python_m_gradientmail_data(tmp_path):
     (tmp_path / "a.py").write_bytes(b"xyz")
-    done = subprocess.run([sys.executable, "-m", "gradientmail.data", "write", str(tmp_path / "o.bin"),
-                           str(tmp_path / "a.py")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "gradientmail.data", "write", str(tmp_path / "o.bin"), str(tmp_path / "a.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o.bin").read_bytes() == b"x\0y\0z\0"

@@ -45,8 +45,7 @@ def test_a_second_process_under_a_live_learner_id_is_refused(tmp_path, mode):
     units = named_units(10)
     context = multiprocessing.get_context("fork")
     events, go = context.Queue(), context.Event()
-    first = Node(box, "node-1", units, str(tmp_path), pause_after=5, events=events, go=go,
-                 **MODES[mode])
+    first = Node(box, "node-1", units, str(tmp_path), pause_after=5, events=events, go=go, **MODES[mode])
     [running] = start([first])
     try:
         assert _event(events)[0] == "paused"
@@ -70,8 +69,10 @@ def test_of_several_started_at_once_exactly_one_runs(tmp_path):
     units = named_units(10)
     context = multiprocessing.get_context("fork")
     events, go = context.Queue(), context.Event()
-    nodes = [Node(box, "node-1", units, str(tmp_path), resume=True, lease_s=30.0, pause_after=3,
-                  events=events, go=go) for _ in range(3)]
+    nodes = [
+        Node(box, "node-1", units, str(tmp_path), resume=True, lease_s=30.0, pause_after=3, events=events, go=go)
+        for _ in range(3)
+    ]
     processes = start(nodes, together=True)
     try:
         reports = [_event(events) for _ in nodes]
@@ -127,16 +128,28 @@ class FakeTime:
 
 
 def _elsewhere(box, fake: FakeTime, beat: int = 1, state: str = "running", age: float = 2.0) -> None:
-    box.put(learner_key("node-1"), json.dumps({
-        "learner": "node-1", "incarnation": "theirs", "state": state, "beat": beat,
-        "time": fake.wall() - age, "renew_s": 10.0, "host": "other-host", "boot": "b",
-        "pidns": "pid:[1]", "pid": 4242, "pid_start": 7,
-    }).encode())
+    box.put(
+        learner_key("node-1"),
+        json.dumps(
+            {
+                "learner": "node-1",
+                "incarnation": "theirs",
+                "state": state,
+                "beat": beat,
+                "time": fake.wall() - age,
+                "renew_s": 10.0,
+                "host": "other-host",
+                "boot": "b",
+                "pidns": "pid:[1]",
+                "pid": 4242,
+                "pid_start": 7,
+            }
+        ).encode(),
+    )
 
 
 def _presence(box, fake: FakeTime, incarnation: str = "mine") -> Presence:
-    return Presence(box, "node-1", incarnation, renew_s=3600, clock=fake.clock, sleep=fake.sleep,
-                    wall=fake.wall)
+    return Presence(box, "node-1", incarnation, renew_s=3600, clock=fake.clock, sleep=fake.sleep, wall=fake.wall)
 
 
 def test_a_renewed_record_from_another_machine_is_alive(memory_mailbox):
@@ -164,9 +177,11 @@ def test_an_unchanged_record_from_another_machine_expires(memory_mailbox):
 
 def test_long_dead_stopped_or_unreadable_records_do_not_block(memory_mailbox):
     fake = FakeTime()
-    for arrange in (lambda: _elsewhere(memory_mailbox, fake, age=3600),  # its own clock says so
-                    lambda: _elsewhere(memory_mailbox, fake, state="stopped"),
-                    lambda: memory_mailbox.put(learner_key("node-1"), b"[" * 100_000)):
+    for arrange in (
+        lambda: _elsewhere(memory_mailbox, fake, age=3600),  # its own clock says so
+        lambda: _elsewhere(memory_mailbox, fake, state="stopped"),
+        lambda: memory_mailbox.put(learner_key("node-1"), b"[" * 100_000),
+    ):
         arrange()
         began = fake.now
         presence = _presence(memory_mailbox, fake)

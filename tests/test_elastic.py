@@ -80,10 +80,11 @@ def test_options_are_checked_and_stores_without_cas_refused(tmp_path):
 # -- takeovers -------------------------------------------------------------------------------
 def _orphan(box, identifier: str, step: int | None = None) -> None:
     """A unit claimed by a node "dead" that recorded ``step`` before it died."""
-    box.put_if_absent(claim_key(identifier), _body(learner="dead", token="t-" + identifier,
-                                                   incarnation="old", state="active", step=None))
-    box.put(work_key("dead", identifier), _body(learner="dead", token="t-" + identifier,
-                                                incarnation="old", step=step))
+    box.put_if_absent(
+        claim_key(identifier),
+        _body(learner="dead", token="t-" + identifier, incarnation="old", state="active", step=None),
+    )
+    box.put(work_key("dead", identifier), _body(learner="dead", token="t-" + identifier, incarnation="old", step=step))
 
 
 def test_take_over_continues_after_the_recorded_step(memory_mailbox):
@@ -96,8 +97,7 @@ def test_take_over_continues_after_the_recorded_step(memory_mailbox):
     record = json.loads(memory_mailbox.get(work_key("node-1", "u1")))
     assert (record["token"], record["step"], record["incarnation"]) == (got.token, 6, "inc-1")
     # Now node-1's: a second takeover of the *dead* node's claim finds it changed.
-    assert take_over(memory_mailbox, "u1", "node-2", "inc-2",
-                     expect=lambda claim: claim["learner"] == "dead") is None
+    assert take_over(memory_mailbox, "u1", "node-2", "inc-2", expect=lambda claim: claim["learner"] == "dead") is None
 
 
 @pytest.mark.timeout(60)
@@ -119,9 +119,10 @@ def test_two_processes_race_to_reclaim_the_same_orphans(tmp_path, store, request
     box.put("run.json", b"{}")  # read by the racers to connect before the barrier
     barrier = context.Barrier(2)
     results = context.Queue()
-    racers = [context.Process(target=reclaim_racer,
-                              args=(target, name, identifiers, barrier, results))
-              for name in ("node-a", "node-b")]
+    racers = [
+        context.Process(target=reclaim_racer, args=(target, name, identifiers, barrier, results))
+        for name in ("node-a", "node-b")
+    ]
     for racer in racers:
         racer.start()
     try:
@@ -179,9 +180,17 @@ def test_resume_takes_its_own_units_of_a_dead_incarnation_first(memory_mailbox):
     box = memory_mailbox
     first = ElasticClaimer(box, ["a", "b", "c", "d"], "node-0", ElasticOptions(resume=True, lease_s=None))
     _, b = first.claim_next(), first.claim_next()
-    box.put(work_key("node-0", "b"), json.dumps({  # progress written before the crash
-        "learner": "node-0", "token": b.token, "incarnation": first.options.incarnation,
-        "step": 4}).encode())
+    box.put(
+        work_key("node-0", "b"),
+        json.dumps(
+            {  # progress written before the crash
+                "learner": "node-0",
+                "token": b.token,
+                "incarnation": first.options.incarnation,
+                "step": 4,
+            }
+        ).encode(),
+    )
     # node-0 dies (no release). Its next incarnation takes a and b back before anything new.
     again = ElasticClaimer(box, ["d", "c", "b", "a"], "node-0", ElasticOptions(resume=True, lease_s=None))
     got = [again.claim_next() for _ in range(4)]
@@ -198,12 +207,10 @@ def test_restore_from_a_state_dict_takes_back_exactly_those_units(memory_mailbox
     first = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None))
     a = first.claim_next()
     state = {"a": {"token": a.token, "step": 2}}
-    restored = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None),
-                              restore=state)
+    restored = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None), restore=state)
     got = restored.claim_next()
     assert (got.identifier, got.after) == ("a", 2)
-    twice = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None),
-                           restore=state)
+    twice = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None), restore=state)
     assert twice.claim_next().identifier == "b"  # the token changed: a is not taken twice
 
 
@@ -225,21 +232,30 @@ def test_status_shows_done_in_progress_released_and_orphaned(memory_mailbox):
     from gradientmail.status import read_run
 
     box = memory_mailbox
-    for identifier, learner, state in (("a", "node-0", "active"), ("b", "node-0", "active"),
-                                       ("c", "node-1", "released"), ("d", "dead", "active")):
-        box.put_if_absent(claim_key(identifier), _body(learner=learner, token=identifier,
-                                                       incarnation="i", state=state))
+    for identifier, learner, state in (
+        ("a", "node-0", "active"),
+        ("b", "node-0", "active"),
+        ("c", "node-1", "released"),
+        ("d", "dead", "active"),
+    ):
+        box.put_if_absent(claim_key(identifier), _body(learner=learner, token=identifier, incarnation="i", state=state))
     box.put_if_absent(done_key("a"), _body(learner="node-0", token="a"))
-    box.put(lease_key("node-0"), _body(learner="node-0", incarnation="i", beat=1, lease_s=60.0,
-                                       time=__import__("time").time(), state="running"))
-    box.put(lease_key("dead"), _body(learner="dead", incarnation="i", beat=9, lease_s=1.0,
-                                     time=0.0, state="running"))
+    box.put(
+        lease_key("node-0"),
+        _body(learner="node-0", incarnation="i", beat=1, lease_s=60.0, time=__import__("time").time(), state="running"),
+    )
+    box.put(lease_key("dead"), _body(learner="dead", incarnation="i", beat=9, lease_s=1.0, time=0.0, state="running"))
     run = read_run(box)
     assert run.elastic and run.done == ["a"] and run.released == ["c"] and run.orphaned == ["d"]
     assert run.units_in_progress == 1
     doc = run.to_dict()
-    assert (doc["units_done"], doc["units_in_progress"], doc["units_released"],
-            doc["units_orphaned"], doc["orphaned"]) == (1, 1, 1, 1, ["d"])
+    assert (
+        doc["units_done"],
+        doc["units_in_progress"],
+        doc["units_released"],
+        doc["units_orphaned"],
+        doc["orphaned"],
+    ) == (1, 1, 1, 1, ["d"])
     rows = {row["learner"]: row for row in doc["learners"]}
     assert rows["node-0"]["lease"] == "live" and rows["dead"]["lease"] == "expired"
     assert (rows["node-0"]["done"], rows["node-0"]["in_progress"], rows["dead"]["orphaned"]) == (1, 1, 1)
@@ -267,8 +283,9 @@ def test_orphans_are_taken_once_the_lease_and_the_claim_stood_still(memory_mailb
         waited.append(clock.now)
         return False
 
-    claimer = ElasticClaimer(box, ["a", "b"], "node-1", ElasticOptions(resume=False, lease_s=2.0),
-                             stopping=stopping, clock=clock)
+    claimer = ElasticClaimer(
+        box, ["a", "b"], "node-1", ElasticOptions(resume=False, lease_s=2.0), stopping=stopping, clock=clock
+    )
     start = clock.now
     assert claimer.claim_next().identifier == "b"  # "a" is not judged at first sight
     got = claimer.claim_next()
@@ -281,8 +298,7 @@ def test_a_unit_just_taken_over_is_not_taken_again_at_once(memory_mailbox):
     box = memory_mailbox
     clock = FakeClock()
     box.put(lease_key("slow"), _body(learner="slow", incarnation="s", beat=1, state="running"))
-    watcher = ElasticClaimer(box, ["a"], "node-9", ElasticOptions(resume=False, lease_s=1.0),
-                             clock=clock)
+    watcher = ElasticClaimer(box, ["a"], "node-9", ElasticOptions(resume=False, lease_s=1.0), clock=clock)
     leases: dict = {}
     watcher._takeable("x", {"learner": "slow", "token": "t0", "incarnation": "s"}, leases)
     clock.now += 5  # the lease has stood still for long...

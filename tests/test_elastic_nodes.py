@@ -25,7 +25,6 @@ from gradientmail.status import read_run
 pytestmark = pytest.mark.timeout(90)
 
 
-
 def _expected(units) -> set[tuple[str, int]]:
     return {(ident, step) for ident, item in units.items() for step in range(item.steps)}
 
@@ -45,9 +44,18 @@ def test_survivors_finish_a_killed_nodes_units(tmp_path, workers):
     box = LocalMailbox(tmp_path / "box")
     units = named_units(24, steps=6)
     specs = [
-        ElasticSpec(box, f"node-{rank}", units, str(tmp_path), delay=0.004, train=0.008,
-                    prefetch=3, workers=workers, lease_s=1.5,
-                    kill_after=15 if rank == 0 else None)
+        ElasticSpec(
+            box,
+            f"node-{rank}",
+            units,
+            str(tmp_path),
+            delay=0.004,
+            train=0.008,
+            prefetch=3,
+            workers=workers,
+            lease_s=1.5,
+            kill_after=15 if rank == 0 else None,
+        )
         for rank in range(3)
     ]
     run_elastic_nodes(specs, killed={"node-0"})
@@ -61,9 +69,11 @@ def test_survivors_finish_a_killed_nodes_units(tmp_path, workers):
     assert all(n == 2 for n in duplicates.values())
     written = written_steps(tmp_path, "node-0")
     in_flight = sum(1 for ident, step in dead if step > written.get(ident, -1))
-    print(f"\nkill test (workers={workers}): {len(duplicates)} duplicate batches of {len(seen)} "
-          f"(the dead node consumed {len(dead)}, {in_flight} of them after its last "
-          "completed progress write)")
+    print(
+        f"\nkill test (workers={workers}): {len(duplicates)} duplicate batches of {len(seen)} "
+        f"(the dead node consumed {len(dead)}, {in_flight} of them after its last "
+        "completed progress write)"
+    )
     assert len(duplicates) <= in_flight
 
     run = read_run(box)
@@ -78,8 +88,9 @@ def test_stop_four_nodes_halfway_and_resume_with_three(tmp_path):
     box = LocalMailbox(tmp_path / "box")
     units = named_units(32, steps=4)
     first = [
-        ElasticSpec(box, f"node-{rank}", units, str(tmp_path), run=1, delay=0.002,
-                    prefetch=3, resume=True, stop_after=16)
+        ElasticSpec(
+            box, f"node-{rank}", units, str(tmp_path), run=1, delay=0.002, prefetch=3, resume=True, stop_after=16
+        )
         for rank in range(4)
     ]
     run_elastic_nodes(first)
@@ -87,8 +98,7 @@ def test_stop_four_nodes_halfway_and_resume_with_three(tmp_path):
     assert halfway.released, "stopped nodes release their unfinished units"
     assert not list(box.list(WORK_PREFIX))
     second = [
-        ElasticSpec(box, f"node-{rank}", units, str(tmp_path), run=2, delay=0.002,
-                    prefetch=3, resume=True)
+        ElasticSpec(box, f"node-{rank}", units, str(tmp_path), run=2, delay=0.002, prefetch=3, resume=True)
         for rank in range(3)
     ]
     run_elastic_nodes(second)
@@ -97,8 +107,10 @@ def test_stop_four_nodes_halfway_and_resume_with_three(tmp_path):
     assert sum(len(p) for name, p in pairs.items() if name.endswith("-1")) == 64
     assert set(seen) == _expected(units)
     duplicates = sum(n - 1 for n in seen.values())
-    print(f"\nresume test: {len(halfway.released)} units released at the stop, "
-          f"{duplicates} duplicate batches of {len(seen)} across both runs")
+    print(
+        f"\nresume test: {len(halfway.released)} units released at the stop, "
+        f"{duplicates} duplicate batches of {len(seen)} across both runs"
+    )
     assert duplicates == 0
     done = read_run(box)
     assert len(done.done) == len(units) and not done.released and not done.orphaned
@@ -115,16 +127,20 @@ def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_fact
     monkeypatch.setattr("gradientmail.patterns.presence.RENEW_S", 3600.0)  # no renewal mid-test
     units = named_units(40, steps=2)
     counted = CountingMailbox(memory_mailbox)
-    with shared_queue(units, mailbox=counted, learner_id="node-0", load=RecordingLoad(
-            str(mailbox_factory("local").path), "node-0"), workers=0) as batches:
+    with shared_queue(
+        units,
+        mailbox=counted,
+        learner_id="node-0",
+        load=RecordingLoad(str(mailbox_factory("local").path), "node-0"),
+        workers=0,
+    ) as batches:
         assert len(list(batches)) == 80
     reference = CountingMailbox(mailbox_factory("memory", "reference"))
     _drain_claimer(reference, list(units), "node-0")
     startup = Counter(put_if_absent=3, get=1, delete=1)  # verify_mailbox (4) and run.json (1)
     presence = Counter(get_versioned=2, put_if_absent=1, replace_if=1)  # learners/node-0.json
     assert counted.counts == reference.counts + startup + presence
-    assert not [key for prefix in (WORK_PREFIX, DONE_PREFIX, LEASES_PREFIX)
-                for key in memory_mailbox.list(prefix)]
+    assert not [key for prefix in (WORK_PREFIX, DONE_PREFIX, LEASES_PREFIX) for key in memory_mailbox.list(prefix)]
 
     # A node that stops early keeps its claims: nobody else gets them.
     box = mailbox_factory("memory", "early")
@@ -146,8 +162,7 @@ def test_resume_and_lease_refuse_a_store_without_compare_and_swap(tmp_path):
     units = named_units(3)
     load = RecordingLoad(str(tmp_path), "n")
     with pytest.raises(UnsafeStoreError, match="lease=.*compare-and-swap"):
-        with shared_queue(units, mailbox=box, learner_id="n", load=load,
-                          lease=timedelta(seconds=30)):
+        with shared_queue(units, mailbox=box, learner_id="n", load=load, lease=timedelta(seconds=30)):
             pass
     with pytest.raises(UnsafeStoreError, match="resume=True"):
         SharedQueueDataset(units, mailbox=box, learner_id="n", load=load, resume=True)
@@ -185,7 +200,9 @@ def test_stateful_dataloader_if_installed(memory_mailbox, tmp_path):
     state = loader.state_dict()
     again = stateful.StatefulDataLoader(
         SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load),
-        batch_size=None, num_workers=0)
+        batch_size=None,
+        num_workers=0,
+    )
     again.load_state_dict(state)
     steps = [int(step) for step, _ in again]
     assert steps[:2] == [2, 3]
@@ -197,15 +214,24 @@ def test_resume_on_s3_continues_where_the_first_node_stopped(mailbox_factory, tm
     units = named_units(4, steps=3)
     load = RecordingLoad(str(tmp_path), "n")
     got = []
-    with shared_queue(units, mailbox=box, learner_id="node-0", load=load, workers=0,
-                      prefetch=2, resume=True, lease=timedelta(seconds=30)) as batches:
+    with shared_queue(
+        units,
+        mailbox=box,
+        learner_id="node-0",
+        load=load,
+        workers=0,
+        prefetch=2,
+        resume=True,
+        lease=timedelta(seconds=30),
+    ) as batches:
         for step, batch in batches:
             got.append((int(batch[0]), step))
             if len(got) == 5:
                 break
     assert read_run(box).released
-    with shared_queue(units, mailbox=box, learner_id="node-1", load=load, workers=0,
-                      resume=True, lease=timedelta(seconds=30)) as batches:
+    with shared_queue(
+        units, mailbox=box, learner_id="node-1", load=load, workers=0, resume=True, lease=timedelta(seconds=30)
+    ) as batches:
         got.extend((int(batch[0]), step) for step, batch in batches)
     assert sorted(got) == [(i, s) for i in range(4) for s in range(3)]
     run = read_run(box)

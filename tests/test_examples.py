@@ -21,8 +21,17 @@ def torchrun() -> list[str]:
 
 
 def test_train_lm_quick_under_torchrun(tmp_path):
-    command = [*torchrun(), "--standalone", "--nproc_per_node=2", str(EXAMPLE), "--quick",
-               "--mailbox", str(tmp_path / "mailbox"), "--data-dir", str(tmp_path / "data")]
+    command = [
+        *torchrun(),
+        "--standalone",
+        "--nproc_per_node=2",
+        str(EXAMPLE),
+        "--quick",
+        "--mailbox",
+        str(tmp_path / "mailbox"),
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

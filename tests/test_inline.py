@@ -6,11 +6,11 @@ import pickle
 
 import pytest
 import torch
+from queue_nodes import Item, named_units
 
 from gradientmail import LocalMailbox
 from gradientmail.patterns.inline import INLINE_BYTES, _Inline, inline
 from gradientmail.patterns.shared_queue import shared_queue
-from queue_nodes import Item, named_units
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,8 +71,13 @@ def _mixed(item: Item):
 def test_batches_from_workers_arrive_as_loaded(tmp_path, workers):
     units = named_units(6)
     with shared_queue(
-        units, mailbox=LocalMailbox(tmp_path), learner_id="n", load=_mixed,
-        prefetch=4, workers=workers, multiprocessing_context="fork",
+        units,
+        mailbox=LocalMailbox(tmp_path),
+        learner_id="n",
+        load=_mixed,
+        prefetch=4,
+        workers=workers,
+        multiprocessing_context="fork",
     ) as batches:
         received = list(batches)
     assert len(received) == 6 * 5
@@ -97,8 +102,14 @@ def _odd_views(item: Item):
 def test_conjugate_and_negative_views_arrive(tmp_path):
     # Pickling runs in the worker's queue feeder thread: a failure there dropped the batch silently.
     with shared_queue(
-        named_units(3), mailbox=LocalMailbox(tmp_path), learner_id="n", load=_odd_views,
-        prefetch=4, workers=1, multiprocessing_context="fork", shutdown_timeout=10,
+        named_units(3),
+        mailbox=LocalMailbox(tmp_path),
+        learner_id="n",
+        load=_odd_views,
+        prefetch=4,
+        workers=1,
+        multiprocessing_context="fork",
+        shutdown_timeout=10,
     ) as batches:
         received = list(batches)
     assert sorted(step for step, _ in received) == [0, 0, 0, 1, 1, 1]

@@ -83,7 +83,9 @@ def test_listing_skips_symlinks_with_a_warning(local_mailbox, outside):
         with pytest.warns(MailSkippedWarning) as caught:
             assert list(local_mailbox.list(prefix)) == ["session/node-b/000001"]
         assert sorted(str(w.message).split(" list skips ")[1][:16] for w in caught) == [
-            "'session/node-a'", "'session/node-c'", "'session/node-d'"
+            "'session/node-a'",
+            "'session/node-c'",
+            "'session/node-d'",
         ]
         assert all("symbolic link" in str(w.message) for w in caught)
         assert {w.filename for w in caught} == {__file__}  # points at the caller of list()
@@ -144,16 +146,12 @@ def test_a_symlinked_root_is_the_users_choice(tmp_path):
 WRITE_OPERATIONS = {
     "put": lambda box: box.put("units/a", b"x" * 100_000),
     "put_if_absent": lambda box: box.put_if_absent("units/a", b"x" * 100_000),
-    "replace_if": lambda box: box.replace_if(
-        "units/a", b"x" * 100_000, box.get_versioned("units/a")[1]
-    ),
+    "replace_if": lambda box: box.replace_if("units/a", b"x" * 100_000, box.get_versioned("units/a")[1]),
 }
 
 
 @pytest.mark.parametrize("operation", sorted(WRITE_OPERATIONS))
-def test_a_full_disk_raises_mailbox_error_and_removes_the_temp_file(
-    local_mailbox, monkeypatch, operation
-):
+def test_a_full_disk_raises_mailbox_error_and_removes_the_temp_file(local_mailbox, monkeypatch, operation):
     if operation == "replace_if":
         local_mailbox.put("units/a", b"old")
     (local_mailbox.path / "units").mkdir(exist_ok=True)
@@ -199,7 +197,10 @@ def test_a_real_file_size_limit_leaves_no_temp_file(local_mailbox):
     (local_mailbox.path / "units").mkdir()
     child = subprocess.run(
         [sys.executable, "-c", _FSIZE_CHILD, str(local_mailbox.path)],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     report = json.loads(child.stdout)
     assert report["raised"] == "MailboxError", report
@@ -225,7 +226,9 @@ def test_temp_files_of_writers_killed_mid_write_are_swept(local_mailbox):
     local_mailbox.put("units/b", b"v")
     child = subprocess.Popen(
         [sys.executable, "-c", _KILLED_CHILD, str(local_mailbox.path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout.readline() == "mid-write\n"
@@ -249,8 +252,9 @@ def test_only_stale_temp_files_are_swept(local_mailbox):
     old_other_host = f".c.{'f' * 12}.1234.{'1' * 32}.tmp"
     old_format = f".d.{'2' * 32}.tmp"  # written before temp names carried their writer
     not_a_temp = ".notes"
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead = f".e.{local_temp.host_token()}.{int(finished.stdout)}.{'3' * 32}.tmp"  # reaped
     for name in [live, other_host, old_other_host, old_format, not_a_temp, dead]:
         (units / name).write_bytes(b"partial")

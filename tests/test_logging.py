@@ -33,8 +33,7 @@ def test_a_queue_logs_its_start_each_claim_and_its_end(caplog):
     caplog.set_level(logging.DEBUG, logger="gradientmail")
     box = MemoryMailbox(f"logging-{os.getpid()}-{id(caplog)}")
     units = {f"u{i}": i for i in range(3)}
-    with shared_queue(units, mailbox=box, learner_id="node-L", load=load_two, workers=0,
-                      claim_ahead=0) as batches:
+    with shared_queue(units, mailbox=box, learner_id="node-L", load=load_two, workers=0, claim_ahead=0) as batches:
         taken = [step for step, _ in batches]
     assert sorted(taken) == list(range(6))
 
@@ -44,10 +43,8 @@ def test_a_queue_logs_its_start_each_claim_and_its_end(caplog):
     assert "node-L" in start[0] and "3 units" in start[0] and "mode seed queue" in start[0]
     assert "memory://" in start[0]
     debug = messages(caplog, "gradientmail.queue", logging.DEBUG)
-    assert sorted(m for m in debug if "claimed unit" in m) == [
-        f"node-L claimed unit u{i}" for i in range(3)]
-    assert sorted(m for m in debug if "loaded unit" in m) == [
-        f"node-L loaded unit u{i} (2 batches)" for i in range(3)]
+    assert sorted(m for m in debug if "claimed unit" in m) == [f"node-L claimed unit u{i}" for i in range(3)]
+    assert sorted(m for m in debug if "loaded unit" in m) == [f"node-L loaded unit u{i} (2 batches)" for i in range(3)]
     assert any("claimed 3 units in 3 attempts: 0 conflicts" in m for m in info)
     end = [m for m in info if "left the shared queue" in m]
     assert len(end) == 1
@@ -81,8 +78,12 @@ class _FlakyClient:
         if self.failures:
             self.failures -= 1
             raise botocore.exceptions.ClientError(
-                {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
-                 "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+                {
+                    "Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+                    "ResponseMetadata": {"HTTPStatusCode": 503},
+                },
+                "PutObject",
+            )
         return {}
 
 

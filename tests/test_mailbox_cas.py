@@ -64,11 +64,14 @@ def box_version(data: bytes, box) -> str:
     return version
 
 
-@pytest.mark.parametrize("wrap", [
-    CountingMailbox,
-    lambda inner: DelayedMailbox(inner, 0.0),
-    lambda inner: FaultyMailbox(inner, lambda operation, key: None),
-])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        CountingMailbox,
+        lambda inner: DelayedMailbox(inner, 0.0),
+        lambda inner: FaultyMailbox(inner, lambda operation, key: None),
+    ],
+)
 def test_wrappers_forward_replace_if(local_mailbox, wrap):
     box = wrap(local_mailbox)
     assert supports_replace_if(box)
@@ -95,9 +98,9 @@ def _replace_if_rounds(mailbox, target, context, writers: int, rounds: int) -> N
         barrier = context.Barrier(writers)
         results = context.Queue()
         processes = [
-            context.Process(target=replace_if_process,
-                            args=(target, f"round {round_} writer {w}", w, version,
-                                  barrier, results))
+            context.Process(
+                target=replace_if_process, args=(target, f"round {round_} writer {w}", w, version, barrier, results)
+            )
             for w in range(writers)
         ]
         for process in processes:

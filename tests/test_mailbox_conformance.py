@@ -15,8 +15,25 @@ from gradientmail.mailbox.keys import MAX_KEY_BYTES
 KEYS = ["b", "a-b", "a/b", "a/c/d", "a0", "Z", "a.b", "a_b", "é/x", "units/000003-1.json"]
 
 BAD_KEYS = [
-    "", ".", "..", "a/../b", "a/./b", "../escape", "/abs", "a//b", "a/", "//", ".hidden",
-    "a\x00b", "a\nb", "a\x7fb", "a\\b", "x" * (MAX_KEY_BYTES + 1), 5, None, b"bytes",
+    "",
+    ".",
+    "..",
+    "a/../b",
+    "a/./b",
+    "../escape",
+    "/abs",
+    "a//b",
+    "a/",
+    "//",
+    ".hidden",
+    "a\x00b",
+    "a\nb",
+    "a\x7fb",
+    "a\\b",
+    "x" * (MAX_KEY_BYTES + 1),
+    5,
+    None,
+    b"bytes",
 ]
 
 
@@ -169,9 +186,7 @@ def _count_list_requests(mailbox, backend):
     if backend not in ("s3", "s3-seaweedfs"):
         return None
     calls: list[int] = []
-    mailbox.client.meta.events.register(
-        "before-send.s3.ListObjectsV2", lambda **kwargs: calls.append(1)
-    )
+    mailbox.client.meta.events.register("before-send.s3.ListObjectsV2", lambda **kwargs: calls.append(1))
     return calls
 
 

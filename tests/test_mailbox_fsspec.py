@@ -148,9 +148,7 @@ def test_s3fs_multipart_create_is_conditional(s3_bucket, s3_endpoint, s3_client)
     part = 5 * 2**20
     mine = os.urandom(1024) * (2 * part // 1024 + 7)  # three parts
     theirs = bytes(reversed(mine))
-    mailbox = FsspecMailbox.from_url(
-        f"s3://{s3_bucket}/run", endpoint_url=s3_endpoint, block_size=part
-    )
+    mailbox = FsspecMailbox.from_url(f"s3://{s3_bucket}/run", endpoint_url=s3_endpoint, block_size=part)
     assert mailbox.put_if_absent("big", mine) is True
     assert mailbox.put_if_absent("big", theirs) is False  # checked at CompleteMultipartUpload
     assert mailbox.get("big") == mine

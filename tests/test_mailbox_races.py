@@ -35,12 +35,8 @@ def _race_processes(target, keys: list[str]) -> tuple[dict[str, list[int]], list
     done = context.Event()
     results = context.Queue()
     processes = [
-        context.Process(target=writer_process, args=(target, w, barrier, results, keys))
-        for w in range(WRITERS)
-    ] + [
-        context.Process(target=reader_process, args=(target, r, barrier, done, results, keys))
-        for r in range(READERS)
-    ]
+        context.Process(target=writer_process, args=(target, w, barrier, results, keys)) for w in range(WRITERS)
+    ] + [context.Process(target=reader_process, args=(target, r, barrier, done, results, keys)) for r in range(READERS)]
     for process in processes:
         process.start()
     try:

@@ -31,8 +31,7 @@ class _Body:
 
 def fake_response(request, status: int, code: str, message: str = "injected") -> AWSResponse:
     body = (
-        "<?xml version='1.0' encoding='UTF-8'?>"
-        f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
+        f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message></Error>"
     ).encode()
     return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Body(body))
 
@@ -71,7 +70,10 @@ class Faults:
 
 def make(bucket: str, endpoint: str, *, botocore_attempts: int = 3, **options) -> S3Mailbox:
     return S3Mailbox(
-        bucket, "run", endpoint_url=endpoint, backoff=0,
+        bucket,
+        "run",
+        endpoint_url=endpoint,
+        backoff=0,
         config={"retries": {"mode": "standard", "total_max_attempts": botocore_attempts}},
         **options,
     )
@@ -141,9 +143,7 @@ def test_persistent_failure_raises_mailbox_error(s3_bucket, s3_endpoint):
 
 # -- ambiguous outcomes ----------------------------------------------------------------------
 @pytest.mark.parametrize("botocore_attempts", [3, 1], ids=["botocore-retry", "own-loop"])
-def test_ambiguous_put_that_landed_wins_exactly_once(
-    s3_bucket, s3_endpoint, rival, botocore_attempts
-):
+def test_ambiguous_put_that_landed_wins_exactly_once(s3_bucket, s3_endpoint, rival, botocore_attempts):
     mailbox = make(s3_bucket, s3_endpoint, botocore_attempts=botocore_attempts)
     heads = Faults(mailbox, "HeadObject", [])
     faults = Faults(mailbox, "PutObject", [("landed", 500, "InternalError")])
@@ -157,8 +157,7 @@ def test_ambiguous_put_that_landed_wins_exactly_once(
 
 def test_ambiguous_put_with_every_answer_an_error(s3_bucket, s3_endpoint, rival):
     mailbox = make(s3_bucket, s3_endpoint, botocore_attempts=1, max_attempts=3)
-    faults = Faults(mailbox, "PutObject", [("landed", 500, "InternalError"), (503, "SlowDown")],
-                    repeat_last=True)
+    faults = Faults(mailbox, "PutObject", [("landed", 500, "InternalError"), (503, "SlowDown")], repeat_last=True)
     assert mailbox.put_if_absent("units/1", b"mine") is True
     assert faults.sent == 3
     assert rival.put_if_absent("units/1", b"theirs") is False
@@ -313,7 +312,5 @@ def test_retry_settings_from_environment_are_honoured(s3_bucket, s3_endpoint, mo
     monkeypatch.setenv("AWS_RETRY_MODE", "adaptive")
     client = S3Mailbox(s3_bucket, endpoint_url=s3_endpoint).client
     assert client.meta.config.retries == {"mode": "adaptive", "total_max_attempts": 7}
-    explicit = S3Mailbox(
-        s3_bucket, endpoint_url=s3_endpoint, config={"retries": {"total_max_attempts": 2}}
-    )
+    explicit = S3Mailbox(s3_bucket, endpoint_url=s3_endpoint, config={"retries": {"total_max_attempts": 2}})
     assert explicit.client.meta.config.retries["total_max_attempts"] == 2  # config= wins

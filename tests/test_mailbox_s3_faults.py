@@ -15,14 +15,6 @@ import pytest
 
 pytest.importorskip("boto3")
 
-from gradientmail import MailboxError, UnsafeStoreError, open_mailbox  # noqa: E402
-from gradientmail.mailbox import s3_retry  # noqa: E402
-from gradientmail.mailbox.s3 import S3Mailbox  # noqa: E402
-from gradientmail.mailbox.s3_retry import (  # noqa: E402
-    DEFAULT_RETRY_WINDOW,
-    FIRST_CONTACT_ATTEMPTS,
-    RetryBudget,
-)
 from queue_nodes import NodeSpec, run_nodes  # noqa: E402
 from s3_fault_proxy import (  # noqa: E402
     BREAK,
@@ -33,6 +25,15 @@ from s3_fault_proxy import (  # noqa: E402
     TRUNCATE,
     FaultProxy,
     Request,
+)
+
+from gradientmail import MailboxError, UnsafeStoreError, open_mailbox  # noqa: E402
+from gradientmail.mailbox import s3_retry  # noqa: E402
+from gradientmail.mailbox.s3 import S3Mailbox  # noqa: E402
+from gradientmail.mailbox.s3_retry import (  # noqa: E402
+    DEFAULT_RETRY_WINDOW,
+    FIRST_CONTACT_ATTEMPTS,
+    RetryBudget,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,8 +55,7 @@ def proxy(s3_endpoint):
         yield proxy
 
 
-def through(endpoint: str, bucket: str, *, botocore_attempts: int = 1, read_timeout=None,
-            **options) -> S3Mailbox:
+def through(endpoint: str, bucket: str, *, botocore_attempts: int = 1, read_timeout=None, **options) -> S3Mailbox:
     """A mailbox at ``endpoint``; with one botocore attempt each request is one loop round."""
     config: dict = {"retries": {"mode": "standard", "total_max_attempts": botocore_attempts}}
     if read_timeout is not None:
@@ -148,15 +148,13 @@ def test_claims_survive_cut_bodies_across_node_processes(tmp_path, proxy, s3_buc
     from gradientmail.patterns.units import unit_grid
 
     proxy.rule = lambda request: (
-        TRUNCATE if request.method == "GET" and not is_listing(request) and request.number % 3 == 0
-        else PASS
+        TRUNCATE if request.method == "GET" and not is_listing(request) and request.number % 3 == 0 else PASS
     )
     mailbox = S3Mailbox(s3_bucket, "runs/queue", endpoint_url=proxy.url, backoff=0.01)
     units = unit_grid(steps=8, unit_steps=1, lanes=2)
     names = {unit.first * 2 + unit.lane: ident for ident, unit in units.items()}
     specs = [  # node-0 with a DataLoader worker process, node-1 on its own thread
-        NodeSpec(mailbox, f"node-{rank}", units, str(tmp_path), workers=1 - rank, prefetch=2,
-                 names=names)
+        NodeSpec(mailbox, f"node-{rank}", units, str(tmp_path), workers=1 - rank, prefetch=2, names=names)
         for rank in range(2)
     ]
     run_nodes(specs, isolated=True, timeout=100)
@@ -181,8 +179,7 @@ def test_outage_inside_the_default_window_is_ridden_out(proxy, s3_bucket, s3_end
 
 
 def test_outage_longer_than_the_window_names_endpoint_and_cause(proxy, s3_bucket):
-    mailbox = through(proxy.url, s3_bucket, backoff=0.01,
-                      retry_window=datetime.timedelta(seconds=1))
+    mailbox = through(proxy.url, s3_bucket, backoff=0.01, retry_window=datetime.timedelta(seconds=1))
     mailbox.put("hello", b"")
     proxy.rule = lambda request: DROP
     with pytest.raises(MailboxError) as caught:
@@ -198,8 +195,7 @@ def test_outage_longer_than_the_window_names_endpoint_and_cause(proxy, s3_bucket
 
 def test_refused_after_answering_is_an_outage_not_a_wrong_address(s3_endpoint, s3_bucket):
     with FaultProxy(s3_endpoint) as proxy:
-        mailbox = through(proxy.url, s3_bucket, backoff=0.01,
-                          retry_window=datetime.timedelta(seconds=2))
+        mailbox = through(proxy.url, s3_bucket, backoff=0.01, retry_window=datetime.timedelta(seconds=2))
         mailbox.put("hello", b"")
     sent = count_sends(mailbox)  # the proxy is gone: every connection is refused now
     with pytest.raises(MailboxError) as caught:
@@ -209,20 +205,21 @@ def test_refused_after_answering_is_an_outage_not_a_wrong_address(s3_endpoint, s
 
 
 def test_never_answering_endpoint_fails_fast(s3_bucket):
-    from gradientmail.patterns.shared_queue import shared_queue
     from queue_nodes import RecordingLoad, named_units
+
+    from gradientmail.patterns.shared_queue import shared_queue
 
     endpoint = f"http://127.0.0.1:{closed_port()}"
     mailbox = through(endpoint, s3_bucket, backoff=0.01, retry_window=datetime.timedelta(hours=1))
     sent = count_sends(mailbox)
     with pytest.raises(MailboxError) as caught:
-        with shared_queue(named_units(2), mailbox=mailbox, learner_id="a",
-                          load=RecordingLoad("/nonexistent", "a"), workers=0) as batches:
+        with shared_queue(
+            named_units(2), mailbox=mailbox, learner_id="a", load=RecordingLoad("/nonexistent", "a"), workers=0
+        ) as batches:
             list(batches)
     message = str(caught.value)
     assert (caught.value.operation, caught.value.key) == ("put_if_absent", "run.json")
-    assert f"endpoint {endpoint} is unreachable (Connection refused) and has never answered" \
-        in message
+    assert f"endpoint {endpoint} is unreachable (Connection refused) and has never answered" in message
     assert "reading back" not in message
     assert sent[0] == FIRST_CONTACT_ATTEMPTS  # not an hour of retries
 

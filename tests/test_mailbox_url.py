@@ -44,9 +44,7 @@ def test_memory_urls():
 def test_s3_url_with_endpoint(s3_bucket, s3_endpoint):
     from gradientmail.mailbox.s3 import S3Mailbox
 
-    box = open_mailbox(
-        f"s3://{s3_bucket}/runs/exp", endpoint_url=s3_endpoint, region_name="us-east-1"
-    )
+    box = open_mailbox(f"s3://{s3_bucket}/runs/exp", endpoint_url=s3_endpoint, region_name="us-east-1")
     assert isinstance(box, S3Mailbox)
     assert (box.bucket, box.prefix, box.endpoint_url) == (s3_bucket, "runs/exp/", s3_endpoint)
     assert box.put_if_absent("k", b"v") and box.get("k") == b"v"

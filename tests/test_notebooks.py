@@ -27,8 +27,7 @@ def test_notebook_is_committed_without_outputs(path):
     for cell in notebook.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, (
-                f"{path.name}: clear the outputs before committing "
-                "(jupyter nbconvert --clear-output --inplace)"
+                f"{path.name}: clear the outputs before committing (jupyter nbconvert --clear-output --inplace)"
             )
 
 
@@ -44,13 +43,25 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
-        notebook, timeout=180, kernel_name="python3",
+        notebook,
+        timeout=180,
+        kernel_name="python3",
         resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()  # raises CellExecutionError, naming the cell, when a cell fails
-    errors = [output for cell in notebook.cells if cell.cell_type == "code"
-              for output in cell.outputs if output.output_type == "error"]
+    errors = [
+        output
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+        if output.output_type == "error"
+    ]
     assert not errors
-    images = [output for cell in notebook.cells if cell.cell_type == "code"
-              for output in cell.outputs if "image/png" in output.get("data", {})]
+    images = [
+        output
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+        if "image/png" in output.get("data", {})
+    ]
     assert images, f"{path.name} drew no chart"

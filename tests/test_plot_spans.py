@@ -26,19 +26,36 @@ def write_run(mailbox, *, spans: dict | None) -> None:
     """Two units claimed by node-A at t0 and t0 + 1 (claimed ahead), trained 5-7 and 7-10."""
     mailbox.put_if_absent("run.json", json.dumps({"units": 2, "created": T0}).encode())
     for index, claimed in enumerate((0.0, 1.0)):
-        body = {"learner": "node-A", "token": f"t{index}", "host": "h", "pid": 1, "worker": 0,
-                "claimed_at": T0 + claimed}
+        body = {
+            "learner": "node-A",
+            "token": f"t{index}",
+            "host": "h",
+            "pid": 1,
+            "worker": 0,
+            "claimed_at": T0 + claimed,
+        }
         mailbox.put_if_absent(f"units/u{index}", json.dumps(body).encode())
-    record = {"learner": "node-A", "steps": 8, "samples": 64, "started": T0, "last_seen": T0 + 10,
-              "finished": True, "units": 2}
+    record = {
+        "learner": "node-A",
+        "steps": 8,
+        "samples": 64,
+        "started": T0,
+        "last_seen": T0 + 10,
+        "finished": True,
+        "units": 2,
+    }
     if spans is not None:
         record["unit_spans"] = spans
     mailbox.put("progress/node-A.json", json.dumps(record).encode())
 
 
-KNOWN = {"recent": [{"unit": "u0", "first": T0 + 5, "last": T0 + 7, "batches": 4},
-                    {"unit": "u1", "first": T0 + 7, "last": T0 + 10, "batches": 4}],
-         "older": {"units": 0, "batches": 0, "busy_s": 0.0}}
+KNOWN = {
+    "recent": [
+        {"unit": "u0", "first": T0 + 5, "last": T0 + 7, "batches": 4},
+        {"unit": "u1", "first": T0 + 7, "last": T0 + 10, "batches": 4},
+    ],
+    "older": {"units": 0, "batches": 0, "busy_s": 0.0},
+}
 
 
 def test_plot_draws_units_from_first_to_last_batch():
@@ -46,7 +63,9 @@ def test_plot_draws_units_from_first_to_last_batch():
     write_run(box, spans=KNOWN)
     spans = spans_from_run(read_run(box))
     assert [(s.unit, s.start - T0, s.end - T0, s.measured) for s in spans] == [
-        ("u0", 5.0, 7.0, True), ("u1", 7.0, 10.0, True)]
+        ("u0", 5.0, 7.0, True),
+        ("u1", 7.0, 10.0, True),
+    ]
     assert describe_spans(spans) == "bars: first to last batch"
 
 
@@ -55,7 +74,9 @@ def test_plot_falls_back_to_claim_times_and_says_so():
     write_run(box, spans=None)
     spans = spans_from_run(read_run(box))
     assert [(s.unit, s.start - T0, s.end - T0, s.measured) for s in spans] == [
-        ("u0", 0.0, 1.0, False), ("u1", 1.0, 10.0, False)]
+        ("u0", 0.0, 1.0, False),
+        ("u1", 1.0, 10.0, False),
+    ]
     assert describe_spans(spans).startswith("bars: claim to next claim")
 
 
@@ -64,17 +85,23 @@ def test_units_without_spans_keep_claim_bars_outside_the_measured_ones():
     write_run(box, spans={"recent": [KNOWN["recent"][1]]})  # u0 is older: summed up only
     spans = spans_from_run(read_run(box))
     assert [(s.unit, s.start - T0, s.end - T0, s.measured) for s in spans] == [
-        ("u0", 0.0, 1.0, False), ("u1", 7.0, 10.0, True)]
+        ("u0", 0.0, 1.0, False),
+        ("u1", 7.0, 10.0, True),
+    ]
     assert describe_spans(spans) == (
-        "bars: first to last batch (1), claim to next claim (1, units without batch times)")
+        "bars: first to last batch (1), claim to next claim (1, units without batch times)"
+    )
 
 
-@pytest.mark.parametrize("spans, problem", [
-    ({"recent": [{"unit": "u0", "first": T0 + 7, "last": T0 + 5, "batches": 1}]}, "ends before"),
-    ({"recent": [{"unit": "u0", "first": -1e300, "last": T0, "batches": 1}]}, "unix time"),
-    ({"recent": "u0"}, "not a list"),
-    ({"recent": [], "older": {"units": -1}}, "'older' field 'units'"),
-])
+@pytest.mark.parametrize(
+    "spans, problem",
+    [
+        ({"recent": [{"unit": "u0", "first": T0 + 7, "last": T0 + 5, "batches": 1}]}, "ends before"),
+        ({"recent": [{"unit": "u0", "first": -1e300, "last": T0, "batches": 1}]}, "unix time"),
+        ({"recent": "u0"}, "not a list"),
+        ({"recent": [], "older": {"units": -1}}, "'older' field 'units'"),
+    ],
+)
 def test_unusable_unit_spans_are_reported_not_drawn(spans, problem):
     box = MemoryMailbox(f"plot-{uuid.uuid4().hex}")
     write_run(box, spans=spans)
@@ -100,16 +127,17 @@ def test_a_batch_watch_times_a_unit_from_its_first_batch_to_the_end_of_its_last(
     clock = itertools.count(10.0)  # 10, 11, 12, ...
     times = UnitTimes()
     watch = BatchWatch(times, clock=lambda: float(next(clock)))
-    watch.taken("a")   # 10
-    watch.ended()      # 11
-    watch.taken("a")   # 12
-    watch.ended()      # 13
-    watch.taken("b")   # 14
-    watch.ended()      # 15
-    watch.ended()      # nothing open: no clock read
+    watch.taken("a")  # 10
+    watch.ended()  # 11
+    watch.taken("a")  # 12
+    watch.ended()  # 13
+    watch.taken("b")  # 14
+    watch.ended()  # 15
+    watch.ended()  # nothing open: no clock read
     assert times.record()["recent"] == [
         {"unit": "a", "first": 10.0, "last": 13.0, "batches": 2},
-        {"unit": "b", "first": 14.0, "last": 15.0, "batches": 1}]
+        {"unit": "b", "first": 14.0, "last": 15.0, "batches": 1},
+    ]
     assert (watch.batches, watch.units) == (3, 2)
 
 
@@ -125,9 +153,10 @@ def test_a_session_progress_record_carries_the_queue_unit_spans(tmp_path, worker
     model = torch.nn.Linear(2, 1)
     units = {f"u{i}": i for i in range(4)}
     trained: dict[str, int] = {}
-    with Session(model, mailbox=box, learner_id=learner, every=timedelta(hours=1)) as session, \
-            shared_queue(units, mailbox=box, learner_id=learner, load=load_three,
-                         workers=workers, prefetch=2) as batches:
+    with (
+        Session(model, mailbox=box, learner_id=learner, every=timedelta(hours=1)) as session,
+        shared_queue(units, mailbox=box, learner_id=learner, load=load_three, workers=workers, prefetch=2) as batches,
+    ):
         for step, batch in batches:
             trained[f"u{step // 3}"] = trained.get(f"u{step // 3}", 0) + 1
             session.step(samples=len(batch))

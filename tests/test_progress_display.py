@@ -33,8 +33,7 @@ class Terminal(io.StringIO):
 def test_progress_off_a_terminal_prints_plain_lines_and_leaves_no_thread(capsys):
     box = MemoryMailbox(f"progress-{uuid.uuid4().hex}")
     units = {f"u{i}": i for i in range(4)}
-    with shared_queue(units, mailbox=box, learner_id="node-P", load=load_two, workers=0,
-                      progress=True) as batches:
+    with shared_queue(units, mailbox=box, learner_id="node-P", load=load_two, workers=0, progress=True) as batches:
         assert len(progress_threads()) == 1
         steps = [step for step, _ in batches]
     assert len(steps) == 8
@@ -49,15 +48,15 @@ def test_progress_off_a_terminal_prints_plain_lines_and_leaves_no_thread(capsys)
 def test_progress_stops_with_the_block_after_break_and_after_an_error(capsys):
     box = MemoryMailbox(f"progress-{uuid.uuid4().hex}")
     units = {f"u{i}": i for i in range(4)}
-    with shared_queue(units, mailbox=box, learner_id="node-B", load=load_two, workers=0,
-                      progress=True) as batches:
+    with shared_queue(units, mailbox=box, learner_id="node-B", load=load_two, workers=0, progress=True) as batches:
         for _ in batches:
             break
     assert progress_threads() == []
     other = MemoryMailbox(f"progress-{uuid.uuid4().hex}")
     with pytest.raises(RuntimeError, match="in the loop"):
-        with shared_queue(units, mailbox=other, learner_id="node-C", load=load_two, workers=0,
-                          progress=True) as batches:
+        with shared_queue(
+            units, mailbox=other, learner_id="node-C", load=load_two, workers=0, progress=True
+        ) as batches:
             next(batches)
             raise RuntimeError("in the loop")
     assert progress_threads() == []
@@ -77,8 +76,7 @@ def test_progress_on_a_terminal_without_rich_names_the_extra_before_claiming(mon
     monkeypatch.setattr(sys, "stderr", Terminal())
     box = MemoryMailbox(f"progress-{uuid.uuid4().hex}")
     with pytest.raises(MissingExtraError, match=r"pip install 'gradientmail\[cli\]'"):
-        with shared_queue({"u0": 0}, mailbox=box, learner_id="node-R", load=load_two,
-                          workers=0, progress=True):
+        with shared_queue({"u0": 0}, mailbox=box, learner_id="node-R", load=load_two, workers=0, progress=True):
             pass
     assert list(box.list("units/")) == []
     assert progress_threads() == []
@@ -87,8 +85,9 @@ def test_progress_on_a_terminal_without_rich_names_the_extra_before_claiming(mon
 def test_progress_on_a_terminal_draws_a_rich_bar():
     pytest.importorskip("rich")
     terminal = Terminal()
-    display = ProgressDisplay(learner_id="node-T", total=4, mine=lambda: 2, batches=lambda: 10,
-                              run_taken=lambda: 3, stream=terminal)
+    display = ProgressDisplay(
+        learner_id="node-T", total=4, mine=lambda: 2, batches=lambda: 10, run_taken=lambda: 3, stream=terminal
+    )
     display.start()
     assert display.terminal
     display.close()
@@ -102,8 +101,9 @@ def test_display_errors_never_reach_the_caller():
     def broken() -> int:
         raise OSError("store down")
 
-    display = ProgressDisplay(learner_id="node-E", total=4, mine=broken, batches=broken,
-                              run_taken=broken, stream=io.StringIO())
+    display = ProgressDisplay(
+        learner_id="node-E", total=4, mine=broken, batches=broken, run_taken=broken, stream=io.StringIO()
+    )
     display.start()
     display.close()  # does not raise
     assert progress_threads() == []
@@ -113,6 +113,7 @@ def test_display_errors_never_reach_the_caller():
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_progress_must_be_a_bool(memory_mailbox, value):
     with pytest.raises(TypeError, match="progress must be True or False"):
-        with shared_queue({"a": 1}, mailbox=memory_mailbox, learner_id="n", load=lambda unit: iter(()),
-                          workers=0, progress=value):
+        with shared_queue(
+            {"a": 1}, mailbox=memory_mailbox, learner_id="n", load=lambda unit: iter(()), workers=0, progress=value
+        ):
             pytest.fail("entered with a non-bool progress")

@@ -26,9 +26,20 @@ def test_quickstart_trains_under_torchrun_with_two_nodes(tmp_path):
     env = dict(os.environ, UNITS="4", OMP_NUM_THREADS="1")
     mailbox = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(SCRIPT), str(mailbox)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(SCRIPT),
+            str(mailbox),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = re.findall(r"^(\S+): (\d+) steps, held-out loss (\S+)$", result.stdout, flags=re.M)

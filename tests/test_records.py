@@ -41,10 +41,8 @@ NESTED = b"[" * 50_000 + b"]" * 50_000  # within no bound; json.loads alone: Rec
 DEEP_SMALL = b'{"learner": "x", "a": ' + b"[" * 3000 + b"]" * 3000 + b"}"  # under the size bound
 
 BAD_CLAIMS = {
-    "dot-dot learner": json.dumps({"learner": "..", "token": "t", "incarnation": "i",
-                                   "state": "active"}).encode(),
-    "nested learner": json.dumps({"learner": "a/b", "token": "t", "incarnation": "i",
-                                  "state": "active"}).encode(),
+    "dot-dot learner": json.dumps({"learner": "..", "token": "t", "incarnation": "i", "state": "active"}).encode(),
+    "nested learner": json.dumps({"learner": "a/b", "token": "t", "incarnation": "i", "state": "active"}).encode(),
     "deeply nested": DEEP_SMALL,
     "huge nested": NESTED,
     "not json": b"\x00\xffnot json",
@@ -74,7 +72,7 @@ REFUSED = [
     (b'{"learner": 7}', "'learner' is int, not a str"),
     (b'{"token": "t"}', "'learner' is missing"),
     (b'{"learner": "x", "state": "mine"}', "'state' 'mine' is not one of active, released"),
-    (b'[1, 2]', "a JSON list, not an object"),
+    (b"[1, 2]", "a JSON list, not an object"),
     (b'{"learner": "x", "pid": 1' + b"0" * 5000 + b"}", "not JSON"),
 ]
 
@@ -87,8 +85,20 @@ def test_bad_claims_are_refused_with_the_reason(data, problem):
 
 
 def test_good_records_pass_and_keep_unknown_fields():
-    claim = parse(CLAIM, _body(learner="node-1", token="t", host="h", pid=3, worker=None,
-                               claimed_at=1.7e9, state="released", step=-4, future_field=[1]))
+    claim = parse(
+        CLAIM,
+        _body(
+            learner="node-1",
+            token="t",
+            host="h",
+            pid=3,
+            worker=None,
+            claimed_at=1.7e9,
+            state="released",
+            step=-4,
+            future_field=[1],
+        ),
+    )
     assert claim["learner"] == "node-1" and claim["future_field"] == [1]
     brackets_in_text = _body(learner="n", token="[" * 200)  # brackets inside strings do not nest
     assert parse(CLAIM, brackets_in_text)["token"] == "[" * 200
@@ -123,9 +133,11 @@ def test_skipped_records_warn_once_per_kind_and_learner():
 
 # -- the elastic claimer's scans (orphans under lease=, own units under resume=) -----------------
 @pytest.mark.parametrize("name", sorted(BAD_CLAIMS))
-@pytest.mark.parametrize("options", [ElasticOptions(resume=False, lease_s=30.0),
-                                     ElasticOptions(resume=True, lease_s=None)],
-                         ids=["lease", "resume"])
+@pytest.mark.parametrize(
+    "options",
+    [ElasticOptions(resume=False, lease_s=30.0), ElasticOptions(resume=True, lease_s=None)],
+    ids=["lease", "resume"],
+)
 def test_scans_skip_a_bad_claim_with_one_warning(memory_mailbox, name, options):
     """Before: InvalidKeyError ('..') and RecursionError (nested) in every lease=/resume= scan."""
     box = memory_mailbox
@@ -140,15 +152,19 @@ def test_scans_skip_a_bad_claim_with_one_warning(memory_mailbox, name, options):
 
 def test_a_bad_lease_or_work_record_does_not_stop_the_claimer(memory_mailbox):
     box = memory_mailbox
-    box.put_if_absent(claim_key("u0"), _body(learner="dead", token="t0", incarnation="old",
-                                             state="active", step=None))
+    box.put_if_absent(claim_key("u0"), _body(learner="dead", token="t0", incarnation="old", state="active", step=None))
     box.put(lease_key("dead"), NESTED)
     box.put(work_key("me", "u1"), DEEP_SMALL)  # a "record of an earlier incarnation"
-    box.put_if_absent(claim_key("u1"), _body(learner="me", token="t1", incarnation="old",
-                                             state="active"))
+    box.put_if_absent(claim_key("u1"), _body(learner="me", token="t1", incarnation="old", state="active"))
     clock = [0.0]
-    claimer = ElasticClaimer(box, ["u0", "u1", "u2"], "me", ElasticOptions(resume=True, lease_s=1.0),
-                             clock=lambda: clock[0], stopping=lambda: clock.__setitem__(0, clock[0] + 0.3))
+    claimer = ElasticClaimer(
+        box,
+        ["u0", "u1", "u2"],
+        "me",
+        ElasticOptions(resume=True, lease_s=1.0),
+        clock=lambda: clock[0],
+        stopping=lambda: clock.__setitem__(0, clock[0] + 0.3),
+    )
     with pytest.warns(RecordSkippedWarning) as caught:
         got = [claimer.claim_next() for _ in range(4)]
     identifiers = [a.identifier if a else None for a in got]
@@ -196,8 +212,7 @@ def _load(value: int):
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-@pytest.mark.parametrize("mode", [{"lease": timedelta(seconds=30)}, {"resume": True}],
-                         ids=["lease", "resume"])
+@pytest.mark.parametrize("mode", [{"lease": timedelta(seconds=30)}, {"resume": True}], ids=["lease", "resume"])
 def test_a_queue_with_planted_bad_claims_delivers_every_other_unit_once(mailbox_factory, backend, mode):
     box = mailbox_factory(backend)
     units = {f"u{i}": i for i in range(6)}
@@ -206,8 +221,7 @@ def test_a_queue_with_planted_bad_claims_delivers_every_other_unit_once(mailbox_
     box.put_if_absent(claim_key("u4"), BAD_CLAIMS["not json"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with shared_queue(units, mailbox=box, learner_id="node-0", load=_load, workers=0,
-                          **mode) as batches:
+        with shared_queue(units, mailbox=box, learner_id="node-0", load=_load, workers=0, **mode) as batches:
             got = [(int(batch[0]), step) for step, batch in batches]
     assert sorted(got) == [(i, s) for i in (0, 2, 5) for s in range(2)]
     skipped = [str(w.message) for w in caught if issubclass(w.category, RecordSkippedWarning)]

@@ -52,8 +52,7 @@ def test_the_run_record_carries_the_unit_sets_fingerprint(mailbox_factory):
 
 def _other_node(path: str, units: dict[str, int], results) -> None:
     try:
-        with shared_queue(units, mailbox=LocalMailbox(path), learner_id="node-1", load=_load,
-                          workers=0) as batches:
+        with shared_queue(units, mailbox=LocalMailbox(path), learner_id="node-1", load=_load, workers=0) as batches:
             results.put(("batches", len(list(batches))))
     except GradientMailError as exc:
         results.put((type(exc).__name__, str(exc)))
@@ -95,11 +94,15 @@ def test_a_run_record_without_a_fingerprint_is_still_joined(memory_mailbox):
     assert "fingerprint" not in json.loads(memory_mailbox.get(RUN_KEY)), "an old record is kept"
 
 
-@pytest.mark.parametrize("body, problem", [
-    (b"[" * 5000 + b"]" * 5000, "nested deeper than"),
-    (b'{"units": 3, "fingerprint": "md5:0"}', "'fingerprint' 'md5:0' is not"),
-    (b"not json", "not JSON"),
-], ids=["nested", "bad fingerprint", "not json"])
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        (b"[" * 5000 + b"]" * 5000, "nested deeper than"),
+        (b'{"units": 3, "fingerprint": "md5:0"}', "'fingerprint' 'md5:0' is not"),
+        (b"not json", "not JSON"),
+    ],
+    ids=["nested", "bad fingerprint", "not json"],
+)
 def test_a_prefix_holding_no_run_record_is_refused(memory_mailbox, body, problem):
     memory_mailbox.put_if_absent(RUN_KEY, body)
     with pytest.raises(RunMismatchError, match="fresh prefix") as caught:

@@ -78,11 +78,21 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def state_bytes(model: torch.nn.Module, *, version: int = 0, learner: str = "w",
-                learners: dict | None = None, metadata: dict | None = None) -> bytes:
+def state_bytes(
+    model: torch.nn.Module,
+    *,
+    version: int = 0,
+    learner: str = "w",
+    learners: dict | None = None,
+    metadata: dict | None = None,
+) -> bytes:
     tensors = {k: v.detach().float().clone() for k, v in float_state(model).items()}
-    header = StateHeader(version=version, learner=learner, time=time.time(),
-                         learners={k: Contribution(*v) for k, v in (learners or {}).items()})
+    header = StateHeader(
+        version=version,
+        learner=learner,
+        time=time.time(),
+        learners={k: Contribution(*v) for k, v in (learners or {}).items()},
+    )
     if metadata is not None:
         return safetensors_save(tensors, metadata=metadata)
     return encode(tensors, header)
@@ -96,8 +106,7 @@ def session(model, mailbox, learner="me", **kwargs) -> Session:
     return Session(model, mailbox=mailbox, learner_id=learner, **kwargs)
 
 
-def exchange(s: Session, model: torch.nn.Module | None = None, amount: float = 0.0,
-             samples: int = 1) -> None:
+def exchange(s: Session, model: torch.nn.Module | None = None, amount: float = 0.0, samples: int = 1) -> None:
     """One step (with ``amount`` of local progress first) that exchanges, awaited."""
     if model is not None and amount:
         push(model, amount)
@@ -197,16 +206,41 @@ def test_state_of_another_model_is_rejected_naming_writer_and_tensor(other, mess
         ({"format": "gradientmail.session/99"}, "has format 'gradientmail.session/99'"),
         ({"format": "gradientmail.session/1", "learner": "a"}, "format 'gradientmail.session/1'.*fresh prefix"),
         (None, "no gradientmail metadata"),
-        ({"format": FORMAT, "version": "0", "learner": "w", "time": "1", "learners": "[" * 5000},
-         "unreadable metadata"),
-        ({"format": FORMAT, "version": "0", "learner": "w", "time": "1",
-          "learners": json.dumps({"..": [0, 0, 0, 1.0, False]})}, "not one key segment"),
-        ({"format": FORMAT, "version": "0", "learner": "w", "time": "1",
-          "learners": json.dumps({"a": [0, -1, 0, 1.0, False]})}, "not a count"),
-        ({"format": FORMAT, "version": "0", "learner": "w", "time": "1",
-          "learners": json.dumps({"a": [0, 0, 0, "soon", False]})}, "not a finite number"),
-        ({"format": FORMAT, "version": "-3", "learner": "w", "time": "1", "learners": "{}"},
-         "unreadable metadata"),
+        (
+            {"format": FORMAT, "version": "0", "learner": "w", "time": "1", "learners": "[" * 5000},
+            "unreadable metadata",
+        ),
+        (
+            {
+                "format": FORMAT,
+                "version": "0",
+                "learner": "w",
+                "time": "1",
+                "learners": json.dumps({"..": [0, 0, 0, 1.0, False]}),
+            },
+            "not one key segment",
+        ),
+        (
+            {
+                "format": FORMAT,
+                "version": "0",
+                "learner": "w",
+                "time": "1",
+                "learners": json.dumps({"a": [0, -1, 0, 1.0, False]}),
+            },
+            "not a count",
+        ),
+        (
+            {
+                "format": FORMAT,
+                "version": "0",
+                "learner": "w",
+                "time": "1",
+                "learners": json.dumps({"a": [0, 0, 0, "soon", False]}),
+            },
+            "not a finite number",
+        ),
+        ({"format": FORMAT, "version": "-3", "learner": "w", "time": "1", "learners": "{}"}, "unreadable metadata"),
     ],
     ids=["unknown", "old", "none", "nested", "bad-learner", "negative", "bad-time", "bad-version"],
 )
@@ -220,10 +254,15 @@ def test_state_of_another_format_or_with_a_bad_header_is_rejected(metadata, mess
 
 def test_mail_of_the_old_format_in_the_prefix_is_refused_naming_it(memory_mailbox):
     tensors = {k: v.detach().clone() for k, v in float_state(linear()).items()}
-    memory_mailbox.put("session/node-1/000000000003.safetensors",
-                       safetensors_save(tensors, metadata={"format": "gradientmail.session/1"}))
-    with pytest.raises(MailRejectedError, match=r"'session/node-1/000000000003.safetensors'.*"
-                                                r"gradientmail.session/1"):
+    memory_mailbox.put(
+        "session/node-1/000000000003.safetensors",
+        safetensors_save(tensors, metadata={"format": "gradientmail.session/1"}),
+    )
+    with pytest.raises(
+        MailRejectedError,
+        match=r"'session/node-1/000000000003.safetensors'.*"
+        r"gradientmail.session/1",
+    ):
         with session(linear(), memory_mailbox):
             pytest.fail("entered a run of the old format")
     with pytest.raises(MailRejectedError, match="gradientmail.session/1"):
@@ -231,14 +270,15 @@ def test_mail_of_the_old_format_in_the_prefix_is_refused_naming_it(memory_mailbo
 
 
 # -- the merge rule: every learner's progress exactly once ----------------------------------------
-def run_toy(mailbox, *, nodes: int = 4, every_steps: int = 4, rounds: int = 40,
-            outer: str | None = "average") -> float:
+def run_toy(mailbox, *, nodes: int = 4, every_steps: int = 4, rounds: int = 40, outer: str | None = "average") -> float:
     """Equal nodes, each step +1, exchanges staggered: the consensus advance per node step.
     ``outer=None``: the session's default outer optimizer."""
     models = [scalar(0.0) for _ in range(nodes)]
     options = {} if outer is None else {"outer": outer}
-    sessions = [Session(m, mailbox=mailbox, learner_id=f"n{i}", every=None, every_steps=every_steps,
-                        **options) for i, m in enumerate(models)]
+    sessions = [
+        Session(m, mailbox=mailbox, learner_id=f"n{i}", every=None, every_steps=every_steps, **options)
+        for i, m in enumerate(models)
+    ]
     for s in sessions:
         s.__enter__()
     steps = [0] * nodes
@@ -355,14 +395,19 @@ def test_a_restarted_learner_continues_its_totals_and_keeps_its_progress(memory_
 
 def test_a_peer_that_stops_mailing_stops_counting_after_max_staleness():
     now = 10_000.0
-    listing = Listing(versions=[3], members={"me": now - 5, "quiet": now - 1000, "new": now - 30,
-                                             "done": now - 100},
-                      member_keys={})
-    header = StateHeader(version=3, learner="me", time=now, learners={
-        "quiet": Contribution(seq=1, step=1, samples=1, time=now - 400),
-        "done": Contribution(seq=2, step=2, samples=2, time=now - 50, final=True),
-        "me": Contribution(seq=1, step=1, samples=1, time=now - 5),
-    })
+    listing = Listing(
+        versions=[3], members={"me": now - 5, "quiet": now - 1000, "new": now - 30, "done": now - 100}, member_keys={}
+    )
+    header = StateHeader(
+        version=3,
+        learner="me",
+        time=now,
+        learners={
+            "quiet": Contribution(seq=1, step=1, samples=1, time=now - 400),
+            "done": Contribution(seq=2, step=2, samples=2, time=now - 50, final=True),
+            "me": Contribution(seq=1, step=1, samples=1, time=now - 5),
+        },
+    )
     assert active_learners(listing, header, "me", now, max_staleness=300) == {"me", "new"}
     assert active_learners(listing, header, "me", now, max_staleness=500) == {"me", "new", "quiet"}
 
@@ -540,12 +585,10 @@ def test_exit_folds_the_final_progress_and_leaves_the_member_list(local_mailbox)
     assert consensus(local_mailbox, result) == {"node-0": 80}
     assert value(result) == 7.0
     newest = list_session(local_mailbox)
-    header = decode(local_mailbox.get(state_key(newest.newest)), key="k",
-                    spec=spec_of(float_state(model))).header
+    header = decode(local_mailbox.get(state_key(newest.newest)), key="k", spec=spec_of(float_state(model))).header
     assert header.learners["node-0"].final and header.learners["node-0"].step == 5
     record = json.loads(local_mailbox.get("progress/node-0.json"))
-    assert set(record) == {"learner", "steps", "samples", "samples_per_s", "units", "started", "last_seen",
-                           "finished"}
+    assert set(record) == {"learner", "steps", "samples", "samples_per_s", "units", "started", "last_seen", "finished"}
     assert record["learner"] == "node-0" and record["finished"] is True
     assert record["steps"] == 5 and record["samples"] == 80 and record["samples_per_s"] > 0
     assert record["started"] <= record["last_seen"]
@@ -783,7 +826,7 @@ def test_sessions_in_lockstep_end_as_one_model(memory_mailbox):
     sessions = [session(m, memory_mailbox, learner=f"n{i}") for i, m in enumerate(models)]
     for s in sessions:
         s.__enter__()
-    for step in range(30):
+    for _step in range(30):
         for i, s in enumerate(sessions):
             exchange(s, models[i], 0.01 * (i + 1))
     for s in sessions:

@@ -12,13 +12,12 @@ import warnings
 
 import pytest
 import torch
+from test_session import scalar, value  # tests/ is on sys.path, as for every test helper
 
 from gradientmail import MailRejectedError, MailSkippedWarning, SessionError
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import MAX_CLOCK_SKEW_S, Listing, active_learners, list_session
 from gradientmail.session.mail import Contribution, StateHeader, encode, member_key, state_key
-
-from test_session import scalar, value  # tests/ is on sys.path, as for every test helper
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,11 +37,16 @@ def newest_version(mailbox) -> int:
     return list_session(mailbox).newest
 
 
-def forge(mailbox, version: int, weight: float, *, learner: str = "mallory",
-          learners: dict[str, Contribution] | None = None) -> None:
+def forge(
+    mailbox, version: int, weight: float, *, learner: str = "mallory", learners: dict[str, Contribution] | None = None
+) -> None:
     """Write a version of the run's state as a hostile or broken peer would."""
-    header = StateHeader(version=version, learner=learner, time=time.time(),
-                         learners=learners or {learner: Contribution(1, 1, 1, time.time())})
+    header = StateHeader(
+        version=version,
+        learner=learner,
+        time=time.time(),
+        learners=learners or {learner: Contribution(1, 1, 1, time.time())},
+    )
     mailbox.put(state_key(version), encode({"weight": torch.full((1, 1), weight)}, header))
 
 
@@ -135,8 +139,10 @@ def test_forged_counts_do_not_weigh_in_the_merge(memory_mailbox):
         exchange(sa, a, 2.0)
         exchange(sb, b, 2.0)
         version = newest_version(memory_mailbox) + 1
-        huge = {"a": Contribution(10**18, 10**18, 10**18, time.time()),
-                "mallory": Contribution(1, 1, 10**18, time.time())}
+        huge = {
+            "a": Contribution(10**18, 10**18, 10**18, time.time()),
+            "mallory": Contribution(1, 1, 10**18, time.time()),
+        }
         forge(memory_mailbox, version, value(b), learners=huge)
         exchange(sa, a, 2.0)
     result = scalar()
@@ -148,11 +154,12 @@ def test_forged_counts_do_not_weigh_in_the_merge(memory_mailbox):
 def test_a_member_dated_in_the_future_does_not_count_forever():
     now = time.time()
     year_3000 = 32_503_680_000.0
-    listing = Listing(versions=[0], members={"me": now, "ok": now - 1, "future": year_3000,
-                                              "skewed": now + MAX_CLOCK_SKEW_S / 2},
-                      member_keys={})
-    header = StateHeader(version=0, learner="me", time=now,
-                         learners={"late-writer": Contribution(1, 1, 1, year_3000)})
+    listing = Listing(
+        versions=[0],
+        members={"me": now, "ok": now - 1, "future": year_3000, "skewed": now + MAX_CLOCK_SKEW_S / 2},
+        member_keys={},
+    )
+    header = StateHeader(version=0, learner="me", time=now, learners={"late-writer": Contribution(1, 1, 1, year_3000)})
     listing.members["late-writer"] = now - 3600  # joined long ago; its fold claims the year 3000
     with pytest.warns(MailSkippedWarning, match="in the future"):
         active = active_learners(listing, header, "me", now, max_staleness=300)

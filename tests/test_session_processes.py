@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradientmail.session.chain import KEEP, TOMBSTONE
 from gradientmail import LocalMailbox, consensus
+from gradientmail.session.chain import KEEP, TOMBSTONE
 
 pytest.importorskip("gradientmail.patterns.shared_queue")
 
@@ -30,7 +30,10 @@ def run_nodes(kind: str, configs: list[dict], timeout: float = 150) -> list[dict
     processes = [
         subprocess.Popen(
             [sys.executable, str(NODE_SCRIPT), kind, json.dumps(config)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for config in configs
     ]
@@ -52,8 +55,9 @@ def run_nodes(kind: str, configs: list[dict], timeout: float = 150) -> list[dict
 @pytest.mark.timeout(240)
 def test_seed_training_example_runs_as_written_on_two_processes(tmp_path):
     box_path = tmp_path / "mailbox"
-    configs = [{"rank": rank, "mailbox": str(box_path), "out": str(tmp_path / f"{rank}.json")}
-               for rank in range(nodes.nodes)]
+    configs = [
+        {"rank": rank, "mailbox": str(box_path), "out": str(tmp_path / f"{rank}.json")} for rank in range(nodes.nodes)
+    ]
     results = run_nodes("seed", configs)
     box = LocalMailbox(box_path)
 
@@ -109,9 +113,17 @@ def test_four_unequal_nodes_with_a_session_match_one_process_and_stay_together(t
     # Four processes of speeds 4:2:2:1 each train twice: first as independent nodes (shared
     # queue only), then with a Session, each run on its own mailbox.
     configs = [
-        {"rank": rank, "out": str(tmp_path / f"{rank}.json"), "delay": delay, "every_s": 0.04,
-         "nodes": len(DELAYS), "runs": [{"mailbox": str(tmp_path / "alone"), "session": False},
-                                        {"mailbox": str(tmp_path / "session"), "session": True}]}
+        {
+            "rank": rank,
+            "out": str(tmp_path / f"{rank}.json"),
+            "delay": delay,
+            "every_s": 0.04,
+            "nodes": len(DELAYS),
+            "runs": [
+                {"mailbox": str(tmp_path / "alone"), "session": False},
+                {"mailbox": str(tmp_path / "session"), "session": True},
+            ],
+        }
         for rank, delay in enumerate(DELAYS)
     ]
     results = run_nodes("regression", configs)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from queue_nodes import Item, RecordingLoad, claims, named_units
 from torch.utils.data import DataLoader
 
 import gradientmail
@@ -28,12 +29,11 @@ from gradientmail.mailbox.wrappers import CountingMailbox, FaultyMailbox
 from gradientmail.patterns.shared_queue import (
     InProcessMailboxError,
     SharedQueueDataset,
-    prepare_mailbox,
     UnpicklableError,
+    prepare_mailbox,
     shared_queue,
     units_claimed_by,
 )
-from queue_nodes import Item, RecordingLoad, claims, named_units
 
 FORK = multiprocessing.get_context("fork")
 
@@ -145,8 +145,9 @@ def test_exported_from_package():
 @pytest.mark.parametrize("workers", [0, 1, 2])
 def test_shared_queue_delivers_every_batch_once(local_mailbox, workers):
     units = named_units(20, steps=3)
-    with shared_queue(units, mailbox=local_mailbox, learner_id=f"w{workers}", load=load_item,
-                      prefetch=4, workers=workers) as batches:
+    with shared_queue(
+        units, mailbox=local_mailbox, learner_id=f"w{workers}", load=load_item, prefetch=4, workers=workers
+    ) as batches:
         got = [(int(t[0]), step) for step, t in batches]
     assert sorted(got) == [(i, s) for i in range(20) for s in range(3)]
     # Each unit's steps arrive in order; with two workers, units interleave.
@@ -202,8 +203,9 @@ def test_prefetch_bounds_batches_in_flight_and_claims(local_mailbox, workers, pr
     # DataLoader's prefetch_factor is per worker: prefetch=5 over 2 workers buffers 2 x 2.
     bound = prefetch // workers * workers if workers else prefetch
     consumed = 0
-    with shared_queue(units, mailbox=local_mailbox, learner_id="p", load=load,
-                      prefetch=prefetch, workers=workers) as batches:
+    with shared_queue(
+        units, mailbox=local_mailbox, learner_id="p", load=load, prefetch=prefetch, workers=workers
+    ) as batches:
         for _ in range(3):
             # The buffer fills to exactly `prefetch`...
             _wait_until(lambda done=consumed: load.produced.value >= done + bound)
@@ -242,8 +244,9 @@ def test_load_error_arrives_after_buffered_batches(local_mailbox, workers):
     load = FailingLoad(bad=2)
     got = []
     with pytest.raises(ValueError, match="boom in unit 00002") as caught:
-        with shared_queue(units, mailbox=local_mailbox, learner_id="e", load=load,
-                          prefetch=8, workers=workers) as batches:
+        with shared_queue(
+            units, mailbox=local_mailbox, learner_id="e", load=load, prefetch=8, workers=workers
+        ) as batches:
             if workers <= 1:
                 # One producer runs 8 batches ahead, past the failing one. Two each run 3 ahead
                 # (plus the hand-off's 2, from either): the failing 4th of one may wait.
@@ -258,7 +261,9 @@ def test_load_error_arrives_after_buffered_batches(local_mailbox, workers):
 
 
 def test_iterator_ends_after_an_error(memory_mailbox):
-    with shared_queue(named_units(5), mailbox=memory_mailbox, learner_id="e", load=FailingLoad(bad=0), workers=0) as batches:
+    with shared_queue(
+        named_units(5), mailbox=memory_mailbox, learner_id="e", load=FailingLoad(bad=0), workers=0
+    ) as batches:
         next(batches)
         with pytest.raises(ValueError):
             next(batches)
@@ -281,8 +286,9 @@ def test_mailbox_error_reaches_the_loop(local_mailbox, workers):
     mailbox = FaultyMailbox(local_mailbox, fault)
     got = []
     with pytest.raises(MailboxError, match="store on fire"):
-        with shared_queue(named_units(10), mailbox=mailbox, learner_id="m", load=load_item,
-                          prefetch=4, workers=workers) as batches:
+        with shared_queue(
+            named_units(10), mailbox=mailbox, learner_id="m", load=load_item, prefetch=4, workers=workers
+        ) as batches:
             for _, tensor in batches:
                 got.append(int(tensor[0]))
     assert got == [0, 1]
@@ -297,8 +303,9 @@ def test_loader_yielding_the_wrong_thing(memory_mailbox, local_mailbox, workers)
     with pytest.raises(LoaderError, match=r"unit '00000'.*str 'not a pair'"):
         list(SharedQueueDataset(named_units(1), mailbox=memory_mailbox, learner_id="x", load=bad_load))
     with pytest.raises(LoaderError, match="00000"):
-        with shared_queue(named_units(3), mailbox=local_mailbox, learner_id="x", load=bad_load,
-                          workers=workers, prefetch=3) as batches:
+        with shared_queue(
+            named_units(3), mailbox=local_mailbox, learner_id="x", load=bad_load, workers=workers, prefetch=3
+        ) as batches:
             list(batches)
 
 
@@ -336,8 +343,9 @@ def test_early_exit_leaves_nothing_behind(local_mailbox, workers, how):
         pass
 
     with contextlib.suppress(Stop):
-        with shared_queue(units, mailbox=local_mailbox, learner_id="q", load=load_item,
-                          prefetch=4, workers=workers) as batches:
+        with shared_queue(
+            units, mailbox=local_mailbox, learner_id="q", load=load_item, prefetch=4, workers=workers
+        ) as batches:
             for n, _ in enumerate(batches):
                 if n == 5:
                     if how == "break":
@@ -368,8 +376,9 @@ def test_slow_operation_in_flight_is_allowed_to_finish(tmp_path):
     mailbox = LocalMailbox(tmp_path / "box")
     load = SlowSecondBatch(str(tmp_path), seconds=6.0)
     threads_before = set(threading.enumerate())
-    with shared_queue(named_units(3, steps=3), mailbox=mailbox, learner_id="slow", load=load,
-                      prefetch=2, workers=1) as batches:
+    with shared_queue(
+        named_units(3, steps=3), mailbox=mailbox, learner_id="slow", load=load, prefetch=2, workers=1
+    ) as batches:
         next(batches)
         assert load.started(), "the slow load is in flight when the block is left"
     assert (tmp_path / "finished").exists(), "the in-flight load was interrupted"
@@ -386,8 +395,9 @@ def test_shutdown_timeout_bounds_the_wait(memory_mailbox):
         yield 1, torch.zeros(1)
 
     with pytest.warns(UserWarning, match="shutdown_timeout"):
-        with shared_queue(named_units(2), mailbox=memory_mailbox, learner_id="t", load=load,
-                          workers=0, shutdown_timeout=0.1) as batches:
+        with shared_queue(
+            named_units(2), mailbox=memory_mailbox, learner_id="t", load=load, workers=0, shutdown_timeout=0.1
+        ) as batches:
             next(batches)
     release.set()  # the abandoned operation finishes in the background
     _wait_until(lambda: not any(t.name.startswith("gradientmail-shared-queue-t") for t in threading.enumerate()))
@@ -440,7 +450,10 @@ def test_identifier_that_is_a_folder_of_another(memory_mailbox):
     SharedQueueDataset({"a/1": 0, "a/2": 1}, mailbox=memory_mailbox, learner_id="x", load=load_item)
 
 
-@pytest.mark.parametrize(("learner_id", "error"), [("", InvalidKeyError), ("a/b", InvalidKeyError), (".x", InvalidKeyError), (3, TypeError), (None, TypeError)])
+@pytest.mark.parametrize(
+    ("learner_id", "error"),
+    [("", InvalidKeyError), ("a/b", InvalidKeyError), (".x", InvalidKeyError), (3, TypeError), (None, TypeError)],
+)
 def test_bad_learner_id(memory_mailbox, learner_id, error):
     with pytest.raises(error, match="learner_id"):
         SharedQueueDataset(named_units(1), mailbox=memory_mailbox, learner_id=learner_id, load=load_item)
@@ -484,14 +497,21 @@ def test_memory_mailbox_with_worker_processes(memory_mailbox, wrap):
 
 def test_unpicklable_loader_under_spawn(local_mailbox):
     with pytest.raises(UnpicklableError, match="(?i)use workers=0, or a module-level function") as caught:
-        with shared_queue(named_units(2), mailbox=local_mailbox, learner_id="a",
-                          load=lambda item: load_item(item), workers=1, multiprocessing_context="spawn"):
+        with shared_queue(
+            named_units(2),
+            mailbox=local_mailbox,
+            learner_id="a",
+            load=lambda item: load_item(item),
+            workers=1,
+            multiprocessing_context="spawn",
+        ):
             pass
     assert isinstance(caught.value, TypeError) and "load" in str(caught.value)
     units = {"u": threading.Lock()}
     with pytest.raises(UnpicklableError, match="unit values"):
-        with shared_queue(units, mailbox=local_mailbox, learner_id="a", load=load_item, workers=1,
-                          multiprocessing_context="spawn"):
+        with shared_queue(
+            units, mailbox=local_mailbox, learner_id="a", load=load_item, workers=1, multiprocessing_context="spawn"
+        ):
             pass
     assert _claimed(local_mailbox) == []
 
@@ -500,8 +520,15 @@ def test_unpicklable_loader_under_spawn(local_mailbox):
 def test_spawned_workers(local_mailbox):
     units = named_units(6, steps=2)
     before = units_claimed_by("sp")
-    with shared_queue(units, mailbox=local_mailbox, learner_id="sp", load=load_item, workers=1,
-                      prefetch=2, multiprocessing_context="spawn") as batches:
+    with shared_queue(
+        units,
+        mailbox=local_mailbox,
+        learner_id="sp",
+        load=load_item,
+        workers=1,
+        prefetch=2,
+        multiprocessing_context="spawn",
+    ) as batches:
         assert sorted((int(t[0]), s) for s, t in batches) == [(i, s) for i in range(6) for s in range(2)]
     assert units_claimed_by("sp") - before == 6
     assert multiprocessing.active_children() == []

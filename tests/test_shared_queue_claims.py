@@ -187,7 +187,7 @@ def test_claimers_competing_for_the_same_units_list_first_and_never_conflict(box
         if claimed == [None, None]:
             break
     assert sorted(got) == identifiers
-    for claimer, mailbox in zip(claimers, counted, strict=True):
+    for claimer, _mailbox in zip(claimers, counted, strict=True):
         assert claimer.stats["conflicts"] == 0
         assert claimer.stats["listings"] >= claimer.stats["claims"] - 1, "both list before each claim"
         assert claimer.risk() > 0.5
@@ -267,8 +267,9 @@ def test_a_single_learner_pays_two_requests_per_claim():
 )
 def test_requests_and_conflicts_by_preference_order(shape, most):
     speeds = [1, 2, 2, 4] * 4
-    result = simulate(unit_grid(60, 1, 16), speeds, rotate_lanes=None if shape is None else 16,
-                      jitter=0.2, **(shape or {}))
+    result = simulate(
+        unit_grid(60, 1, 16), speeds, rotate_lanes=None if shape is None else 16, jitter=0.2, **(shape or {})
+    )
     assert result.claims == 960
     assert result.requests_per_claim < most
     assert result.conflicts_per_claim <= 0.05
@@ -280,8 +281,15 @@ def test_each_claim_costs_less_than_three_requests_in_a_round_of_nodes(box):
     units = unit_grid(groups * 2, 2, nodes)  # 400 units of two batches each
     mailboxes = [CountingMailbox(box) for _ in range(nodes)]
     batches = [
-        iter(SharedQueueDataset(units, mailbox=mailboxes[rank], learner_id=f"node-{rank}",
-                                load=_two_batches, order=rotated_order(units, rank, nodes)))
+        iter(
+            SharedQueueDataset(
+                units,
+                mailbox=mailboxes[rank],
+                learner_id=f"node-{rank}",
+                load=_two_batches,
+                order=rotated_order(units, rank, nodes),
+            )
+        )
         for rank in range(nodes)
     ]
     served = 0
@@ -298,8 +306,15 @@ def test_each_claim_costs_less_than_three_requests_in_a_round_of_nodes(box):
     store = MemoryMailbox(f"plain-{random.getrandbits(64):x}")
     plain = [CountingMailbox(store) for _ in range(nodes)]
     batches = [
-        iter(SharedQueueDataset(units, mailbox=plain[rank], learner_id=f"node-{rank}", load=_two_batches,
-                                order=rotated_order(units, rank, nodes, block=1, lag=0)))
+        iter(
+            SharedQueueDataset(
+                units,
+                mailbox=plain[rank],
+                learner_id=f"node-{rank}",
+                load=_two_batches,
+                order=rotated_order(units, rank, nodes, block=1, lag=0),
+            )
+        )
         for rank in range(nodes)
     ]
     try:
@@ -325,9 +340,16 @@ def test_simulated_bill_matches_counting_mailbox():
         for i in range(2500):
             store.put_if_absent(f"units/{i:05d}", b"x")
         store.put_if_absent("run.json", b"x")
-        for prefix, after, take in [("units/", None, 10), ("units/", None, 1000), ("units/", None, 1001),
-                                    ("units/", "units/00500", 2000), ("units/", None, 5000),
-                                    ("", None, 5000), ("units/", "units/01499", 1001), ("v/", None, 3)]:
+        for prefix, after, take in [
+            ("units/", None, 10),
+            ("units/", None, 1000),
+            ("units/", None, 1001),
+            ("units/", "units/00500", 2000),
+            ("units/", None, 5000),
+            ("", None, 5000),
+            ("units/", "units/01499", 1001),
+            ("v/", None, 3),
+        ]:
             fast, real = _Counting(store), CountingMailbox(MemoryMailbox(store.name))
             got = list(itertools.islice(fast.list(prefix, after), take))
             assert got == list(itertools.islice(real.list(prefix, after), take))
@@ -401,8 +423,14 @@ def test_unit_grid_shortens_the_last_group():
 def test_rotated_order_plain_is_the_seeds_rotation():
     units = unit_grid(steps=2, unit_steps=1, lanes=4)
     assert rotated_order(units, 1, 4, block=1, lag=0) == [
-        "000000-1.json", "000000-2.json", "000000-3.json", "000000-0.json",
-        "000001-1.json", "000001-2.json", "000001-3.json", "000001-0.json",
+        "000000-1.json",
+        "000000-2.json",
+        "000000-3.json",
+        "000000-0.json",
+        "000001-1.json",
+        "000001-2.json",
+        "000001-3.json",
+        "000001-0.json",
     ]
     assert rotated_order(units, 4, 4, block=1, lag=0) == list(units)
     assert rotated_order(["a", "b", "c"], 1, 2, block=1, lag=0) == ["b", "a", "c"]
@@ -417,7 +445,13 @@ def test_rotated_order_blocks_and_lag():
     assert rotated_order(ids, 0, 2, block=2, lag=0) == ["a0", "b0", "b1", "a1", "c0", "d0", "d1", "c1"]
     # block=1: own lane of each group, the other lanes `lag` groups later.
     assert rotated_order(["a0", "a1", "a2", "b0", "b1", "b2"], 1, 3, block=1, lag=1) == [
-        "a1", "b1", "a2", "a0", "b2", "b0"]
+        "a1",
+        "b1",
+        "a2",
+        "a0",
+        "b2",
+        "b0",
+    ]
 
 
 @pytest.mark.parametrize("lanes", [1, 3, 7])

@@ -7,10 +7,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from queue_nodes import NodeSpec, claims, named_units, read_lines, run_nodes
 
 from gradientmail import LocalMailbox
 from gradientmail.patterns.units import rotated_order, unit_grid
-from queue_nodes import NodeSpec, claims, named_units, read_lines, run_nodes
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -69,8 +69,15 @@ def test_seed_schedule_four_processes(tmp_path):
     names = {unit.first * 4 + unit.lane: ident for ident, unit in units.items()}
     specs = [
         NodeSpec(
-            mailbox, f"node-{rank}", units, str(tmp_path), delay=tick * time_per_unit,
-            workers=0, prefetch=1, order=rotated_order(units, rank, 4), names=names,
+            mailbox,
+            f"node-{rank}",
+            units,
+            str(tmp_path),
+            delay=tick * time_per_unit,
+            workers=0,
+            prefetch=1,
+            order=rotated_order(units, rank, 4),
+            names=names,
         )
         for rank, time_per_unit in enumerate((1, 2, 2, 4))
     ]
@@ -81,7 +88,12 @@ def test_seed_schedule_four_processes(tmp_path):
     makespan = max(r["end"] for r in reports.values()) - min(r["start"] for r in reports.values())
     print(f"seed schedule: units {counts}, makespan {makespan / tick:.2f} time units (ideal 12, fixed split 24)")
     # The seed: A 11, B and C 5, D 3. Which of A, B, C wins the last unit at t = 10 is a race.
-    assert counts["node-0"] > max(counts["node-1"], counts["node-2"]) >= min(counts["node-1"], counts["node-2"]) > counts["node-3"]
+    assert (
+        counts["node-0"]
+        > max(counts["node-1"], counts["node-2"])
+        >= min(counts["node-1"], counts["node-2"])
+        > counts["node-3"]
+    )
     assert counts["node-3"] <= 4 < 6, "the slow node did less than its fixed share of 6"
     # Each node started on its own lane (rotation): its first claim is lane = rank.
     for rank, learner in enumerate(counts):
@@ -117,8 +129,15 @@ def test_exactly_once_on_s3(tmp_path, s3_target):
     names = {unit.first * lanes + unit.lane: ident for ident, unit in units.items()}
     specs = [
         NodeSpec(
-            mailbox, f"node-{rank}", units, str(tmp_path), delay=0.02, workers=1, prefetch=2,
-            order=rotated_order(units, rank, lanes), names=names,
+            mailbox,
+            f"node-{rank}",
+            units,
+            str(tmp_path),
+            delay=0.02,
+            workers=1,
+            prefetch=2,
+            order=rotated_order(units, rank, lanes),
+            names=names,
         )
         for rank in range(lanes)
     ]

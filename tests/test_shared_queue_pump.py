@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from queue_nodes import Item, named_units
+from test_shared_queue import FailingLoad, ProducedCounter, _leftovers, _wait_until, load_item
 from torch.utils.data import _utils
 
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.patterns.shared_queue import _HandOff, _wake, shared_queue
-from queue_nodes import Item, named_units
-from test_shared_queue import FailingLoad, ProducedCounter, _leftovers, _wait_until, load_item
 
 FORK = multiprocessing.get_context("fork")
 
@@ -76,8 +76,9 @@ class BlockingLoad:
 def test_handoff_thread_runs_while_iterating_and_is_gone_after(local_mailbox, workers, prefetch):
     threads_before = set(threading.enumerate())
     units = named_units(12, steps=2)
-    with shared_queue(units, mailbox=local_mailbox, learner_id="h", load=load_item,
-                      prefetch=prefetch, workers=workers) as batches:
+    with shared_queue(
+        units, mailbox=local_mailbox, learner_id="h", load=load_item, prefetch=prefetch, workers=workers
+    ) as batches:
         [thread] = _handoff_threads("h")
         assert thread.daemon
         got = sorted((int(t[0]), step) for step, t in batches)
@@ -91,8 +92,14 @@ def test_handoff_thread_runs_while_iterating_and_is_gone_after(local_mailbox, wo
 def test_a_worker_with_one_place_keeps_the_direct_path(local_mailbox, workers, prefetch):
     """prefetch < 2 * workers: each worker has a single place, none to give to a hand-off."""
     threads_before = set(threading.enumerate())
-    with shared_queue(named_units(10, steps=2), mailbox=local_mailbox, learner_id="d", load=load_item,
-                      prefetch=prefetch, workers=workers) as batches:
+    with shared_queue(
+        named_units(10, steps=2),
+        mailbox=local_mailbox,
+        learner_id="d",
+        load=load_item,
+        prefetch=prefetch,
+        workers=workers,
+    ) as batches:
         assert batches._pump is None and _handoff_threads("d") == []
         got = sorted((int(t[0]), step) for step, t in batches)
     assert got == [(i, s) for i in range(10) for s in range(2)]
@@ -107,8 +114,9 @@ def test_at_most_prefetch_batches_buffered_in_all(local_mailbox, workers, prefet
     load = ProducedCounter(steps=3)
     fill = prefetch // workers * workers  # DataLoader's places are per worker
     consumed = 0
-    with shared_queue(named_units(60), mailbox=local_mailbox, learner_id="b", load=load,
-                      prefetch=prefetch, workers=workers) as batches:
+    with shared_queue(
+        named_units(60), mailbox=local_mailbox, learner_id="b", load=load, prefetch=prefetch, workers=workers
+    ) as batches:
         for _ in range(3):
             # The loop stalls. The buffer fills, and then the hand-off has every place taken,
             # so it is outside next() and DataLoader sends the workers no further request:
@@ -130,8 +138,9 @@ def test_error_after_the_batches_buffered_before_it(local_mailbox, workers, pref
     load = FailingLoad(bad=bad)
     got = []
     with pytest.raises(ValueError, match=f"boom in unit 0000{bad}") as caught:
-        with shared_queue(units, mailbox=local_mailbox, learner_id="e", load=load,
-                          prefetch=prefetch, workers=workers) as batches:
+        with shared_queue(
+            units, mailbox=local_mailbox, learner_id="e", load=load, prefetch=prefetch, workers=workers
+        ) as batches:
             # The failing batch is within what its worker produces ahead of the loop: the
             # error is buffered behind the batches before it when the loop starts.
             assert load.failed.wait(20)
@@ -157,8 +166,9 @@ def test_leaving_while_the_handoff_waits_for_room(local_mailbox, how):
 
     error = {"exception": Stop, "keyboard-interrupt": KeyboardInterrupt}.get(how)
     with contextlib.suppress(Stop, KeyboardInterrupt):
-        with shared_queue(named_units(100, steps=2), mailbox=local_mailbox, learner_id="r", load=load,
-                          prefetch=4, workers=1) as batches:
+        with shared_queue(
+            named_units(100, steps=2), mailbox=local_mailbox, learner_id="r", load=load, prefetch=4, workers=1
+        ) as batches:
             next(batches)
             _wait_until(lambda: load.produced.value >= 1 + 4)
             _wait_until(lambda: _handoff_full(batches, slots=1))
@@ -176,14 +186,16 @@ def test_leaving_waits_for_a_blocked_worker(local_mailbox, tmp_path):
     load = BlockingLoad(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing is given up on
-        with shared_queue(named_units(4, steps=2), mailbox=local_mailbox, learner_id="w", load=load,
-                          prefetch=4, workers=1) as batches:
+        with shared_queue(
+            named_units(4, steps=2), mailbox=local_mailbox, learner_id="w", load=load, prefetch=4, workers=1
+        ) as batches:
             next(batches)
             assert load.blocked()
             # The hand-off is inside next(), waiting for the blocked worker. Release the worker
             # once the block is being left.
             releaser = threading.Thread(
-                target=lambda: batches._control.stop.wait(20) and load.release(), daemon=True,
+                target=lambda: batches._control.stop.wait(20) and load.release(),
+                daemon=True,
             )
             releaser.start()
     releaser.join(5)
@@ -198,8 +210,15 @@ def test_shutdown_timeout_gives_up_on_a_blocked_worker(local_mailbox, tmp_path):
     threads_before = set(threading.enumerate())
     load = BlockingLoad(tmp_path)
     with pytest.warns(UserWarning, match="shutdown_timeout") as caught:
-        with shared_queue(named_units(4, steps=2), mailbox=local_mailbox, learner_id="t", load=load,
-                          prefetch=4, workers=1, shutdown_timeout=0.2) as batches:
+        with shared_queue(
+            named_units(4, steps=2),
+            mailbox=local_mailbox,
+            learner_id="t",
+            load=load,
+            prefetch=4,
+            workers=1,
+            shutdown_timeout=0.2,
+        ) as batches:
             next(batches)
             assert load.blocked()
     assert len(caught) == 1, [str(w.message) for w in caught]  # the hand-off itself was freed
@@ -212,8 +231,15 @@ def test_pin_memory(local_mailbox):
     threads_before = set(threading.enumerate())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # no accelerator here
-        with shared_queue(named_units(8, steps=2), mailbox=local_mailbox, learner_id="p", load=load_item,
-                          prefetch=4, workers=2, pin_memory=True) as batches:
+        with shared_queue(
+            named_units(8, steps=2),
+            mailbox=local_mailbox,
+            learner_id="p",
+            load=load_item,
+            prefetch=4,
+            workers=2,
+            pin_memory=True,
+        ) as batches:
             got = sorted((int(t[0]), step) for step, t in batches)
     assert got == [(i, s) for i in range(8) for s in range(2)]
     assert _leftovers(threads_before) == ([], [])

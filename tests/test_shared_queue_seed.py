@@ -68,6 +68,8 @@ def load_unit(unit: Unit) -> Iterator[tuple[int, Tensor]]:
     for step in range(unit.first, unit.first + unit.count):
         start = step * BATCH + unit.lane * share
         yield step, sequences(start, share)
+
+
 # -- end of seed -------------------------------------------------------------------------------
 
 
@@ -139,13 +141,16 @@ def test_seed_training_loop_runs_as_written(tmp_path):
         share = BATCH // nodes
         accumulation = share // micro_batch
 
-        with session, shared_queue(
-            units,
-            mailbox=box,
-            learner_id=f"node-{rank}",
-            load=load_unit,
-            prefetch=8,
-        ) as batches:
+        with (
+            session,
+            shared_queue(
+                units,
+                mailbox=box,
+                learner_id=f"node-{rank}",
+                load=load_unit,
+                prefetch=8,
+            ) as batches,
+        ):
             for step, batch in batches:
                 batch = batch.to(device)
 

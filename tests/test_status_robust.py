@@ -29,22 +29,31 @@ def _plant_odd_records(box) -> None:
     now = time.time()
     box.put_if_absent("units/nested.json", b'{"learner": ' + b"[" * 5000 + b"]" * 5000 + b"}")
     box.put_if_absent("units/dotdot.json", json.dumps({"learner": "..", "token": "t"}).encode())
-    box.put_if_absent("units/types.json", json.dumps({"learner": "node-A", "claimed_at": "noon",
-                                                      "pid": "12"}).encode())
+    box.put_if_absent("units/types.json", json.dumps({"learner": "node-A", "claimed_at": "noon", "pid": "12"}).encode())
     box.put_if_absent("units/plain.json", b"node-Z")  # an old claim: just the learner's name
-    box.put("progress/node-A.json", json.dumps({"learner": "node-A", "samples": 5,
-                                                "last_seen": -1e300}).encode())
+    box.put("progress/node-A.json", json.dumps({"learner": "node-A", "samples": 5, "last_seen": -1e300}).encode())
     box.put("progress/node-B.json", b'{"learner": "node-B", "samples_per_s": NaN, "samples": 1}')
-    box.put("progress/node-C.json", json.dumps({"learner": "node-C", "samples": 10**18,
-                                                "started": 0, "last_seen": 1e-300}).encode())
-    box.put("progress/node-D.json", json.dumps({"learner": "node-D", "samples": 8,
-                                                "started": now - 4, "last_seen": now,
-                                                "finished": False}).encode())
+    box.put(
+        "progress/node-C.json",
+        json.dumps({"learner": "node-C", "samples": 10**18, "started": 0, "last_seen": 1e-300}).encode(),
+    )
+    box.put(
+        "progress/node-D.json",
+        json.dumps(
+            {"learner": "node-D", "samples": 8, "started": now - 4, "last_seen": now, "finished": False}
+        ).encode(),
+    )
     box.put("leases/node-D.json", b'{"lease_s": 1e999, "state": "running", "time": 0}')
 
 
-ODD_KEYS = {"units/nested.json", "units/dotdot.json", "units/types.json", "progress/node-A.json",
-            "progress/node-B.json", "leases/node-D.json"}
+ODD_KEYS = {
+    "units/nested.json",
+    "units/dotdot.json",
+    "units/types.json",
+    "progress/node-A.json",
+    "progress/node-B.json",
+    "leases/node-D.json",
+}
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -82,8 +91,11 @@ def test_status_table_of_odd_records_prints_one_line_notes(tmp_path):
     result = run_cli("status", str(tmp_path / "run"), env=cli_env(COLUMNS="400"))
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    notes = [line.strip() for line in result.stdout.splitlines() if "'units/" in line
-             or "'progress/" in line or "'leases/" in line]
+    notes = [
+        line.strip()
+        for line in result.stdout.splitlines()
+        if "'units/" in line or "'progress/" in line or "'leases/" in line
+    ]
     assert len(notes) == 5, result.stdout  # the first five, one line each
     assert "6 unreadable record(s) skipped" in result.stdout
     assert "... and 1 more (--json lists all)" in result.stdout

@@ -34,8 +34,9 @@ pytestmark = pytest.mark.timeout(90)
 def _take(box, units, learner, load, stop_after=None, **options):
     """Run a queue in this process; the ``(index, position, step)`` of each batch consumed."""
     got = []
-    with shared_queue(units, mailbox=box, learner_id=learner, load=load, workers=0,
-                      prefetch=2, resume=True, **options) as batches:
+    with shared_queue(
+        units, mailbox=box, learner_id=learner, load=load, workers=0, prefetch=2, resume=True, **options
+    ) as batches:
         for step, batch in batches:
             got.append((int(batch[0]), int(batch[1]), step))
             if stop_after is not None and len(got) == stop_after:
@@ -53,8 +54,9 @@ def test_a_released_unit_continues_after_the_batches_consumed(memory_mailbox, la
     claim = json.loads(memory_mailbox.get(claim_key("00000")))
     second = _take(memory_mailbox, units, "node-1", load)
     assert [(p, s) for _, p, s in first] == [(p, labels[p]) for p in range(stop)]
-    assert [(p, s) for _, p, s in second] == [(p, labels[p]) for p in range(stop, 6)], \
+    assert [(p, s) for _, p, s in second] == [(p, labels[p]) for p in range(stop, 6)], (
         "every batch not consumed yet, with its own label"
+    )
     assert (claim["state"], claim["position"]) == ("released", stop - 1)
     assert len(read_run(memory_mailbox).done) == 1
 
@@ -76,10 +78,12 @@ def test_resume_takes_back_a_dead_incarnations_unit_by_position(memory_mailbox):
     tracker.close(release=False)
     record = json.loads(memory_mailbox.get("work/node-0/00000"))
 
-    again = ElasticClaimer(memory_mailbox, ["00000", "00001"], "node-0",
-                           ElasticOptions(resume=True, lease_s=None))
-    rest = [(tag[0], int(tensor[1]), step) for step, tensor, tag in
-            tagged_items(again, lambda identifier: load(items[identifier])) if tag[2] == BATCH]
+    again = ElasticClaimer(memory_mailbox, ["00000", "00001"], "node-0", ElasticOptions(resume=True, lease_s=None))
+    rest = [
+        (tag[0], int(tensor[1]), step)
+        for step, tensor, tag in tagged_items(again, lambda identifier: load(items[identifier]))
+        if tag[2] == BATCH
+    ]
     assert [int(tensor[1]) for _, tensor in got] == [0, 1, 2, 3]
     assert rest == [("00000", p, 0) for p in range(3, 6)] + [("00001", p, 0) for p in range(6)]
     assert (record["step"], record["position"]) == (0, 2)
@@ -103,9 +107,18 @@ def test_state_dict_continues_by_position(memory_mailbox):
 def test_a_record_without_a_position_is_continued_by_its_step(memory_mailbox):
     """Records of earlier versions hold only the step label: best effort, as before."""
     units = named_units(1)
-    memory_mailbox.put_if_absent(claim_key("00000"), json.dumps({
-        "learner": "old", "token": "t", "incarnation": "i", "state": "released", "step": 2,
-    }).encode())
+    memory_mailbox.put_if_absent(
+        claim_key("00000"),
+        json.dumps(
+            {
+                "learner": "old",
+                "token": "t",
+                "incarnation": "i",
+                "state": "released",
+                "step": 2,
+            }
+        ).encode(),
+    )
     got = _take(memory_mailbox, units, "node-1", LabelledLoad((0, 1, 2, 3, 4)))
     assert [(p, s) for _, p, s in got] == [(3, 3), (4, 4)]
 
@@ -115,8 +128,19 @@ def test_a_killed_nodes_units_are_reclaimed_by_position(tmp_path):
     consumed, duplicates only among the dead node's batches after its last progress write."""
     box = LocalMailbox(tmp_path / "box")
     units = named_units(12)
-    nodes = [Node(box, f"node-{rank}", units, str(tmp_path), delay=0.004, prefetch=3,
-                  lease_s=1.5, kill_after=8 if rank == 0 else None) for rank in range(3)]
+    nodes = [
+        Node(
+            box,
+            f"node-{rank}",
+            units,
+            str(tmp_path),
+            delay=0.004,
+            prefetch=3,
+            lease_s=1.5,
+            kill_after=8 if rank == 0 else None,
+        )
+        for rank in range(3)
+    ]
     finish(start(nodes, together=True), killed=1)
 
     runs = consumed(tmp_path)

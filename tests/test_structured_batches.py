@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from queue_nodes import Item, named_units
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_convert
 
@@ -24,7 +25,6 @@ from gradientmail.patterns.batches import MAX_DEPTH, first_non_tensor, map_tenso
 from gradientmail.patterns.inline import INLINE_BYTES, _Inline, inline
 from gradientmail.patterns.shared_queue import SharedQueueDataset, _checked_batch, _keep, shared_queue
 from gradientmail.status import read_run
-from queue_nodes import Item, named_units
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,16 +108,28 @@ def check_received(received: list[tuple[int, Any]], kind: str, units: int, steps
 @pytest.mark.parametrize("workers", [0, 2])
 def test_structured_batches_arrive_as_loaded(tmp_path, kind, workers):
     """workers=0 (a thread) and real DataLoader worker processes, every kind of nesting."""
-    with shared_queue(named_units(4, steps=2), mailbox=LocalMailbox(tmp_path), learner_id="n",
-                      load=Shaped(kind), prefetch=4, workers=workers) as batches:
+    with shared_queue(
+        named_units(4, steps=2),
+        mailbox=LocalMailbox(tmp_path),
+        learner_id="n",
+        load=Shaped(kind),
+        prefetch=4,
+        workers=workers,
+    ) as batches:
         received = list(batches)
     check_received(received, kind, units=4, steps=2)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_small_leaves_travel_inline_and_large_ones_through_shared_memory(tmp_path, workers):
-    with shared_queue(named_units(3, steps=2), mailbox=LocalMailbox(tmp_path), learner_id="n",
-                      load=Shaped("nested"), prefetch=4, workers=workers) as batches:
+    with shared_queue(
+        named_units(3, steps=2),
+        mailbox=LocalMailbox(tmp_path),
+        learner_id="n",
+        load=Shaped("nested"),
+        prefetch=4,
+        workers=workers,
+    ) as batches:
         received = list(batches)
     check_received(received, "nested", units=3, steps=2)
     for _, batch in received:
@@ -156,8 +168,15 @@ def test_the_worker_collate_inlines_structured_and_tagged_items():
 def test_pin_memory_keeps_the_structure_and_pins_every_leaf(tmp_path, workers):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # without an accelerator
-        with shared_queue(named_units(3, steps=2), mailbox=LocalMailbox(tmp_path), learner_id="p",
-                          load=Shaped("nested"), prefetch=4, workers=workers, pin_memory=True) as batches:
+        with shared_queue(
+            named_units(3, steps=2),
+            mailbox=LocalMailbox(tmp_path),
+            learner_id="p",
+            load=Shaped("nested"),
+            prefetch=4,
+            workers=workers,
+            pin_memory=True,
+        ) as batches:
             received = list(batches)
     check_received(received, "nested", units=3, steps=2)
     if torch.cuda.is_available():  # DataLoader pins only when there is an accelerator
@@ -168,8 +187,15 @@ def test_pin_memory_keeps_the_structure_and_pins_every_leaf(tmp_path, workers):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_structured_batches_move_to_the_gpu(tmp_path):
     device = torch.device("cuda")
-    with shared_queue(named_units(3, steps=2), mailbox=LocalMailbox(tmp_path), learner_id="g",
-                      load=Shaped("nested"), prefetch=4, workers=2, pin_memory=True) as batches:
+    with shared_queue(
+        named_units(3, steps=2),
+        mailbox=LocalMailbox(tmp_path),
+        learner_id="g",
+        load=Shaped("nested"),
+        prefetch=4,
+        workers=2,
+        pin_memory=True,
+    ) as batches:
         moved = [(step, to_device(batch, device)) for step, batch in batches]
     torch.cuda.synchronize()
     for step, batch in moved:
@@ -183,15 +209,31 @@ def test_resume_continues_structured_batches_where_the_first_node_stopped(tmp_pa
     box = LocalMailbox(tmp_path / "box")
     units = named_units(4, steps=3)
     got = []
-    with shared_queue(units, mailbox=box, learner_id="node-0", load=Shaped("nested"), workers=workers,
-                      prefetch=2, resume=True, lease=timedelta(seconds=30)) as batches:
+    with shared_queue(
+        units,
+        mailbox=box,
+        learner_id="node-0",
+        load=Shaped("nested"),
+        workers=workers,
+        prefetch=2,
+        resume=True,
+        lease=timedelta(seconds=30),
+    ) as batches:
         for pair in batches:
             got.append(pair)
             if len(got) == 5:
                 break
     assert read_run(box).released
-    with shared_queue(units, mailbox=box, learner_id="node-1", load=Shaped("nested"), workers=workers,
-                      prefetch=2, resume=True, lease=timedelta(seconds=30)) as batches:
+    with shared_queue(
+        units,
+        mailbox=box,
+        learner_id="node-1",
+        load=Shaped("nested"),
+        workers=workers,
+        prefetch=2,
+        resume=True,
+        lease=timedelta(seconds=30),
+    ) as batches:
         got.extend(batches)
     check_received(got, "nested", units=4, steps=3)
     run = read_run(box)
@@ -199,8 +241,7 @@ def test_resume_continues_structured_batches_where_the_first_node_stopped(tmp_pa
 
 
 def test_a_dataset_iterated_in_this_process_yields_batches_as_loaded(memory_mailbox):
-    dataset = SharedQueueDataset(named_units(3, steps=2), mailbox=memory_mailbox, learner_id="d",
-                                 load=Shaped("nested"))
+    dataset = SharedQueueDataset(named_units(3, steps=2), mailbox=memory_mailbox, learner_id="d", load=Shaped("nested"))
     check_received(list(dataset), "nested", units=3, steps=2)
 
 
@@ -208,8 +249,7 @@ def test_a_dataset_iterated_in_this_process_yields_batches_as_loaded(memory_mail
 def test_a_bare_dataset_in_a_user_dataloader(local_mailbox, kind):
     """DataLoader(batch_size=None) applies its default_convert: tuples become lists, dicts and
     namedtuples stay; every leaf arrives."""
-    dataset = SharedQueueDataset(named_units(4, steps=2), mailbox=local_mailbox, learner_id="u",
-                                 load=Shaped(kind))
+    dataset = SharedQueueDataset(named_units(4, steps=2), mailbox=local_mailbox, learner_id="u", load=Shaped(kind))
     received = list(DataLoader(dataset, batch_size=None, num_workers=2))
     seen = []
     for pair in received:
@@ -260,8 +300,9 @@ def test_loader_error_names_the_path_of_a_non_tensor_leaf(memory_mailbox, batch,
 
 def test_loader_error_from_a_worker_process_names_the_path(local_mailbox):
     with pytest.raises(LoaderError, match=r"unit '00001'.*batch\['labels'\]\[1\] is a str 'cat'"):
-        with shared_queue(named_units(3), mailbox=local_mailbox, learner_id="w", load=_cat_at_one,
-                          prefetch=2, workers=1) as batches:
+        with shared_queue(
+            named_units(3), mailbox=local_mailbox, learner_id="w", load=_cat_at_one, prefetch=2, workers=1
+        ) as batches:
             list(batches)
 
 

@@ -22,17 +22,30 @@ KEYS = [
     *RATIOS,
     *(f"{name}_{suffix}" for name in RATIOS for suffix in ("min", "max")),
     *(f"{name}_{outer}" for name in RATIOS for outer in OUTERS),
-    "val_loss_initial", "val_loss_single", "val_loss_ddp", "val_loss_fixed_split",
-    "makespan_s_ddp", "makespan_s_fixed_split",
+    "val_loss_initial",
+    "val_loss_single",
+    "val_loss_ddp",
+    "val_loss_fixed_split",
+    "makespan_s_ddp",
+    "makespan_s_fixed_split",
     *(f"val_loss_gradientmail_{outer}" for outer in OUTERS),
     *(f"makespan_s_gradientmail_{outer}" for outer in OUTERS),
     *(f"seconds_to_ddp_loss_{outer}" for outer in OUTERS),
-    "drag", "read_per_exchange", "repeats",
+    "drag",
+    "read_per_exchange",
+    "repeats",
 ]
 FINITE = [
-    "val_loss_initial", "val_loss_single", "val_loss_ddp", "val_loss_fixed_split",
-    "val_loss_gradientmail_average", "loss_over_ddp", "loss_over_single", "makespan_over_ddp",
-    "makespan_s_ddp", "makespan_s_gradientmail_average",
+    "val_loss_initial",
+    "val_loss_single",
+    "val_loss_ddp",
+    "val_loss_fixed_split",
+    "val_loss_gradientmail_average",
+    "loss_over_ddp",
+    "loss_over_single",
+    "makespan_over_ddp",
+    "makespan_s_ddp",
+    "makespan_s_gradientmail_average",
 ]
 
 
@@ -43,7 +56,10 @@ def finite(value: object) -> bool:
 def test_quick_training_benchmark_prints_its_figures_as_json_last() -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.training", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = completed.stdout.strip().splitlines()

@@ -47,8 +47,7 @@ class BlockCache:
         self._hits = self._misses = self._reads = self._bytes_read = 0
 
     def stats(self) -> CacheStats:
-        return CacheStats(self._hits, self._misses, self._reads, self._bytes_read, self._held,
-                          self.capacity)
+        return CacheStats(self._hits, self._misses, self._reads, self._bytes_read, self._held, self.capacity)
 
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of the file (``0 <= start <= stop <= size``)."""
@@ -80,11 +79,11 @@ class BlockCache:
                 self._reads += 1
                 self._bytes_read += len(data)
                 for index in range(run_first, run_last + 1):
-                    block = data[(index - run_first) * size:(index - run_first + 1) * size]
+                    block = data[(index - run_first) * size : (index - run_first + 1) * size]
                     found[index] = block
                     self._keep(index, block)
             joined = b"".join(found[index] for index in range(first, last + 1))
-        return joined[start - first * size:stop - first * size]
+        return joined[start - first * size : stop - first * size]
 
     def _keep(self, index: int, block: bytes) -> None:
         if len(block) > self.capacity:

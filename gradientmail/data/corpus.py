@@ -43,8 +43,7 @@ class Corpus:
 def stdlib_files(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """The ``.py`` files of the standard library (``root``: its directory), sorted."""
     base = Path(root or sysconfig.get_path("stdlib"))
-    files = [path for path in text_files([base], suffixes=[".py"])
-             if path.relative_to(base).parts[0] not in EXCLUDED]
+    files = [path for path in text_files([base], suffixes=[".py"]) if path.relative_to(base).parts[0] not in EXCLUDED]
     if not files:
         raise FileNotFoundError(f"no .py files under {base}: is this the standard library?")
     return files
@@ -76,8 +75,7 @@ def build_stdlib_corpus(
     dtype = dtype_name(dtype)
     out = Path(out_dir)
     base = Path(root or sysconfig.get_path("stdlib"))
-    options = {"python": sys.version, "root": str(base), "validation": validation,
-               "dtype": dtype, "eot": eot}
+    options = {"python": sys.version, "root": str(base), "validation": validation, "dtype": dtype, "eot": eot}
     if tokenizer is None and not rebuild and (found := _reuse(out, options)) is not None:
         return found
     files = stdlib_files(base)
@@ -89,11 +87,21 @@ def build_stdlib_corpus(
     kwargs = {"tokenizer": tokenizer, "dtype": dtype, "eot": eot, "errors": "replace"}
     train_info = write_tokens(out / TRAIN_FILE, train, **kwargs)
     val_info = write_tokens(out / VALIDATION_FILE, val, **kwargs)
-    corpus = Corpus(train_info.path, val_info.path, train_info.tokens, val_info.tokens,
-                    len(files), _byte_vocab(eot) if tokenizer is None else None)
+    corpus = Corpus(
+        train_info.path,
+        val_info.path,
+        train_info.tokens,
+        val_info.tokens,
+        len(files),
+        _byte_vocab(eot) if tokenizer is None else None,
+    )
     if tokenizer is None:
-        manifest = {**options, "train_tokens": corpus.train_tokens,
-                    "validation_tokens": corpus.validation_tokens, "files": corpus.files}
+        manifest = {
+            **options,
+            "train_tokens": corpus.train_tokens,
+            "validation_tokens": corpus.validation_tokens,
+            "files": corpus.files,
+        }
         temporary = out / f".{MANIFEST}.{os.getpid()}.tmp"
         temporary.write_text(json.dumps(manifest, indent=1))
         os.replace(temporary, out / MANIFEST)
@@ -114,13 +122,14 @@ def _reuse(out: Path, options: dict[str, object]) -> Corpus | None:
         if not all(isinstance(n, int) and n > 0 for n in (train, val, files)):
             return None
         itemsize = DTYPES[dtype_name(options["dtype"])]
-        if (os.path.getsize(out / TRAIN_FILE) != train * itemsize
-                or os.path.getsize(out / VALIDATION_FILE) != val * itemsize):
+        if (
+            os.path.getsize(out / TRAIN_FILE) != train * itemsize
+            or os.path.getsize(out / VALIDATION_FILE) != val * itemsize
+        ):
             return None
     except (OSError, ValueError):
         return None
-    return Corpus(out / TRAIN_FILE, out / VALIDATION_FILE, train, val, files,
-                  _byte_vocab(options["eot"]))  # type: ignore[arg-type]
+    return Corpus(out / TRAIN_FILE, out / VALIDATION_FILE, train, val, files, _byte_vocab(options["eot"]))  # type: ignore[arg-type]
 
 
 def _byte_vocab(eot: int | None) -> int:

@@ -50,10 +50,7 @@ def dtype_name(dtype: object) -> str:
     name = str(dtype).removeprefix("torch.").lower()
     name = {"u2": "uint16", "<u2": "uint16", "u4": "uint32", "<u4": "uint32"}.get(name, name)
     if name not in DTYPES:
-        raise TokenFileError(
-            f"unsupported token dtype {dtype!r}: use 'uint16' (vocabularies up to 65,536) or "
-            "'uint32'"
-        )
+        raise TokenFileError(f"unsupported token dtype {dtype!r}: use 'uint16' (vocabularies up to 65,536) or 'uint32'")
     return name
 
 
@@ -79,9 +76,7 @@ def read_layout(
     if kind == "npy":
         layout = _npy_layout(name, size, read)
         if wanted is not None and wanted != layout.dtype:
-            raise TokenFileError(
-                f"{name}: the .npy header says {layout.dtype}, but dtype={wanted!r} was asked for"
-            )
+            raise TokenFileError(f"{name}: the .npy header says {layout.dtype}, but dtype={wanted!r} was asked for")
         return layout
     chosen = wanted or "uint16"
     if size >= len(NPY_MAGIC) and format == "auto" and read(0, len(NPY_MAGIC)) == NPY_MAGIC:
@@ -113,8 +108,7 @@ def _npy_layout(name: str, size: int, read: Callable[[int, int], bytes]) -> Toke
         raise TokenFileError(f"{name}: unsupported .npy format version {major}.{start[7]}")
     if length > MAX_NPY_HEADER or offset + length > size:
         raise TokenFileError(
-            f"{name}: .npy header of {length:,} bytes (file {size:,} bytes, at most "
-            f"{MAX_NPY_HEADER:,} accepted)"
+            f"{name}: .npy header of {length:,} bytes (file {size:,} bytes, at most {MAX_NPY_HEADER:,} accepted)"
         )
     raw = read(offset, offset + length)
     try:
@@ -140,9 +134,7 @@ def _npy_fields(name: str, header: Any) -> tuple[str, tuple[int, ...]]:
     descr, shape = header["descr"], header["shape"]
     if descr not in NPY_DESCR:
         hint = " (big-endian; save it little-endian)" if str(descr).startswith(">") else ""
-        raise TokenFileError(
-            f"{name}: .npy dtype {descr!r}{hint} is not a token dtype: use uint16 or uint32"
-        )
+        raise TokenFileError(f"{name}: .npy dtype {descr!r}{hint} is not a token dtype: use uint16 or uint32")
     if header["fortran_order"] is not False:
         raise TokenFileError(f"{name}: a Fortran-order .npy is not a flat file of tokens")
     if not isinstance(shape, tuple) or not all(

@@ -77,15 +77,12 @@ class TokenReader:
         self._source: ByteSource = open_source(url, storage_options)
         self.url = self._source.name
         self._size = self._source.size()
-        self.layout: TokenLayout = read_layout(
-            self.url, self._size, self._source.read, format=format, dtype=dtype
-        )
+        self.layout: TokenLayout = read_layout(self.url, self._size, self._source.read, format=format, dtype=dtype)
         self._cache = BlockCache(self._source.read, self._size, block_size, cache_bytes)
         self._pid = os.getpid()
         if self.layout.tokens < seq_len + 1:
             raise TokenFileError(
-                f"{self.url}: {self.layout.tokens:,} tokens, fewer than one sequence of "
-                f"seq_len + 1 = {seq_len + 1:,}"
+                f"{self.url}: {self.layout.tokens:,} tokens, fewer than one sequence of seq_len + 1 = {seq_len + 1:,}"
             )
 
     # -- what the file holds ----------------------------------------------------------------
@@ -106,8 +103,7 @@ class TokenReader:
         return self._cache.stats()
 
     def __repr__(self) -> str:
-        return (f"TokenReader({self.url!r}, seq_len={self.seq_len}, dtype={self.dtype!r}, "
-                f"tokens={self.num_tokens:,})")
+        return f"TokenReader({self.url!r}, seq_len={self.seq_len}, dtype={self.dtype!r}, tokens={self.num_tokens:,})"
 
     # -- reading ----------------------------------------------------------------------------
     def sequences(self, start: int, count: int) -> torch.Tensor:
@@ -139,8 +135,9 @@ class TokenReader:
         offset = self.layout.offset + start * itemsize
         data = bytearray(self._cache.read(offset, offset + count * itemsize))
         signed, mask = _SIGNED[self.dtype]
-        values = torch.frombuffer(data, dtype=signed).to(torch.int64) & mask if data else (
-            torch.empty(0, dtype=torch.int64))
+        values = (
+            torch.frombuffer(data, dtype=signed).to(torch.int64) & mask if data else (torch.empty(0, dtype=torch.int64))
+        )
         if self.vocab_size is not None and values.numel() and int(values.max()) >= self.vocab_size:
             at = int(torch.argmax((values >= self.vocab_size).to(torch.int8)))
             raise TokenFileError(

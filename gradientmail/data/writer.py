@@ -52,7 +52,8 @@ def text_files(sources: Iterable[str | os.PathLike[str]], *, suffixes: Sequence[
             for root, dirs, files in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 found.extend(
-                    Path(root, name) for name in sorted(files)
+                    Path(root, name)
+                    for name in sorted(files)
                     if not name.startswith(".") and (not suffixes or name.endswith(tuple(suffixes)))
                 )
         else:
@@ -107,8 +108,9 @@ def write_tokens(
     return TokenFileInfo(out, tokens, documents, dtype)
 
 
-def _write_document(stream: BinaryIO, path: Path, tokenizer: Tokenizer | None, dtype: str,
-                    eot: int | None, encoding: str, errors: str) -> int:
+def _write_document(
+    stream: BinaryIO, path: Path, tokenizer: Tokenizer | None, dtype: str, eot: int | None, encoding: str, errors: str
+) -> int:
     data = path.read_bytes()
     if tokenizer is None:
         width = DTYPES[dtype]

@@ -84,9 +84,7 @@ def supports_replace_if(mailbox: object) -> bool:
     flag = getattr(mailbox, "supports_replace_if", None)
     if flag is not None:
         return bool(flag)
-    return callable(getattr(mailbox, "replace_if", None)) and callable(
-        getattr(mailbox, "get_versioned", None)
-    )
+    return callable(getattr(mailbox, "replace_if", None)) and callable(getattr(mailbox, "get_versioned", None))
 
 
 def require_replace_if(mailbox: object, feature: str) -> VersionedMailbox:
@@ -99,7 +97,8 @@ def require_replace_if(mailbox: object, feature: str) -> VersionedMailbox:
         f"node takes over a unit, and {type(mailbox).__name__} does not offer one. Use a "
         "LocalMailbox (a shared directory), an S3Mailbox (If-Match) or a MemoryMailbox, or "
         "run without this option",
-        operation="replace_if", store=store,
+        operation="replace_if",
+        store=store,
     )
 
 
@@ -135,18 +134,24 @@ def verify_mailbox(mailbox: Mailbox) -> None:
         raise UnsafeStoreError(
             f"{store}: creating a fresh probe key reported that it already existed; "
             "put_if_absent does not report creation truthfully",
-            operation="verify", key=key, store=store,
+            operation="verify",
+            key=key,
+            store=store,
         )
     if second:
         raise UnsafeStoreError(
             f"{store}: a second put_if_absent on the same key also succeeded, so this store "
             "ignores conditional writes (If-None-Match) and two nodes could claim one unit. "
             "Use a store that enforces them (AWS S3, MinIO, Cloudflare R2, a local directory)",
-            operation="verify", key=key, store=store,
+            operation="verify",
+            key=key,
+            store=store,
         )
     if value != data:
         raise UnsafeStoreError(
             f"{store}: the probe key did not read back as written "
             f"({'missing' if value is None else 'overwritten or partial'})",
-            operation="verify", key=key, store=store,
+            operation="verify",
+            key=key,
+            store=store,
         )

@@ -35,9 +35,9 @@ import fsspec.core
 
 from gradientmail.errors import MailboxError, MissingExtraError, UnsafeStoreError
 from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.s3_listing import list_keys
 from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 from gradientmail.mailbox.local import LocalMailbox
+from gradientmail.mailbox.s3_listing import list_keys
 
 TOKEN_METADATA = "gm-token"
 """User-metadata name of the per-call creation token on s3fs (``x-amz-meta-gm-token``)."""
@@ -52,8 +52,13 @@ ATOMIC_CREATE = {
 """Filesystem classes (exact, not subclasses) whose atomic create is verified, and how."""
 
 _UNVERIFIED = {
-    "gs": "gcsfs", "gcs": "gcsfs", "gcsfs": "gcsfs",
-    "abfs": "adlfs", "abfss": "adlfs", "az": "adlfs", "adl": "adlfs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "gcsfs": "gcsfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "az": "adlfs",
+    "adl": "adlfs",
 }
 """Protocols said to create atomically with ``"xb"`` but not verified here yet."""
 
@@ -89,9 +94,9 @@ def _refusal(protocols: tuple[str, ...], name: str, where: str) -> UnsafeStoreEr
             "local directories and s3fs >= 2025.7"
         )
     return UnsafeStoreError(
-        f"{where}: cannot use {name} (protocol {'/'.join(protocols) or '?'}) as a "
-        f"mailbox: {why}",
-        operation="open", store=where,
+        f"{where}: cannot use {name} (protocol {'/'.join(protocols) or '?'}) as a mailbox: {why}",
+        operation="open",
+        store=where,
     )
 
 
@@ -141,9 +146,7 @@ class FsspecMailbox:
             self._impl = _S3fsImpl(self, self.root)
 
     @classmethod
-    def from_url(
-        cls, url: str, *, block_size: int | None = None, **storage_options: Any
-    ) -> FsspecMailbox:
+    def from_url(cls, url: str, *, block_size: int | None = None, **storage_options: Any) -> FsspecMailbox:
         """Open ``url`` through fsspec (``storage_options`` go to the filesystem).
 
         ``FsspecMailbox.from_url("s3://bucket/prefix", endpoint_url=...)`` gives an s3fs-backed
@@ -239,7 +242,9 @@ class _S3fsImpl:
         store = self.owner.url
         return MailboxError(
             f"{store}: {operation}({key!r}) failed: {type(exc).__name__}: {exc} ({cause})",
-            operation=operation, key=key, store=store,
+            operation=operation,
+            key=key,
+            store=store,
         )
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
@@ -332,6 +337,7 @@ class _S3fsImpl:
 
         return list_keys(fetch, self.bucket, self.prefix, prefix, start_after)
 
+
 def _discard(handle: Any) -> None:
     """Abort a failed s3fs write (an unfinished multipart upload would be billed)."""
     try:
@@ -351,4 +357,3 @@ def _s3_code(exc: BaseException) -> str:
             break
         seen = seen.__cause__
     return ""
-

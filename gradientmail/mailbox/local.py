@@ -53,7 +53,6 @@ from gradientmail.mailbox.local_paths import (
     open_root,
 )
 
-
 LOCK_DIR = ".locks"
 """Hidden directory of ``replace_if``'s per-key lock files (never listed: it starts with ``.``)."""
 
@@ -101,13 +100,16 @@ class LocalMailbox:
         except UnsafeEntry as exc:
             raise MailboxError(
                 f"{self.url}: {operation}({key!r}) refused: {exc}",
-                operation=operation, key=key, store=self.url,
+                operation=operation,
+                key=key,
+                store=self.url,
             ) from None
         except OSError as exc:
             raise MailboxError(
-                f"{self.url}: {operation}({key!r}) failed: {type(exc).__name__}: {exc}"
-                f"{_HINTS.get(exc.errno or 0, '')}",
-                operation=operation, key=key, store=self.url,
+                f"{self.url}: {operation}({key!r}) failed: {type(exc).__name__}: {exc}{_HINTS.get(exc.errno or 0, '')}",
+                operation=operation,
+                key=key,
+                store=self.url,
             ) from exc
 
     def _conflict(self, operation: str, key: str, why: str) -> KeyConflictError:
@@ -116,9 +118,7 @@ class LocalMailbox:
         )
 
     @contextlib.contextmanager
-    def _parent(
-        self, operation: str, key: str, *, create: bool
-    ) -> Iterator[tuple[int | None, str]]:
+    def _parent(self, operation: str, key: str, *, create: bool) -> Iterator[tuple[int | None, str]]:
         """``(descriptor of the key's directory or None when missing, the key's last segment)``."""
         *directories, leaf = validate_key(key).split("/")
         try:
@@ -142,9 +142,7 @@ class LocalMailbox:
     def put_if_absent(self, key: str, data: bytes) -> bool:
         validate_key(key)
         data = validate_value(data, key)
-        with self._failures("put_if_absent", key), self._parent(
-            "put_if_absent", key, create=True
-        ) as (fd, leaf):
+        with self._failures("put_if_absent", key), self._parent("put_if_absent", key, create=True) as (fd, leaf):
             assert fd is not None
             if self._created(fd, leaf, key) is not None:
                 # It exists now, so False is a truthful answer; skips writing a temporary file.
@@ -213,9 +211,7 @@ class LocalMailbox:
         validate_key(key)
         data = validate_value(data, key)
         if not isinstance(version, str):
-            raise TypeError(
-                f"version must be a str from get_versioned, not {type(version).__name__}"
-            )
+            raise TypeError(f"version must be a str from get_versioned, not {type(version).__name__}")
         with self._failures("replace_if", key), self._key_lock(key):
             current = self.get(key)
             if current is None or _version(current) != version:
@@ -292,9 +288,7 @@ class LocalMailbox:
         directory, _, _ = prefix.rpartition("/")
         with self._failures("list", prefix):
             try:
-                fd = open_directory(
-                    self.path, directory.split("/") if directory else [], create=False
-                )
+                fd = open_directory(self.path, directory.split("/") if directory else [], create=False)
             except UnsafeEntry as exc:
                 _skip(self.url, [(exc.relative, exc.what)])
                 return
@@ -306,10 +300,7 @@ class LocalMailbox:
             finally:
                 os.close(fd)
         _skip(self.url, [(key, why) for key, why in skipped if key.startswith(prefix)])
-        yield from sorted(
-            key for key in found
-            if key.startswith(prefix) and (start_after is None or key > start_after)
-        )
+        yield from sorted(key for key in found if key.startswith(prefix) and (start_after is None or key > start_after))
 
     def _walk(self, fd: int, relative: str, skipped: list[tuple[str, str]]) -> Iterator[str]:
         """Keys under ``fd``; entries that are not keys go to ``skipped`` with the reason."""

@@ -83,9 +83,7 @@ def open_root(root: Path, *, create: bool) -> int | None:
     return os.open(root, _ROOT_FLAGS)
 
 
-def open_directory(
-    root: Path, segments: list[str], *, create: bool
-) -> int | None:
+def open_directory(root: Path, segments: list[str], *, create: bool) -> int | None:
     """A descriptor of the directory ``root/segments...``, never through a symlink.
 
     With ``create`` missing directories are made; otherwise a missing one, or one that is a

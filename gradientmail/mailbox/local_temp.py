@@ -26,9 +26,7 @@ STALE_TEMP_SECONDS = 3600.0
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _LEAF_BYTES = 64  # the key's name in a temporary name is only a hint; keep under NAME_MAX
 
-_TEMP = re.compile(
-    r"\.(?P<leaf>.*)\.(?P<host>[0-9a-f]{12})\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{32}\.tmp"
-)
+_TEMP = re.compile(r"\.(?P<leaf>.*)\.(?P<host>[0-9a-f]{12})\.(?P<pid>[0-9]{1,10})\.[0-9a-f]{32}\.tmp")
 _OLD_TEMP = re.compile(r"\.(?P<leaf>.+)\.[0-9a-f]{32}\.tmp")  # before names carried writers
 
 
@@ -47,9 +45,7 @@ def host_token() -> str:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
-    identity = "\0".join(
-        (socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), namespace)
-    )
+    identity = "\0".join((socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), namespace))
     return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
@@ -70,7 +66,7 @@ def write_temp(dir_fd: int, leaf: str, data: bytes) -> str:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)  # NFS may report a full disk only here
     except BaseException:

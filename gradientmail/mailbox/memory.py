@@ -127,9 +127,7 @@ class MemoryMailbox:
         while True:
             with store.lock:
                 keys = store.sorted_keys
-                index = (bisect.bisect_right if position == start_after else bisect.bisect_left)(
-                    keys, position
-                )
+                index = (bisect.bisect_right if position == start_after else bisect.bisect_left)(keys, position)
                 chunk = keys[index : index + page]
             for key in chunk:
                 if not key.startswith(prefix):
@@ -149,7 +147,6 @@ class MemoryMailbox:
     def verify(self) -> None:
         """Check that conditional creation works here (see ``verify_mailbox``)."""
         verify_mailbox(self)
-
 
 
 def _unpickle_memory_mailbox(name: str, pid: int) -> MemoryMailbox:

@@ -46,6 +46,7 @@ import botocore.session
 
 from gradientmail.errors import MailboxError, UnsafeStoreError
 from gradientmail.mailbox.base import verify_mailbox
+from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 from gradientmail.mailbox.s3_listing import list_keys
 from gradientmail.mailbox.s3_retry import (
     CONNECT_ERRORS,
@@ -58,7 +59,6 @@ from gradientmail.mailbox.s3_retry import (
     read_body,
     root_cause,
 )
-from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
 
 _log = logging.getLogger("gradientmail.mailbox")
 
@@ -82,21 +82,49 @@ _BOTOCORE_DEFAULTS: dict[str, Any] = {
 
 # Outcomes of a failed request, as this module acts on them.
 _EXISTS, _MISSING, _CONFLICT, _TRANSIENT, _UNSUPPORTED, _FATAL = (
-    "exists", "missing", "conflict", "transient", "unsupported", "fatal",
+    "exists",
+    "missing",
+    "conflict",
+    "transient",
+    "unsupported",
+    "fatal",
 )
-_TRANSIENT_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "TooManyRequests",
-    "RequestLimitExceeded", "RequestThrottled", "RequestTimeout", "RequestTimeoutException",
-    "InternalError", "ServiceUnavailable", "PriorRequestNotComplete", "BadDigest",
-})
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "PriorRequestNotComplete",
+        "BadDigest",
+    }
+)
 _CONFLICT_CODES = frozenset({"ConditionalRequestConflict", "OperationAborted"})
-_CREDENTIAL_CODES = frozenset({
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled",
-})
-_REGION_CODES = frozenset({
-    "PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException",
-})
+_CREDENTIAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+    }
+)
+_REGION_CODES = frozenset(
+    {
+        "PermanentRedirect",
+        "AuthorizationHeaderMalformed",
+        "IllegalLocationConstraintException",
+    }
+)
 _TRANSPORT_ERRORS = (
     botocore.exceptions.ConnectionError,  # includes connect timeouts and unreachable endpoints
     botocore.exceptions.HTTPClientError,  # read timeouts, closed connections, broken streams
@@ -151,9 +179,7 @@ def _outcome(exc: BaseException) -> str:
         return _MISSING
     if code in _CONFLICT_CODES:
         return _CONFLICT
-    if code == "NotImplemented" or status == 501 or (
-        status == 400 and "if-none-match" in message.lower()
-    ):
+    if code == "NotImplemented" or status == 501 or (status == 400 and "if-none-match" in message.lower()):
         return _UNSUPPORTED
     if code in _TRANSIENT_CODES or status == 429 or status >= 500:
         return _TRANSIENT
@@ -275,7 +301,9 @@ class S3Mailbox:
                 botocore_session=core, profile_name=self.profile_name, region_name=self.region_name
             )
             return session.client(
-                "s3", endpoint_url=self.endpoint_url, config=self._client_config(core),
+                "s3",
+                endpoint_url=self.endpoint_url,
+                config=self._client_config(core),
                 **self.client_kwargs,
             )
         except _CREDENTIAL_ERRORS as exc:
@@ -317,9 +345,7 @@ class S3Mailbox:
         """A fresh budget for one operation: ``retry_window``, at most ``max_attempts`` rounds
         (and ``max_rounds`` when given)."""
         limits = [n for n in (self.max_attempts, max_rounds) if n is not None]
-        return RetryBudget(
-            self.retry_window.total_seconds(), self.backoff, min(limits) if limits else None
-        )
+        return RetryBudget(self.retry_window.total_seconds(), self.backoff, min(limits) if limits else None)
 
     def _heard_from(self, exc: BaseException | None = None) -> None:
         """Record that the endpoint answered (a result, or an error the store itself sent)."""
@@ -345,7 +371,11 @@ class S3Mailbox:
         return limits + (f", max_attempts={self.max_attempts}" if self.max_attempts else "")
 
     def _error(
-        self, operation: str, key: str, exc: BaseException, budget: RetryBudget | None = None,
+        self,
+        operation: str,
+        key: str,
+        exc: BaseException,
+        budget: RetryBudget | None = None,
         note: str = "",
     ) -> MailboxError:
         code, status, _ = _error_fields(exc)
@@ -399,11 +429,16 @@ class S3Mailbox:
             tries = f" after {attempts} attempts over {budget.elapsed:.1f}s"
         return MailboxError(
             f"{what} failed{tries}: {detail} ({cause}){note}",
-            operation=operation, key=key, store=self._store,
+            operation=operation,
+            key=key,
+            store=self._store,
         )
 
     def _retrying(
-        self, operation: str, key: str, request: Callable[[Any], T],
+        self,
+        operation: str,
+        key: str,
+        request: Callable[[Any], T],
         budget: RetryBudget | None = None,
     ) -> T:
         """``request(client)`` with retries of transient errors; other errors → MailboxError."""
@@ -423,7 +458,10 @@ class S3Mailbox:
     # -- the five primitives ---------------------------------------------------------------
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self._conditional_put(
-            "put_if_absent", key, data, {"IfNoneMatch": "*"},
+            "put_if_absent",
+            key,
+            data,
+            {"IfNoneMatch": "*"},
             lost=(_EXISTS,),
             unsupported=(
                 "the store does not support conditional writes (If-None-Match: *). Without them "
@@ -433,8 +471,14 @@ class S3Mailbox:
         )
 
     def _conditional_put(
-        self, operation: str, key: str, data: bytes, condition: dict[str, str], *,
-        lost: tuple[str, ...], unsupported: str,
+        self,
+        operation: str,
+        key: str,
+        data: bytes,
+        condition: dict[str, str],
+        *,
+        lost: tuple[str, ...],
+        unsupported: str,
     ) -> bool:
         """One conditional ``PutObject`` with retries; True if this call's write took effect.
 
@@ -450,7 +494,10 @@ class S3Mailbox:
         while True:
             try:
                 self.client.put_object(
-                    Bucket=self.bucket, Key=name, Body=body, Metadata={TOKEN_METADATA: token},
+                    Bucket=self.bucket,
+                    Key=name,
+                    Body=body,
+                    Metadata={TOKEN_METADATA: token},
                     **condition,
                 )
                 self._heard_from()
@@ -465,9 +512,10 @@ class S3Mailbox:
                 if outcome == _UNSUPPORTED:
                     code, status, _ = _error_fields(exc)
                     raise UnsafeStoreError(
-                        f"{self._store}: {operation}({key!r}): {unsupported} "
-                        f"(the store answered {code or status})",
-                        operation=operation, key=key, store=self._store,
+                        f"{self._store}: {operation}({key!r}): {unsupported} (the store answered {code or status})",
+                        operation=operation,
+                        key=key,
+                        store=self._store,
                     ) from exc
                 if self._retry(exc, budget):
                     continue
@@ -485,9 +533,7 @@ class S3Mailbox:
                     raise self._error(operation, key, exc, budget, note) from exc
                 raise self._error(operation, key, exc, budget) from exc
 
-    def _created_by(
-        self, name: str, key: str, token: str, budget: RetryBudget | None = None
-    ) -> bool:
+    def _created_by(self, name: str, key: str, token: str, budget: RetryBudget | None = None) -> bool:
         """Whether the object ``name`` exists and carries this call's ``token``."""
 
         def head(client: Any) -> str | None:
@@ -529,7 +575,10 @@ class S3Mailbox:
         # 412: the ETag no longer matches (perhaps because our own earlier attempt landed);
         # 404: the object is gone.
         return self._conditional_put(
-            "replace_if", key, data, {"IfMatch": version},
+            "replace_if",
+            key,
+            data,
+            {"IfMatch": version},
             lost=(_EXISTS, _MISSING),
             unsupported=(
                 "the store does not support conditional overwrites (If-Match); leases and "
@@ -544,15 +593,11 @@ class S3Mailbox:
     def put(self, key: str, data: bytes) -> None:
         name = self._object_key(key)
         body = validate_value(data, key)
-        self._retrying(
-            "put", key, lambda client: client.put_object(Bucket=self.bucket, Key=name, Body=body)
-        )
+        self._retrying("put", key, lambda client: client.put_object(Bucket=self.bucket, Key=name, Body=body))
 
     def delete(self, key: str) -> None:
         name = self._object_key(key)
-        self._retrying(
-            "delete", key, lambda client: client.delete_object(Bucket=self.bucket, Key=name)
-        )
+        self._retrying("delete", key, lambda client: client.delete_object(Bucket=self.bucket, Key=name))
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
         def fetch(request: dict[str, Any]) -> Any:
@@ -563,4 +608,3 @@ class S3Mailbox:
     def verify(self) -> None:
         """Check that conditional creation works here (see ``verify_mailbox``)."""
         verify_mailbox(self)
-

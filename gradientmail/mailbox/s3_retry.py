@@ -116,19 +116,31 @@ def log_retry(log: logging.Logger, store: str, exc: BaseException, budget: Retry
     reason = root_cause(exc) or f"{type(exc).__name__}: {exc}"[:200]
     now = time.monotonic()
     loud = budget.failures >= WARN_AFTER_FAILURES and (
-        budget.warned_at is None or now - budget.warned_at >= WARN_EVERY_S)
+        budget.warned_at is None or now - budget.warned_at >= WARN_EVERY_S
+    )
     if loud:
         budget.warned_at = now
-    log.log(logging.WARNING if loud else logging.DEBUG,
-            "%s: store failing (%s), %d failed attempts over %.1fs; retrying (%s)",
-            store, reason, budget.failures, budget.elapsed, limits)
+    log.log(
+        logging.WARNING if loud else logging.DEBUG,
+        "%s: store failing (%s), %d failed attempts over %.1fs; retrying (%s)",
+        store,
+        reason,
+        budget.failures,
+        budget.elapsed,
+        limits,
+    )
 
 
 def log_recovery(log: logging.Logger, store: str, operation: str, budget: RetryBudget) -> None:
     """After a success: say so at INFO when this operation's retries were logged as a WARNING."""
     if budget.warned_at is not None:
-        log.info("%s: %s succeeded after %d failed attempts over %.1fs; the store is back",
-                 store, operation, budget.failures, budget.elapsed)
+        log.info(
+            "%s: %s succeeded after %d failed attempts over %.1fs; the store is back",
+            store,
+            operation,
+            budget.failures,
+            budget.elapsed,
+        )
 
 
 def read_body(response: dict[str, Any]) -> bytes:

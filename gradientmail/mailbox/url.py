@@ -53,9 +53,7 @@ def open_mailbox(url: str | os.PathLike[str], **options: Any) -> Mailbox:
         try:
             from gradientmail.mailbox.s3 import S3Mailbox
         except ImportError as exc:
-            raise MissingExtraError(
-                f"{url}: S3 mailboxes need boto3: pip install 'gradientmail[s3]' ({exc})"
-            ) from exc
+            raise MissingExtraError(f"{url}: S3 mailboxes need boto3: pip install 'gradientmail[s3]' ({exc})") from exc
         bucket, _, prefix = rest.partition("/")
         return S3Mailbox(bucket, prefix, **options)
     if scheme in ("http", "https"):
@@ -79,5 +77,6 @@ def _web_url_error(url: str, scheme: str, rest: str) -> UnsafeStoreError:
         "atomic create for a web server (fsspec's HTTPFileSystem has none), so two nodes could "
         "claim the same unit. For an S3-compatible store at this address use "
         f"open_mailbox({target!r}, endpoint_url={f'{scheme}://{host}'!r})",
-        operation="open", store=url,
+        operation="open",
+        store=url,
     )

@@ -32,18 +32,13 @@ def _suggest(scheme: str, rest: str) -> str:
     return f"{scheme}://{body}"
 
 
-def _refuse(
-    url: str, problem: str, meant: str | None, *, path_like: bool | None = None
-) -> ValueError:
+def _refuse(url: str, problem: str, meant: str | None, *, path_like: bool | None = None) -> ValueError:
     """The refusal; ``path_like`` not None: ``url`` could also be read as a local path."""
     message = f"mailbox URL {url!r} {problem}" + (f": did you mean {meant!r}?" if meant else ".")
     if path_like:
         message += " (pathlib collapses '//': pass a URL as a str.)"
     if path_like is not None:
-        message += (
-            " For a local directory of that name, pass an absolute path or a str starting "
-            "with './'."
-        )
+        message += " For a local directory of that name, pass an absolute path or a str starting with './'."
     return ValueError(message)
 
 
@@ -74,8 +69,8 @@ def is_local_path(url: str, *, path_like: bool = False) -> bool:
     if sep:
         return True  # "./a://b": a path that happens to contain "://"
     first = url.partition("/")[0]
-    if first.lower() in SERVED and url[len(first):].startswith("//"):
-        meant = f"{first.lower()}:{url[len(first):]}"
+    if first.lower() in SERVED and url[len(first) :].startswith("//"):
+        meant = f"{first.lower()}:{url[len(first) :]}"
         raise _refuse(url, "lacks the ':' after its scheme", meant, path_like=path_like)
     match = _SCHEME.fullmatch(url)
     if not match:
@@ -83,7 +78,9 @@ def is_local_path(url: str, *, path_like: bool = False) -> bool:
     scheme, rest = match["scheme"].lower(), match["rest"]
     if scheme in _LOOKALIKE:
         raise _refuse(
-            url, f"is missing the '//' after '{match['scheme']}:'", _suggest(scheme, rest),
+            url,
+            f"is missing the '//' after '{match['scheme']}:'",
+            _suggest(scheme, rest),
             path_like=path_like,
         )
     if rest.startswith("/"):
@@ -92,7 +89,8 @@ def is_local_path(url: str, *, path_like: bool = False) -> bool:
             url,
             f"looks like a URL with the unknown scheme {scheme!r} (open_mailbox serves "
             "file://, memory://, s3:// and verified fsspec protocols)",
-            _suggest(close[0], rest) if close else None, path_like=path_like,
+            _suggest(close[0], rest) if close else None,
+            path_like=path_like,
         )
     return True  # "run:7/x": a relative path whose first name contains a colon
 
@@ -102,8 +100,10 @@ def _check_url(url: str, scheme: str, rest: str) -> None:
         host, slash, path = rest.partition("/")
         if host.lower() not in ("", "localhost"):
             raise _refuse(
-                url, f"names the host {host!r}, which would be ignored: a file:// mailbox is a "
-                "local directory (or one on a shared mount)", f"file:///{host}/{path}",
+                url,
+                f"names the host {host!r}, which would be ignored: a file:// mailbox is a "
+                "local directory (or one on a shared mount)",
+                f"file:///{host}/{path}",
             )
         if not path.strip("/"):
             raise _refuse(url, "names no directory", None)

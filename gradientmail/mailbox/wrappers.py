@@ -48,9 +48,7 @@ class _Wrapper:
 
     def _versioned(self) -> Any:
         if not supports_replace_if(self.inner):
-            raise NotImplementedError(
-                f"{describe(self.inner)} ({type(self.inner).__name__}) has no replace_if"
-            )
+            raise NotImplementedError(f"{describe(self.inner)} ({type(self.inner).__name__}) has no replace_if")
         return self.inner
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:

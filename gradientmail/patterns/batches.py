@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar, Union
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 
 __all__ = ["MAX_DEPTH", "TensorTree", "first_non_tensor", "map_tensors", "to_device"]
 
-TensorTree: TypeAlias = Union[
-    torch.Tensor, tuple["TensorTree", ...], list["TensorTree"], dict[Any, "TensorTree"]
-]
+TensorTree: TypeAlias = torch.Tensor | tuple["TensorTree", ...] | list["TensorTree"] | dict[Any, "TensorTree"]
 """A batch: a tensor, or tuples (namedtuples too), lists and dicts of batches."""
 
 MAX_DEPTH = 32
@@ -73,9 +71,7 @@ def _map(value: Any, function: Callable[[torch.Tensor], Any], depth: int) -> Any
     if not isinstance(value, _CONTAINERS):
         return value
     if depth >= MAX_DEPTH:
-        raise ValueError(
-            f"batch nested deeper than {MAX_DEPTH} levels (a container that holds itself?)"
-        )
+        raise ValueError(f"batch nested deeper than {MAX_DEPTH} levels (a container that holds itself?)")
     depth += 1
     kind = type(value)
     if kind is tuple:

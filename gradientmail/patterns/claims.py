@@ -83,9 +83,7 @@ def validate_identifier(identifier: object) -> str:
     ``InvalidKeyError`` for an unsafe one, naming the identifier either way.
     """
     if not isinstance(identifier, str):
-        raise KeyTypeError(
-            f"unit identifiers must be str, not {type(identifier).__name__} ({identifier!r})"
-        )
+        raise KeyTypeError(f"unit identifiers must be str, not {type(identifier).__name__} ({identifier!r})")
     try:
         validate_key(claim_key(identifier))
     except InvalidKeyError as exc:
@@ -122,7 +120,7 @@ def validate_learner_id(learner_id: object) -> str:
     if not learner_id or "/" in learner_id:
         raise InvalidKeyError(
             f"learner_id {learner_id!r} must be a non-empty key segment without '/' "
-            "(each learner gets its own mailbox prefix), e.g. f\"node-{rank}\""
+            '(each learner gets its own mailbox prefix), e.g. f"node-{rank}"'
         )
     try:
         validate_key(learner_id)
@@ -171,8 +169,13 @@ def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:
 
 
 def try_claim(
-    mailbox: Mailbox, identifier: str, learner_id: str, *, worker: int | None = None,
-    token: str | None = None, **extra: Any,
+    mailbox: Mailbox,
+    identifier: str,
+    learner_id: str,
+    *,
+    worker: int | None = None,
+    token: str | None = None,
+    **extra: Any,
 ) -> bool:
     """Claim one unit: create its key, read it back, and report whether the token is ours.
 
@@ -191,13 +194,14 @@ def try_claim(
         raise UnsafeStoreError(
             f"{store}: the claim {key!r} was created but cannot be read back; "
             "this store does not show a write to the next read, so claims are unsafe here",
-            operation="get", key=key, store=store,
+            operation="get",
+            key=key,
+            store=store,
         )
     claim = parse_claim(data)
     won = claim is not None and claim.get("token") == token
     if won:
-        _log.debug("%s claimed unit %s%s", learner_id, identifier,
-                   "" if worker is None else f" (worker {worker})")
+        _log.debug("%s claimed unit %s%s", learner_id, identifier, "" if worker is None else f" (worker {worker})")
     return won
 
 

@@ -118,8 +118,6 @@ def _dumps(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-
-
 def _record(kind: RecordKind, data: bytes | None) -> dict[str, Any] | None:
     """A bounded, validated record (``gradientmail.records``), or None: missing or unusable."""
     if data is None:
@@ -134,12 +132,20 @@ def _step(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def work_body(learner_id: str, token: str, incarnation: str, step: int | None, done: bool = False,
-              position: int | None = None) -> bytes:
-    return _dumps({
-        "learner": learner_id, "token": token, "incarnation": incarnation,
-        "step": step, "position": position, "done": done, "updated": time.time(),
-    })
+def work_body(
+    learner_id: str, token: str, incarnation: str, step: int | None, done: bool = False, position: int | None = None
+) -> bytes:
+    return _dumps(
+        {
+            "learner": learner_id,
+            "token": token,
+            "incarnation": incarnation,
+            "step": step,
+            "position": position,
+            "done": done,
+            "updated": time.time(),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -200,8 +206,14 @@ def take_over(
         start, start_position = recorded_progress(mailbox, identifier, claim)
     token = uuid.uuid4().hex
     body = claim_fields(
-        learner_id, token, worker, incarnation=incarnation, state=ACTIVE, step=start,
-        position=start_position, taken_from=owner,
+        learner_id,
+        token,
+        worker,
+        incarnation=incarnation,
+        state=ACTIVE,
+        step=start,
+        position=start_position,
+        taken_from=owner,
     )
     if not mailbox.replace_if(key, _dumps(body), version):
         return None
@@ -211,13 +223,16 @@ def take_over(
         raise UnsafeStoreError(
             f"{store}: the claim {key!r} was replaced but cannot be read back; "
             "this store does not show a write to the next read, so takeovers are unsafe here",
-            operation="get", key=key, store=store,
+            operation="get",
+            key=key,
+            store=store,
         )
     mine = parse_claim(read_back)
     if mine is None or mine.get("token") != token:
         return None  # replaced again meanwhile, by someone else
-    mailbox.put(work_key(learner_id, identifier),
-                work_body(learner_id, token, incarnation, start, position=start_position))
+    mailbox.put(
+        work_key(learner_id, identifier), work_body(learner_id, token, incarnation, start, position=start_position)
+    )
     if owner and owner != learner_id:
         try:  # the previous owner's record: keeps its listing small; harmless if it stays
             mailbox.delete(work_key(owner, identifier))
@@ -232,9 +247,7 @@ def recorded_step(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -
     return recorded_progress(mailbox, identifier, claim)[0]
 
 
-def recorded_progress(
-    mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]
-) -> tuple[int | None, int | None]:
+def recorded_progress(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """``(step, position)`` of the last batch consumed under ``claim``, from its owner's work
     record if it matches, else from the claim (taken over or released there)."""
     source: Mapping[str, Any] = claim
@@ -281,10 +294,17 @@ class LeaseWatch:
 
 
 def lease_body(learner_id: str, incarnation: str, beat: int, consumed: int, lease_s: float, state: str) -> bytes:
-    return _dumps({
-        "learner": learner_id, "incarnation": incarnation, "beat": beat, "consumed": consumed,
-        "time": time.time(), "lease_s": lease_s, "state": state,
-    })
+    return _dumps(
+        {
+            "learner": learner_id,
+            "incarnation": incarnation,
+            "beat": beat,
+            "consumed": consumed,
+            "time": time.time(),
+            "lease_s": lease_s,
+            "state": state,
+        }
+    )
 
 
 # -- the loading side: which unit next ---------------------------------------------------------
@@ -298,8 +318,14 @@ class _FreshClaimer(Claimer):
 
     def attempt(self, pick: Pick) -> bool:
         won = try_claim(
-            self.mailbox, pick.identifier, self.learner_id, worker=self.worker, token=pick.token,
-            incarnation=self.incarnation, state=ACTIVE, step=None,
+            self.mailbox,
+            pick.identifier,
+            self.learner_id,
+            worker=self.worker,
+            token=pick.token,
+            incarnation=self.incarnation,
+            state=ACTIVE,
+            step=None,
         )
         if won:
             self.token = pick.token  # claims run one at a time here (no ClaimAhead on the elastic path)
@@ -340,7 +366,11 @@ class ElasticClaimer:
         self.stopping = stopping
         self.clock = clock
         self._fresh = _FreshClaimer(
-            mailbox, self.order, learner_id, worker=worker, listing=listing,
+            mailbox,
+            self.order,
+            learner_id,
+            worker=worker,
+            listing=listing,
             incarnation=options.incarnation,
         )
         self._watch = LeaseWatch(options.lease_s, clock) if options.lease_s else None
@@ -366,9 +396,12 @@ class ElasticClaimer:
         """The next unit this claimer owns, or None when there is nothing left to take."""
         while self._restore:
             identifier, state = self._restore.popitem()
-            found = self._take(identifier, expect=_restorable(self.learner_id, state),
-                               after=lambda claim, state=state: _step(state.get("step")),
-                               position=lambda claim, state=state: _position(state.get("position")))
+            found = self._take(
+                identifier,
+                expect=_restorable(self.learner_id, state),
+                after=lambda claim, state=state: _step(state.get("step")),
+                position=lambda claim, state=state: _position(state.get("position")),
+            )
             if found is not None:
                 return found
         if self._own is None:
@@ -401,12 +434,23 @@ class ElasticClaimer:
         return self._drain()
 
     # -- internals ---------------------------------------------------------------------------
-    def _take(self, identifier: str, *, expect: Callable[[dict[str, Any]], bool],
-              after: Callable[[dict[str, Any]], int | None] | None = None,
-              position: Callable[[dict[str, Any]], int | None] | None = None) -> Assignment | None:
+    def _take(
+        self,
+        identifier: str,
+        *,
+        expect: Callable[[dict[str, Any]], bool],
+        after: Callable[[dict[str, Any]], int | None] | None = None,
+        position: Callable[[dict[str, Any]], int | None] | None = None,
+    ) -> Assignment | None:
         found = take_over(
-            self.mailbox, identifier, self.learner_id, self.options.incarnation,
-            expect=expect, after=after, worker=self.worker, position=position,
+            self.mailbox,
+            identifier,
+            self.learner_id,
+            self.options.incarnation,
+            expect=expect,
+            after=after,
+            worker=self.worker,
+            position=position,
         )
         if found is not None:
             self.stats["takeovers"] += 1
@@ -426,8 +470,7 @@ class ElasticClaimer:
 
     def _own_earlier(self, claim: dict[str, Any]) -> bool:
         return (
-            claim.get("learner") == self.learner_id
-            and claim.get("incarnation") != self.options.incarnation
+            claim.get("learner") == self.learner_id and claim.get("incarnation") != self.options.incarnation
         ) or claim.get("state") == RELEASED
 
     def _take_candidate(self) -> Assignment | None:
@@ -497,8 +540,7 @@ class ElasticClaimer:
             return False
         record = _record(LEASE, leases[owner])
         gone = record is not None and (
-            record.get("state") == STOPPED
-            or (incarnation is not None and record.get("incarnation") != incarnation)
+            record.get("state") == STOPPED or (incarnation is not None and record.get("incarnation") != incarnation)
         )
         return gone or now - first_seen >= self._watch.lease_s
 
@@ -546,9 +588,7 @@ class ProgressTracker:
     def start(self) -> None:
         if self.options.lease_s is not None:
             self._write_lease(RUNNING)
-        self._thread = threading.Thread(
-            target=self._run, name=f"gradientmail-progress-{self.learner_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"gradientmail-progress-{self.learner_id}", daemon=True)
         self._thread.start()
 
     def consumed(self, identifier: str, token: str, step: int, position: int | None = None) -> None:
@@ -599,8 +639,12 @@ class ProgressTracker:
             got = self.mailbox.get_versioned(claim_key(identifier))
             claim = parse_claim(got[0]) if got is not None else None
             if claim is not None and claim.get("token") == record.get("token"):
-                claim.update(state=RELEASED, step=_step(record.get("step")),
-                             position=_position(record.get("position")), released_at=time.time())
+                claim.update(
+                    state=RELEASED,
+                    step=_step(record.get("step")),
+                    position=_position(record.get("position")),
+                    released_at=time.time(),
+                )
                 if self.mailbox.replace_if(claim_key(identifier), _dumps(claim), got[1]):
                     released += 1
             self.mailbox.delete(key)
@@ -639,8 +683,9 @@ class ProgressTracker:
             except Exception as exc:  # surfaced to the consumer by check()
                 self._error = exc
 
-    def _write(self, progress: dict[str, tuple[str, int, int | None]], finished: list[tuple[str, str]],
-               beat: bool) -> None:
+    def _write(
+        self, progress: dict[str, tuple[str, int, int | None]], finished: list[tuple[str, str]], beat: bool
+    ) -> None:
         done = {identifier for identifier, _ in finished}
         if beat:
             self._write_lease(RUNNING)
@@ -733,8 +778,9 @@ class Consumption:
         self._last = None
 
 
-def consume_inline(items: Iterator[Tagged], tracker: ProgressTracker,
-                   presence: Any = None) -> Iterator[tuple[int, Any]]:
+def consume_inline(
+    items: Iterator[Tagged], tracker: ProgressTracker, presence: Any = None
+) -> Iterator[tuple[int, Any]]:
     """Direct iteration of a dataset in this process: the generator resuming means consumed.
 
     ``presence`` (a ``presence.Presence``) registers this incarnation first and is closed last.

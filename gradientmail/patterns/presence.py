@@ -88,8 +88,7 @@ def _machine() -> dict[str, Any]:
         namespace: str | None = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = None
-    return {"host": socket.gethostname(), "boot": _read("/proc/sys/kernel/random/boot_id"),
-            "pidns": namespace}
+    return {"host": socket.gethostname(), "boot": _read("/proc/sys/kernel/random/boot_id"), "pidns": namespace}
 
 
 def _process_state(pid: int) -> tuple[str, int] | None:
@@ -131,11 +130,20 @@ def _alive(pid: int, start: int | None) -> bool:
 # -- records -----------------------------------------------------------------------------------
 def _body(learner_id: str, incarnation: str, state: str, beat: int, renew_s: float) -> bytes:
     pid = os.getpid()
-    return json.dumps({
-        "learner": learner_id, "incarnation": incarnation, "state": state, "beat": beat,
-        "time": time.time(), "renew_s": renew_s, **_machine(), "pid": pid,
-        "pid_start": _process_start(pid),
-    }, separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "learner": learner_id,
+            "incarnation": incarnation,
+            "state": state,
+            "beat": beat,
+            "time": time.time(),
+            "renew_s": renew_s,
+            **_machine(),
+            "pid": pid,
+            "pid_start": _process_start(pid),
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 def _parse(key: str, data: bytes | None) -> dict[str, Any] | None:
@@ -150,8 +158,7 @@ def _parse(key: str, data: bytes | None) -> dict[str, Any] | None:
             record = None
     fields = {"incarnation": str, "state": str, "host": str, "pid": int}
     if not isinstance(record, dict) or not all(
-        isinstance(record.get(name), kind) and not isinstance(record.get(name), bool)
-        for name, kind in fields.items()
+        isinstance(record.get(name), kind) and not isinstance(record.get(name), bool) for name, kind in fields.items()
     ):
         warnings.warn(
             f"gradientmail: the presence record {key!r} ({len(data)} bytes) is not one this "
@@ -293,7 +300,11 @@ class Presence:
             return None  # long dead, even allowing for clock skew
         _log.info(
             "learner %r: watching the presence record of host %s pid %s for up to %.0f s to see "
-            "whether it is still alive", self.learner_id, record["host"], record["pid"], window,
+            "whether it is still alive",
+            self.learner_id,
+            record["host"],
+            record["pid"],
+            window,
         )
         began = self._clock()
         while self._clock() - began < window:
@@ -314,16 +325,16 @@ class Presence:
             "process has stopped, start again: a dead process's record is recognised at once on "
             "its own machine, and from another machine once it has not changed for "
             f"{WINDOW_RENEWALS} renewal intervals",
-            learner=self.learner_id, host=record["host"], pid=record["pid"],
+            learner=self.learner_id,
+            host=record["host"],
+            pid=record["pid"],
         )
 
     def _renew(self) -> None:
         while not self._stop.wait(self.renew_s):
             self._beat += 1
             try:
-                self.mailbox.put(
-                    self.key, _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s)
-                )
+                self.mailbox.put(self.key, _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s))
             except Exception as exc:  # a store fault must not stop training; the next renewal retries
                 if not self._warned:
                     self._warned = True

@@ -101,9 +101,7 @@ class ProgressDisplay:
         self._rates.append((self._started, 0))
         if self._progress is not None:
             self._progress.start()
-        self._thread = threading.Thread(
-            target=self._run, name=f"gradientmail-display-{self.learner_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"gradientmail-display-{self.learner_id}", daemon=True)
         self._thread.start()
 
     def _rich_progress(self, stream: TextIO) -> Any:
@@ -112,8 +110,7 @@ class ProgressDisplay:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         except ImportError as exc:
             raise MissingExtraError(
-                "shared_queue(progress=True) on a terminal needs rich: "
-                f"pip install 'gradientmail[cli]' ({exc})"
+                f"shared_queue(progress=True) on a terminal needs rich: pip install 'gradientmail[cli]' ({exc})"
             ) from exc
         progress = Progress(
             TextColumn("{task.description}"),
@@ -184,7 +181,8 @@ class ProgressDisplay:
             shown = "?" if self._listed is None else str(taken)
             if self._progress is not None:
                 self._progress.update(
-                    self._task, completed=taken,
+                    self._task,
+                    completed=taken,
                     taken=f"{shown}/{self.total} units taken ({mine} by this node)",
                     rate=f"{batches:,} batches, {rate:.1f} batches/s",
                 )

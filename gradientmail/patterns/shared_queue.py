@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import ctypes
+import dataclasses
 import functools
 import inspect
 import logging
@@ -42,6 +42,15 @@ from gradientmail.errors import GradientMailError, LoaderError, UnsafeStoreError
 from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
 from gradientmail.mailbox.memory import MemoryMailbox
+from gradientmail.patterns.batches import TensorTree, first_non_tensor
+from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
+from gradientmail.patterns.claims import (
+    DEFAULT_LISTING,
+    Claimer,
+    ClaimIndex,
+    validate_identifiers,
+    validate_learner_id,
+)
 from gradientmail.patterns.elastic import (
     BATCH,
     Consumption,
@@ -52,20 +61,11 @@ from gradientmail.patterns.elastic import (
     consume_inline,
     tagged_items,
 )
-from gradientmail.patterns.batches import TensorTree, first_non_tensor
 from gradientmail.patterns.inline import inline
-from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
 from gradientmail.patterns.presence import Presence, presence_renew_s
 from gradientmail.patterns.progress_display import ProgressDisplay
 from gradientmail.patterns.unit_timing import BatchWatch, unit_times
-from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
-from gradientmail.patterns.claims import (
-    DEFAULT_LISTING,
-    ClaimIndex,
-    Claimer,
-    validate_identifiers,
-    validate_learner_id,
-)
+from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
 
 __all__ = [
     "InProcessMailboxError",
@@ -180,7 +180,9 @@ def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | N
         raise UnsafeStoreError(
             f"{store}: creating {RUN_KEY!r} reported that it already existed, but it cannot be "
             "read; put_if_absent does not report creation truthfully",
-            operation="verify", key=RUN_KEY, store=store,
+            operation="verify",
+            key=RUN_KEY,
+            store=store,
         )
     check_run_record(existing, units, fingerprint, describe(mailbox))
 
@@ -256,21 +258,17 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     ) -> None:
         super().__init__()
         if not isinstance(units, Mapping):
-            raise TypeError(
-                f"units must be a mapping of identifier -> unit value, not {type(units).__name__}"
-            )
+            raise TypeError(f"units must be a mapping of identifier -> unit value, not {type(units).__name__}")
         self.units: dict[str, V] = dict(units)
         validate_identifiers(self.units)
         self.learner_id = validate_learner_id(learner_id)
         if not callable(load):
             raise TypeError(
-                f"load must be a callable that yields (step, batch) pairs for a unit, "
-                f"not {type(load).__name__}"
+                f"load must be a callable that yields (step, batch) pairs for a unit, not {type(load).__name__}"
             )
         if not isinstance(mailbox, Mailbox):
             raise TypeError(
-                f"mailbox must be a Mailbox (put_if_absent, get, put, list, delete), "
-                f"not {type(mailbox).__name__}"
+                f"mailbox must be a Mailbox (put_if_absent, get, put, list, delete), not {type(mailbox).__name__}"
             )
         self.mailbox = mailbox
         self.load = load
@@ -313,8 +311,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                 )
             options = dataclasses.replace(self._elastic, incarnation=uuid.uuid4().hex)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
-            presence = Presence(self.mailbox, self.learner_id, options.incarnation,
-                                renew_s=presence_renew_s(options.lease_s))
+            presence = Presence(
+                self.mailbox, self.learner_id, options.incarnation, renew_s=presence_renew_s(options.lease_s)
+            )
             return consume_inline(self._claim_and_load(None, options), tracker, presence)
         batches = self._claim_and_load(worker, self._elastic)
         if self._control is None:
@@ -342,13 +341,10 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         compare-and-swap on the claim: a store with ``replace_if`` is needed."""
         units = state_dict.get("units") if isinstance(state_dict, Mapping) else None
         if not isinstance(units, Mapping):
-            raise ValueError(
-                f"not a SharedQueueDataset state_dict (no 'units' mapping): {_describe(state_dict)}"
-            )
+            raise ValueError(f"not a SharedQueueDataset state_dict (no 'units' mapping): {_describe(state_dict)}")
         if state_dict.get("learner_id") not in (None, self.learner_id):
             raise ValueError(
-                f"state_dict of learner {state_dict.get('learner_id')!r} loaded into "
-                f"learner {self.learner_id!r}"
+                f"state_dict of learner {state_dict.get('learner_id')!r} loaded into learner {self.learner_id!r}"
             )
         restore = {str(i): dict(p) for i, p in units.items() if i in self.units and isinstance(p, Mapping)}
         if restore:
@@ -366,12 +362,19 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         if self._claim_index is None:
             self._claim_index = ClaimIndex(self.units)
         claimer = Claimer(
-            self.mailbox, self.order, self.learner_id, worker=worker, listing=self._listing,
+            self.mailbox,
+            self.order,
+            self.learner_id,
+            worker=worker,
+            listing=self._listing,
             index=self._claim_index,
         )
         gauge = self._gauge
         claims = ClaimAhead(
-            claimer, limit=self.claim_ahead, gauge=gauge, count=lambda: self._counter.add(worker),
+            claimer,
+            limit=self.claim_ahead,
+            gauge=gauge,
+            count=lambda: self._counter.add(worker),
             name=f"gradientmail-claim-{self.learner_id}",
         )
         try:
@@ -388,8 +391,12 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     if gauge is not None:
                         gauge.produced(worker)
                     yield (step, tensor, identifier) if self._timed else (step, tensor)
-                log.debug("%s loaded unit %s (%d batches)", self.learner_id, identifier,
-                          self._positions.get(identifier, {}).get("position", -1) + 1)
+                log.debug(
+                    "%s loaded unit %s (%d batches)",
+                    self.learner_id,
+                    identifier,
+                    self._positions.get(identifier, {}).get("position", -1) + 1,
+                )
                 self._positions.pop(identifier, None)
         finally:
             claims.close()
@@ -405,9 +412,13 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         control = self._control
         halt = self._halt
         claimer = ElasticClaimer(
-            self.mailbox, self.order, self.learner_id,
+            self.mailbox,
+            self.order,
+            self.learner_id,
             options or ElasticOptions(resume=False, lease_s=None),
-            worker=worker, listing=self._listing, restore=self._restore,
+            worker=worker,
+            listing=self._listing,
+            restore=self._restore,
             stopping=lambda: halt[0] or (control is not None and control.stop.is_set()),
         )
         self._restore = {}
@@ -419,7 +430,10 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                 except StopIteration:
                     return
                 except Exception as exc:
-                    _note(exc, f"while learner {self.learner_id!r} was claiming or loading a unit in {describe(self.mailbox)}")
+                    _note(
+                        exc,
+                        f"while learner {self.learner_id!r} was claiming or loading a unit in {describe(self.mailbox)}",
+                    )
                     raise
                 step, tensor, (identifier, token, kind, position) = item
                 if kind == BATCH:
@@ -526,15 +540,11 @@ def _checked_order(order: Sequence[str] | None, units: Mapping[str, Any]) -> lis
     if order is None:
         return list(units)
     if isinstance(order, (str, bytes)) or not isinstance(order, Iterable):
-        raise ValueError(
-            f"order must be a sequence of unit identifiers, not {type(order).__name__}"
-        )
+        raise ValueError(f"order must be a sequence of unit identifiers, not {type(order).__name__}")
     listed = list(order)
     strange = [entry for entry in listed if not isinstance(entry, str)]
     if strange:
-        raise ValueError(
-            f"order must hold unit identifiers (str), found {_describe(strange[0], 60)}"
-        )
+        raise ValueError(f"order must hold unit identifiers (str), found {_describe(strange[0], 60)}")
     if len(listed) == len(units) and set(listed) == set(units):
         return listed
     counts = Counter(listed)
@@ -548,8 +558,7 @@ def _checked_order(order: Sequence[str] | None, units: Mapping[str, Any]) -> lis
             more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
             problems.append(f"{name}: {shown}{more}")
     raise ValueError(
-        "order must list every unit identifier exactly once (a permutation of the units' keys); "
-        + "; ".join(problems)
+        "order must list every unit identifier exactly once (a permutation of the units' keys); " + "; ".join(problems)
     )
 
 
@@ -621,9 +630,15 @@ def _watched(watch: BatchWatch, item: Any) -> Any:
 def _log_claims(learner_id: str, worker: int | None, stats: Counter[str]) -> None:
     """One line per loader when it stops: what claiming cost (the conflicts summary)."""
     where = "" if worker is None else f" (worker {worker})"
-    log.info("%s%s: claimed %d units in %d attempts: %d conflicts, %d listings",
-             learner_id, where, stats["claims"], stats["attempts"], stats["conflicts"],
-             stats["listings"])
+    log.info(
+        "%s%s: claimed %d units in %d attempts: %d conflicts, %d listings",
+        learner_id,
+        where,
+        stats["claims"],
+        stats["attempts"],
+        stats["conflicts"],
+        stats["listings"],
+    )
 
 
 _END = object()
@@ -704,9 +719,7 @@ class _HandOff:
             self._ready.clear()  # the consumer has left
             self._changed.notify_all()
 
-    def finish(
-        self, timeout: float | None, then: Callable[[], None], wake: Callable[[], None] | None = None
-    ) -> bool:
+    def finish(self, timeout: float | None, then: Callable[[], None], wake: Callable[[], None] | None = None) -> bool:
         """After ``stop``: wait up to ``timeout`` for the thread to leave the iterator; True when it has.
 
         If it is still inside ``next()`` then, ``wake`` (if given) tries to free it (DataLoader:
@@ -919,9 +932,7 @@ def _context(value: Any) -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context(value)
     if isinstance(value, multiprocessing.context.BaseContext):
         return value
-    raise TypeError(
-        f"multiprocessing_context must be None, a start method name or a context, not {value!r}"
-    )
+    raise TypeError(f"multiprocessing_context must be None, a start method name or a context, not {value!r}")
 
 
 def _check_for_workers(dataset: SharedQueueDataset[Any], context: multiprocessing.context.BaseContext) -> None:
@@ -1120,8 +1131,14 @@ def shared_queue(
         )
     timeout = _seconds(shutdown_timeout)
     dataset = SharedQueueDataset(
-        units, mailbox=mailbox, learner_id=learner_id, load=load, order=order,
-        resume=resume, lease=lease, claim_ahead=claim_ahead,
+        units,
+        mailbox=mailbox,
+        learner_id=learner_id,
+        load=load,
+        order=order,
+        resume=resume,
+        lease=lease,
+        claim_ahead=claim_ahead,
     )
     context = None
     if workers > 0:
@@ -1145,9 +1162,16 @@ def shared_queue(
     try:
         if progress:  # before any claim: a missing rich fails here, not in the loop
             display = _progress_display(dataset, watch)
-        log.info("%s: shared queue on %s: %d units, mode %s, workers %d, prefetch %d, claim_ahead %d",
-                 dataset.learner_id, describe(mailbox), len(dataset.units), _mode(dataset),
-                 workers, prefetch, dataset.claim_ahead if dataset._elastic is None else 0)
+        log.info(
+            "%s: shared queue on %s: %d units, mode %s, workers %d, prefetch %d, claim_ahead %d",
+            dataset.learner_id,
+            describe(mailbox),
+            len(dataset.units),
+            _mode(dataset),
+            workers,
+            prefetch,
+            dataset.claim_ahead if dataset._elastic is None else 0,
+        )
         if dataset._elastic is None:
             dataset._gauge = BufferGauge(max(1, workers), prefetch)
         tracker: ProgressTracker | None = None
@@ -1162,8 +1186,12 @@ def shared_queue(
         else:
             assert context is not None
             batches = _LoaderBatches(
-                dataset, prefetch=prefetch, workers=workers, context=context,
-                pin_memory=pin_memory, timeout=timeout,
+                dataset,
+                prefetch=prefetch,
+                workers=workers,
+                context=context,
+                pin_memory=pin_memory,
+                timeout=timeout,
             )
         batches.watch = watch
         if tracker is None:
@@ -1193,10 +1221,15 @@ def shared_queue(
         if display is not None:
             display.close()
         conflicts = dataset._claim_stats["conflicts"]  # workers count their own (logged there)
-        log.info("%s: left the shared queue after %.1fs: %d batches of %d units trained, %d units "
-                 "claimed by this learner%s", dataset.learner_id, time.monotonic() - began,
-                 watch.batches, watch.units, dataset._counter.total(),
-                 f", {conflicts} conflicts" if workers == 0 else "")
+        log.info(
+            "%s: left the shared queue after %.1fs: %d batches of %d units trained, %d units claimed by this learner%s",
+            dataset.learner_id,
+            time.monotonic() - began,
+            watch.batches,
+            watch.units,
+            dataset._counter.total(),
+            f", {conflicts} conflicts" if workers == 0 else "",
+        )
         presence.close()
 
 
@@ -1215,8 +1248,11 @@ def _progress_display(dataset: SharedQueueDataset[Any], watch: BatchWatch) -> Pr
         return sum(1 for _ in mailbox.list(CLAIMS_PREFIX))
 
     display = ProgressDisplay(
-        learner_id=dataset.learner_id, total=len(dataset.units), mine=dataset._counter.total,
-        batches=lambda: watch.batches, run_taken=run_taken,
+        learner_id=dataset.learner_id,
+        total=len(dataset.units),
+        mine=dataset._counter.total,
+        batches=lambda: watch.batches,
+        run_taken=run_taken,
     )
     display.start()
     return display

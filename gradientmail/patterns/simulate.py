@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from gradientmail.layout import CLAIMS_PREFIX
-from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.keys import validate_prefix
+from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import LIST_PAGE, CountingMailbox
 from gradientmail.patterns.claims import DEFAULT_LISTING, LISTING_POLICIES, ClaimIndex
 from gradientmail.patterns.shared_queue import SharedQueueDataset, _checked_order, _register_counter
@@ -275,8 +275,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policies", nargs="+", default=[DEFAULT_LISTING], choices=LISTING_POLICIES)
     parser.add_argument("--jitter", type=float, default=0.2)
     args = parser.parse_args(argv)
-    print("units   learners  order     policy    req/claim  conflicts/claim  listings/claim  "
-          "step spread  makespan/ideal")
+    print(
+        "units   learners  order     policy    req/claim  conflicts/claim  listings/claim  step spread  makespan/ideal"
+    )
     for learners in args.learners:
         speeds = [(1, 2, 2, 4)[rank % 4] for rank in range(learners)]
         units = unit_grid(-(-args.units // learners), 1, learners)
@@ -285,8 +286,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             shape = ORDERS[name]
             for policy in args.policies:
                 result = simulate(
-                    units, speeds, rotate_lanes=None if shape is None else learners,
-                    listing=policy, jitter=args.jitter, **(shape or {}),
+                    units,
+                    speeds,
+                    rotate_lanes=None if shape is None else learners,
+                    listing=policy,
+                    jitter=args.jitter,
+                    **(shape or {}),
                 )
                 print(
                     f"{len(units):<7} {learners:<9} {name:<9} {policy:<9} "

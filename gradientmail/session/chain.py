@@ -99,8 +99,7 @@ def list_session(mailbox: Mailbox, after: int | None = None) -> Listing:
     if after is None:
         keys = mailbox.list(SESSION_PREFIX)
     else:
-        keys = itertools.chain(mailbox.list(MEMBERS_PREFIX),
-                               mailbox.list(STATE_PREFIX, start_after=state_key(after)))
+        keys = itertools.chain(mailbox.list(MEMBERS_PREFIX), mailbox.list(STATE_PREFIX, start_after=state_key(after)))
     for key in keys:
         version = parse_state_key(key)
         if version is not None:
@@ -116,8 +115,9 @@ def list_session(mailbox: Mailbox, after: int | None = None) -> Listing:
             data = mailbox.get(key)
             found = read_format(data) if data is not None else "gradientmail.session/1"
             if found is None:  # not safetensors with a format at all: junk, not another format
-                skipped(UnusableStateError(f"{key!r} under {SESSION_PREFIX!r} is not readable "
-                                           "mail of any format; ignored"))
+                skipped(
+                    UnusableStateError(f"{key!r} under {SESSION_PREFIX!r} is not readable mail of any format; ignored")
+                )
                 continue
             raise MailRejectedError(format_refusal(key, found))
     versions.sort()
@@ -190,12 +190,15 @@ def read_newest(mailbox: Mailbox, spec: Spec, *, attempts: int = 20) -> tuple[St
             return read_usable(mailbox, listing.newest, spec), listing
         except _Unreachable:
             continue  # retired between listing and reading: KEEP newer versions exist
-    raise SessionError(f"{describe(mailbox)}: the newest state kept vanishing while being read "
-                       f"({attempts} listings); is something deleting {SESSION_PREFIX!r}?")
+    raise SessionError(
+        f"{describe(mailbox)}: the newest state kept vanishing while being read "
+        f"({attempts} listings); is something deleting {SESSION_PREFIX!r}?"
+    )
 
 
-def active_learners(listing: Listing, header: StateHeader | None, me: str, now: float,
-                    max_staleness: float) -> set[str]:
+def active_learners(
+    listing: Listing, header: StateHeader | None, me: str, now: float, max_staleness: float
+) -> set[str]:
     """Who counts in ``N``: this learner, and every member that joined or folded recently.
 
     A member whose last sign of life (joining, or its newest fold by its own clock) is older than
@@ -228,7 +231,10 @@ def _warn_clock(learner: str, ahead: float) -> None:
     warnings.warn(
         f"learner {learner!r} dates its mail {ahead:.0f} s in the future (more than "
         f"{MAX_CLOCK_SKEW_S:.0f} s of clock skew): its times are not trusted as signs of life, so it "
-        "does not count in N; fix that machine's clock (NTP)", MailSkippedWarning, stacklevel=4)
+        "does not count in N; fix that machine's clock (NTP)",
+        MailSkippedWarning,
+        stacklevel=4,
+    )
 
 
 @dataclass(frozen=True)
@@ -270,8 +276,10 @@ def fold(
     active = 1
     while True:
         if newest is None:
-            raise SessionError(f"learner {me!r}: the run's state under {STATE_PREFIX!r} on "
-                               f"{describe(mailbox)} is gone (was the prefix deleted mid-run?)")
+            raise SessionError(
+                f"learner {me!r}: the run's state under {STATE_PREFIX!r} on "
+                f"{describe(mailbox)} is gone (was the prefix deleted mid-run?)"
+            )
         attempt_started = time.monotonic()
         try:
             base = read_usable(mailbox, newest, spec, known)

@@ -236,8 +236,9 @@ class Session:
         every_steps = _env_steps(every_steps)
         max_staleness = _env_interval(ENV_MAX_STALENESS, max_staleness)
         timeout = _env_interval(ENV_TIMEOUT, timeout)
-        if every_steps is not None and (isinstance(every_steps, bool) or not isinstance(every_steps, int)
-                                        or every_steps < 1):
+        if every_steps is not None and (
+            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
+        ):
             raise ValueError(f"every_steps must be None or an int >= 1, not {every_steps!r}")
         if every is None and every_steps is None:
             raise ValueError("every and every_steps are both None: the session would never exchange")
@@ -335,15 +336,17 @@ class Session:
         self._spec = spec_of(entries, self.wire_dtype)
         if not self._spec:
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
-        initial = {name: tensor.detach().to("cpu", torch.float64 if tensor.dtype == torch.float64
-                                            else torch.float32, copy=True)
-                   for name, tensor in entries.items()}
+        initial = {
+            name: tensor.detach().to(
+                "cpu", torch.float64 if tensor.dtype == torch.float64 else torch.float32, copy=True
+            )
+            for name, tensor in entries.items()
+        }
         self._worker = _Worker(f"gradientmail-session-{self.learner_id}")
         self._started_wall = time.time()
         self._started = time.monotonic()
         try:
-            state, own = self._wait(self._worker.submit(lambda: self._enter_job(initial)),
-                                    "joining the run")
+            state, own = self._wait(self._worker.submit(lambda: self._enter_job(initial)), "joining the run")
             if self.catch_up:
                 load_into(self.model, state.tensors)
             if own is not None:  # a restarted learner continues its sequence and its totals
@@ -364,9 +367,14 @@ class Session:
             raise
         self._schedule()
         self._state = "active"
-        log.info("%s joined the run on %s at version %s (%s, outer %s)", self.learner_id,
-                 describe(self.mailbox), self.version,
-                 "caught up" if self.catch_up else "own parameters", self.outer.name)
+        log.info(
+            "%s joined the run on %s at version %s (%s, outer %s)",
+            self.learner_id,
+            describe(self.mailbox),
+            self.version,
+            "caught up" if self.catch_up else "own parameters",
+            self.outer.name,
+        )
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -378,13 +386,21 @@ class Session:
             if exc is None:
                 if job is not None:
                     self._finish(self._wait(job, "the last exchange"))
-                self._finish(self._wait(self._worker.submit(self._exchange_job_for_now(final=True)),
-                                        "folding the final progress"))
-                log.info("%s left the run at version %s after %d steps, %d exchanges, %d conflicts",
-                         self.learner_id, self.version, self._steps, self._exchanges, self._conflicts)
+                self._finish(
+                    self._wait(
+                        self._worker.submit(self._exchange_job_for_now(final=True)), "folding the final progress"
+                    )
+                )
+                log.info(
+                    "%s left the run at version %s after %d steps, %d exchanges, %d conflicts",
+                    self.learner_id,
+                    self.version,
+                    self._steps,
+                    self._exchanges,
+                    self._conflicts,
+                )
             else:
-                log.warning("%s left the run after an exception in the training loop: %r",
-                            self.learner_id, exc)
+                log.warning("%s left the run after an exception in the training loop: %r", self.learner_id, exc)
                 # Nothing final after a failed body (as after a crash, its progress up to its last
                 # exchange stays in the run); keep the body's exception, note the background's.
                 note = None
@@ -508,8 +524,14 @@ class Session:
         if any(learner != self.learner_id for learner in merge.weights):
             self._merges += 1
         self._last_weights = merge.weights
-        log.debug("%s exchange %d: version %s, %d conflicts so far, samples folded %s",
-                  self.learner_id, self._exchanges, self.version, self._conflicts, merge.weights)
+        log.debug(
+            "%s exchange %d: version %s, %d conflicts so far, samples folded %s",
+            self.learner_id,
+            self._exchanges,
+            self.version,
+            self._conflicts,
+            merge.weights,
+        )
 
     def _result(self, job: _Job, what: str) -> Any:
         if job.error is not None:
@@ -532,9 +554,7 @@ class Session:
             if hasattr(error, "add_note") and where not in getattr(error, "__notes__", ()):
                 error.add_note(where)
             return error
-        wrapped = SessionError(
-            f"{what} of learner {self.learner_id!r} failed: {type(error).__name__}: {error}"
-        )
+        wrapped = SessionError(f"{what} of learner {self.learner_id!r} failed: {type(error).__name__}: {error}")
         wrapped.__cause__ = error
         return wrapped
 
@@ -555,8 +575,9 @@ class Session:
         self._active = len(active_learners(listing, state.header, me, time.time(), self._max_staleness_s))
         return state, state.header.learners.get(me)
 
-    def _exchange_job(self, snapshot: dict[str, Tensor], totals: tuple[int, int, int],
-                      progress: dict[str, Any], final: bool) -> _Merge:
+    def _exchange_job(
+        self, snapshot: dict[str, Tensor], totals: tuple[int, int, int], progress: dict[str, Any], final: bool
+    ) -> _Merge:
         mailbox, me = self.mailbox, self.learner_id
         seq, steps, samples = totals
         anchor = self._anchor
@@ -571,23 +592,24 @@ class Session:
         wire = self.wire_dtype
 
         def add(base: Mapping[str, Tensor], increment: Mapping[str, Tensor]) -> dict[str, Tensor]:
-            return {name: _to_wire(base[name].to(increment[name].dtype) + increment[name], wire)
-                    for name in increment}
+            return {name: _to_wire(base[name].to(increment[name].dtype) + increment[name], wire) for name in increment}
 
         done = fold(
-            mailbox, self._spec, me=me, known=self._known,
+            mailbox,
+            self._spec,
+            me=me,
+            known=self._known,
             increment_for=lambda active: self._outer_state(local, self._scale_for(active)),
-            entry=lambda header: Contribution(seq=seq, step=steps, samples=samples,
-                                              time=time.time(), final=final),
-            add=add, max_staleness=self._max_staleness_s,
+            entry=lambda header: Contribution(seq=seq, step=steps, samples=samples, time=time.time(), final=final),
+            add=add,
+            max_staleness=self._max_staleness_s,
             deadline=time.monotonic() + self._timeout_s,
         )
         self._conflicts += done.conflicts
         before = self._known.header.learners if self._known is not None else {}
         self._known = done.state
         self._anchor = _widen(done.state.tensors)
-        delta = {name: self._anchor[name] - snapshot[name].to(self._anchor[name].dtype)
-                 for name in self._anchor}
+        delta = {name: self._anchor[name] - snapshot[name].to(self._anchor[name].dtype) for name in self._anchor}
         weights = {}
         for learner, entry in done.state.header.learners.items():
             old = before.get(learner)

@@ -41,6 +41,7 @@ MAX_LEARNERS = 100_000
 MAX_COUNT = 2**62
 """Upper bound for any count in a header (steps, samples, sequence numbers)."""
 
+
 class UnusableStateError(MailRejectedError):
     """A version that cannot be used: corrupt, truncated, not finite, or inconsistent.
 
@@ -63,7 +64,7 @@ def parse_state_key(key: str) -> int | None:
     """The version of a state key, else None."""
     if not key.startswith(STATE_PREFIX) or not key.endswith(SUFFIX):
         return None
-    stem = key[len(STATE_PREFIX): -len(SUFFIX)]
+    stem = key[len(STATE_PREFIX) : -len(SUFFIX)]
     if len(stem) == SEQ_DIGITS and stem.isascii() and stem.isdigit():
         return int(stem)
     return None
@@ -78,7 +79,7 @@ def parse_member_key(key: str) -> tuple[str, float] | None:
     """``(learner, joined)`` of a member key, else None."""
     if not key.startswith(MEMBERS_PREFIX):
         return None
-    learner, dot, millis = key[len(MEMBERS_PREFIX):].rpartition(".")
+    learner, dot, millis = key[len(MEMBERS_PREFIX) :].rpartition(".")
     if not dot or not learner or "/" in learner or not (millis.isascii() and millis.isdigit()):
         return None
     if len(millis) > 16:
@@ -91,7 +92,7 @@ _OLD_MAIL = re.compile(r"^[^/]+/(\d{12}|final)\.safetensors$")
 
 def is_old_mail_key(key: str) -> bool:
     """True for ``session/{learner}/{seq}.safetensors``: mail of the first Session format."""
-    rest = key[len(SESSION_PREFIX):] if key.startswith(SESSION_PREFIX) else ""
+    rest = key[len(SESSION_PREFIX) :] if key.startswith(SESSION_PREFIX) else ""
     return bool(_OLD_MAIL.match(rest)) and not key.startswith((STATE_PREFIX, MEMBERS_PREFIX))
 
 
@@ -123,9 +124,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def spec_of(tensors: Mapping[str, Tensor], wire_dtype: torch.dtype | None = None) -> Spec:
     """What a state of this model holds: each entry's shape, in the dtype it travels in."""
-    return {
-        name: (tuple(t.shape), wire_dtype or accumulation_dtype(t.dtype)) for name, t in tensors.items()
-    }
+    return {name: (tuple(t.shape), wire_dtype or accumulation_dtype(t.dtype)) for name, t in tensors.items()}
 
 
 # -- the header ----------------------------------------------------------------------------------
@@ -187,8 +186,7 @@ class StateHeader:
             "version": str(self.version),
             "learner": self.learner,
             "time": repr(float(self.time)),
-            "learners": json.dumps({k: v.to_json() for k, v in sorted(self.learners.items())},
-                                   separators=(",", ":")),
+            "learners": json.dumps({k: v.to_json() for k, v in sorted(self.learners.items())}, separators=(",", ":")),
         }
 
     def followed_by(self, learner: str, contribution: Contribution, time: float) -> StateHeader:
@@ -234,11 +232,15 @@ def _count(value: object, name: str) -> int:
 def format_refusal(key: str, found: object) -> str:
     """The ``MailRejectedError`` message for a state or mail of another format."""
     if isinstance(found, str) and found in OLD_FORMATS:
-        return (f"{key!r} holds mail of format {found!r}, written by {OLD_FORMATS[found]}; this "
-                f"gradientmail reads only {FORMAT!r}: start the run in a fresh prefix (or finish it "
-                "with the version that began it)")
-    return (f"{key!r} has format {found!r}, expected {FORMAT!r} (written by another version of "
-            "gradientmail, or not gradientmail state at all)")
+        return (
+            f"{key!r} holds mail of format {found!r}, written by {OLD_FORMATS[found]}; this "
+            f"gradientmail reads only {FORMAT!r}: start the run in a fresh prefix (or finish it "
+            "with the version that began it)"
+        )
+    return (
+        f"{key!r} has format {found!r}, expected {FORMAT!r} (written by another version of "
+        "gradientmail, or not gradientmail state at all)"
+    )
 
 
 @dataclass(frozen=True)
@@ -327,9 +329,7 @@ def check(tensors: Mapping[str, Tensor], spec: Spec, *, key: str, learner: str) 
     for name, (shape, dtype) in spec.items():
         got = tensors[name]
         if tuple(got.shape) != shape:
-            raise MailRejectedError(
-                f"{where}: tensor {name!r} has shape {tuple(got.shape)}, expected {shape}"
-            )
+            raise MailRejectedError(f"{where}: tensor {name!r} has shape {tuple(got.shape)}, expected {shape}")
         if dtype is None and not got.is_floating_point():
             raise MailRejectedError(f"{where}: tensor {name!r} has dtype {got.dtype}, not a float")
         if dtype is not None and got.dtype != dtype:

@@ -124,9 +124,10 @@ def resolve_outer(value: str | OuterOptimizer) -> OuterOptimizer:
         try:
             return OUTERS[value]
         except KeyError:
-            raise ValueError(f"outer={value!r}: expected one of {sorted(OUTERS)} or an "
-                             "OuterOptimizer such as DelayedNesterov(lr=0.5)") from None
+            raise ValueError(
+                f"outer={value!r}: expected one of {sorted(OUTERS)} or an "
+                "OuterOptimizer such as DelayedNesterov(lr=0.5)"
+            ) from None
     if callable(getattr(value, "start", None)) and isinstance(getattr(value, "name", None), str):
         return value
-    raise TypeError(f"outer must be a name ({sorted(OUTERS)}) or an OuterOptimizer, "
-                    f"not {type(value).__name__}")
+    raise TypeError(f"outer must be a name ({sorted(OUTERS)}) or an OuterOptimizer, not {type(value).__name__}")
