@@ -111,7 +111,7 @@ def exchange_step_seconds(calls: int) -> tuple[float, float]:
             session.step(samples=64)  # due: snapshot and hand-off
             starts.append(time.perf_counter() - start)
             assert session.in_flight
-            session._job.done.wait(60)  # let the background finish, untimed
+            session.wait(timedelta(seconds=60), apply=False)  # let the background finish, untimed
             trainer.step()
             start = time.perf_counter()
             session.step(samples=64)  # applies the merge; the next exchange is not due yet

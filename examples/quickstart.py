@@ -47,7 +47,7 @@ with (
     Session(model, mailbox=box, learner_id=me, every=timedelta(seconds=1)) as session,
     shared_queue(units, mailbox=box, learner_id=me, load=load_unit) as batches,
 ):
-    for _step, rows in batches:
+    for step, rows in batches:
         optimizer.zero_grad()
         loss_of(model, rows).backward()
         optimizer.step()

@@ -110,3 +110,43 @@ class RecordSkippedWarning(MailSkippedWarning):
 
 class RunMismatchError(GradientMailError, ValueError):
     """The prefix already holds a run of another unit set (or something that is no run record)."""
+
+
+# -- the CLI application and the run reader (moved from cli.py, demo.py and status.py) ------------
+class UsageError(GradientMailError, ValueError):
+    """A mailbox URL or option the command cannot work with."""
+
+
+class DemoError(GradientMailError, RuntimeError):
+    """The demo could not run: a node failed, or the options do not describe a run."""
+
+
+class RunNotFoundError(GradientMailError, LookupError):
+    """The mailbox exists but holds no run (no ``run.json``, claims or progress records)."""
+
+
+# -- the session's state chain (moved from session/mail.py) ----------------------------------------
+class UnusableStateError(MailRejectedError):
+    """A version of the run's state that is corrupt, truncated, not finite or inconsistent.
+
+    Skipped with a ``MailSkippedWarning`` rather than raised: one bad file, or one diverged or
+    hostile writer, must not stop every node and every ``consensus()`` of the run.
+    """
+
+
+# -- the local mailbox's internal signals (moved from mailbox/local_paths.py) ----------------------
+class UnsafeEntry(Exception):
+    """An entry of a local mailbox that must not be used: a symlink or a special file.
+
+    Internal: ``LocalMailbox`` turns it into a ``MailboxError`` naming the key, or skips the entry
+    in ``list`` with a ``MailSkippedWarning``.
+    """
+
+    def __init__(self, relative: str, what: str) -> None:
+        super().__init__(f"{relative!r} is {what}")
+        self.relative = relative
+        self.what = what
+
+
+class ParentIsKey(Exception):
+    """A directory a local key needs is an existing key (a regular file); internal, as ``UnsafeEntry``."""

@@ -1,16 +1,7 @@
 """Gantt charts of a run: one row per learner, one bar per unit, time on the x axis.
 
-``spans_from_run`` derives the bars from the mailbox alone, without a request per unit. A
-learner's progress record (written by its ``Session``) carries the training spans of its recent
-units (``unit_spans``: first batch's start to last batch's end, timed by ``shared_queue``); those
-are drawn as they are (``Span.measured``). Units without one (older units, runs of older
-versions, a queue without a ``Session``) fall back to claims: a claim body records when a unit
-was claimed (``claimed_at``), not when its training ended, so such a bar runs from a unit's
-claim to the next claim by the same claiming thread (same learner, host, pid and worker), and a
-learner's last unit ends at its progress record's ``last_seen``. Claims lead the training by up
-to ``prefetch`` batches and the units claimed ahead.
-
-matplotlib is imported only when a chart is drawn, with the Agg backend (no display needed).
+Bars are the measured training spans from progress records where there are any, else claim
+to next claim. matplotlib is imported only when a chart is drawn (Agg backend, no display).
 """
 
 from __future__ import annotations
@@ -49,8 +40,14 @@ def short_label(identifier: str) -> str:
 
 
 def spans_from_run(run: RunStatus) -> list[Span]:
-    """The bars of ``run``: measured training spans where progress records carry them, claim
-    times for the other units (see the module doc)."""
+    """The bars of ``run``: measured training spans where progress records carry them, else claim times.
+
+    Example:
+        >>> from gradientmail.status import Claim, RunStatus
+        >>> run = RunStatus("doc", 0.0, claims=[Claim("0.json", "A", 1.0), Claim("1.json", "A", 3.0)])
+        >>> [(span.unit, span.start, span.end) for span in spans_from_run(run)]
+        [('0.json', 1.0, 3.0), ('1.json', 3.0, 5.0)]
+    """
     claimed = _claim_spans(run)
     measured = [
         Span(learner, span.unit, span.first, span.last, measured=True)

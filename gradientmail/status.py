@@ -1,25 +1,8 @@
 """Read a run from its mailbox into plain data: what ``gradientmail status`` and ``plot`` show.
 
-Only the on-store formats of ``gradientmail.layout`` are read (``run.json``, the claim bodies
-under ``units/`` and the ``progress/{learner}.json`` records), so this works on any mailbox,
-from any machine, while the run is going on or long after it ended. Nothing is written.
-
-Cost: one listing of ``units/`` and ``progress/``, one GET per progress record, and one GET per
-claim body (claims are permanent, so a ``RunReader`` fetches each body once and only new claims
-on later reads). For 800 units on S3 that is about 800 GETs the first time, issued by a thread
-pool (``threads``, 16 by default).
-
-Elastic runs (``resume=`` / ``lease=``, see ``gradientmail.patterns.elastic``) add a listing of
-``done/`` and ``leases/``, one GET per lease record, and re-read the claims of unfinished units
-on every read (a takeover or release rewrites them). Each unit is then done, in progress,
-released (left by a node that stopped; any node may continue it) or orphaned (its owner's lease
-expired). A single read judges a lease by the writer's timestamp (``time`` + ``lease_s`` against
-this machine's clock); a ``RunReader`` that reads repeatedly (``--watch``) also counts a lease
-whose record has not changed for ``lease_s`` on its own clock as expired, like the nodes do.
-
-Every record is parsed by ``gradientmail.records`` (bounded size and depth, fields checked); one
-that fails is listed in ``RunStatus.unreadable`` (key and problem) and otherwise ignored, except
-that an unreadable claim still counts as claimed, under learner ``"?"``: its unit is taken.
+Read-only, from the documented records (``run.json``, claims, progress, ``done/``, ``leases/``),
+so it works on any mailbox, during or after a run. Unusable records are listed in
+``RunStatus.unreadable``; an unreadable claim still counts as claimed, under learner ``"?"``.
 """
 
 from __future__ import annotations
@@ -32,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradientmail.errors import GradientMailError
+from gradientmail.errors import RunNotFoundError
 from gradientmail.layout import (
     CLAIMS_PREFIX,
     DONE_PREFIX,
@@ -53,18 +36,10 @@ UNKNOWN_LEARNER = "?"
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A record that could not be used (``gradientmail.records``): its key and what is wrong.
-
-    An unreadable claim still counts as claimed (under learner ``"?"``): its key exists, so no
-    node claims that unit, and only a node with ``resume=``/``lease=`` could take it over (it
-    refuses to, since it cannot tell whose it is)."""
+    """A record that could not be used (``gradientmail.records``): its key and what is wrong."""
 
     key: str
     problem: str
-
-
-class RunNotFoundError(GradientMailError, LookupError):
-    """The mailbox exists but holds no run (no ``run.json``, claims or progress records)."""
 
 
 @dataclass(frozen=True)
@@ -392,7 +367,24 @@ class RunReader:
 
 
 def read_run(mailbox: Mailbox, *, threads: int = DEFAULT_THREADS) -> RunStatus:
-    """Read the run in ``mailbox`` once (see the module docstring for the cost)."""
+    """Read the run in ``mailbox`` once: one listing per prefix, one GET per record.
+
+    Args:
+        mailbox: Any mailbox holding the run.
+        threads: Parallel GETs for the claim bodies.
+
+    Returns:
+        The run as plain data (``RunStatus.empty`` when the mailbox holds none).
+
+    Example:
+        >>> from gradientmail import MemoryMailbox
+        >>> box = MemoryMailbox("doctest-read-run")
+        >>> box.put_if_absent("units/000000-0.json", b'{"learner": "node-A", "claimed_at": 1.0}')
+        True
+        >>> run = read_run(box)
+        >>> run.units_claimed, [row.learner for row in run.learners]
+        (1, ['node-A'])
+    """
     return RunReader(mailbox, threads=threads).read()
 
 

@@ -245,7 +245,7 @@ def test_argument_errors_exit_2(args):
 
 def test_import_stays_light():
     code = (
-        "import sys, gradientmail, gradientmail.cli, gradientmail.status, gradientmail.plot; "
+        "import sys, gradientmail, gradientmail.cli, gradientmail.cli.demo, gradientmail.status, gradientmail.plot; "
         "heavy = {'rich', 'matplotlib', 'torch', 'boto3'} & set(sys.modules); "
         "assert not heavy, heavy"
     )

@@ -14,7 +14,7 @@ from cli_helpers import PNG_SIGNATURE, assert_user_error, cli_env, run_cli, writ
 
 from gradientmail import LocalMailbox
 
-BATCH = 32  # samples per batch in the demo's nodes (gradientmail.demo_node.BATCH)
+BATCH = 32  # samples per batch in the demo's nodes (gradientmail.cli.demo_node.BATCH)
 SMALL = ["--nodes", "2", "--speeds", "1:3", "--units", "6", "--unit-steps", "2", "--batch-time", "0.03"]
 
 
@@ -129,7 +129,7 @@ def test_simulated_schedules_are_the_seed_s():
     """The demo's ideal and fixed-split numbers: the seed's 11/5/5/3 at t=12 vs t=24."""
     from collections import Counter
 
-    from gradientmail.demo import Plan, makespan, simulate
+    from gradientmail.cli.demo_plan import Plan, makespan, simulate
 
     plan = Plan(("A", "B", "C", "D"), (1.0, 2.0, 2.0, 4.0), units=24, unit_steps=4, batch_time=0.1)
     shared, fixed = simulate(plan, shared=True), simulate(plan, shared=False)

@@ -92,8 +92,10 @@ def test_s3_retries_warn_while_an_outage_is_ridden_out_and_say_when_it_ends(capl
     from gradientmail.mailbox.s3 import S3Mailbox
 
     caplog.set_level(logging.DEBUG, logger="gradientmail")
-    box = S3Mailbox("bucket", "run", backoff=0.0, retry_window=datetime.timedelta(minutes=1))
-    box._client, box._client_pid, box._answered = _FlakyClient(3), os.getpid(), True
+    flaky = _FlakyClient(3)
+    box = S3Mailbox(
+        "bucket", "run", backoff=0.0, retry_window=datetime.timedelta(minutes=1), client_factory=lambda: flaky
+    )
     box.put("progress/a.json", b"{}")
     records = [r for r in caplog.records if r.name == "gradientmail.mailbox"]
     levels = [r.levelno for r in records]
@@ -107,8 +109,8 @@ def test_a_single_s3_retry_is_not_a_warning(caplog):
     from gradientmail.mailbox.s3 import S3Mailbox
 
     caplog.set_level(logging.DEBUG, logger="gradientmail")
-    box = S3Mailbox("bucket", "run", backoff=0.0)
-    box._client, box._client_pid, box._answered = _FlakyClient(1), os.getpid(), True
+    flaky = _FlakyClient(1)
+    box = S3Mailbox("bucket", "run", backoff=0.0, client_factory=lambda: flaky)
     box.put("progress/a.json", b"{}")
     levels = [r.levelno for r in caplog.records if r.name == "gradientmail.mailbox"]
     assert levels == [logging.DEBUG]

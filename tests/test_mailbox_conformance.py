@@ -149,14 +149,18 @@ def _fill_many(mailbox, backend, keys) -> None:
     """Create many keys; on moto straight into its in-process store (1,000 HTTP PUTs take ~10 s);
     SeaweedFS takes real PUTs."""
     if backend in ("s3", "fsspec-s3"):
-        target = mailbox if backend == "s3" else mailbox._impl
+        if backend == "s3":
+            bucket, prefix = mailbox.bucket, mailbox.prefix
+        else:  # an s3fs root is "bucket/prefix"
+            bucket, _, prefix = mailbox.root.partition("/")
+            prefix = prefix + "/" if prefix else ""
         try:
             from moto.core import DEFAULT_ACCOUNT_ID
             from moto.s3.models import s3_backends
 
             store = s3_backends[DEFAULT_ACCOUNT_ID]["global"]
             for key in keys:
-                store.put_object(target.bucket, target.prefix + key, b"v")
+                store.put_object(bucket, prefix + key, b"v")
             return
         except (ImportError, AttributeError, KeyError, TypeError):
             pass  # moto's internals moved: fall back to real requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 
 import pytest
@@ -174,9 +175,16 @@ def test_old_s3fs_is_refused(s3_bucket, s3_endpoint, monkeypatch):
 def test_s3fs_filesystem_rebuilt_in_a_new_process(s3_bucket, s3_endpoint):
     mailbox = FsspecMailbox.from_url(f"s3://{s3_bucket}/run", endpoint_url=s3_endpoint)
     mailbox.put("k", b"v")
-    mailbox._pid = -1  # as seen from a forked child
-    assert mailbox.get("k") == b"v"
-    assert mailbox._pid == os.getpid()
+    filesystem = mailbox.filesystem
+    context = multiprocessing.get_context("fork")  # as a DataLoader worker is made
+    results = context.Queue()
+    child = context.Process(target=lambda: results.put((mailbox.get("k"), mailbox.filesystem is not filesystem)))
+    child.start()
+    try:
+        assert results.get(timeout=60) == (b"v", True)
+    finally:
+        child.join(timeout=10)
+    assert mailbox.filesystem is filesystem and mailbox.get("k") == b"v"
 
 
 def test_a_web_filesystem_is_refused_naming_its_url_once():

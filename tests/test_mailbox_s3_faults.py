@@ -258,9 +258,9 @@ def test_retry_window_is_an_option_of_open_mailbox(s3_bucket):
 
 def test_workers_inherit_that_the_endpoint_answered(proxy, s3_bucket):
     mailbox = through(proxy.url, s3_bucket)
-    assert pickle.loads(pickle.dumps(mailbox))._answered is False
+    assert pickle.loads(pickle.dumps(mailbox)).answered is False
     mailbox.put("hello", b"")
-    assert pickle.loads(pickle.dumps(mailbox))._answered is True
+    assert pickle.loads(pickle.dumps(mailbox)).answered is True
 
 
 @pytest.mark.parametrize("url", ["https://minio.example.com:9000/runs/exp-7", "http://host/b/r"])

@@ -170,13 +170,14 @@ def test_a_session_progress_record_carries_the_queue_unit_spans(tmp_path, worker
 
 def test_the_demo_bars_say_what_they_show():
     rich = pytest.importorskip("rich.console")
-    from gradientmail.demo import NodeState, Plan, _BarView
+    from gradientmail.cli.demo_plan import Plan
+    from gradientmail.cli.demo_views import BarView, NodeState
 
     output = io.StringIO()
     console = rich.Console(file=output, width=200, force_terminal=False)
     plan = Plan(["A", "B"], [1.0, 2.0], 10, 2, 0.1)
     nodes = [NodeState(0, "A", "node-A", 0.1), NodeState(1, "B", "node-B", 0.2)]
-    view = _BarView(console, plan, nodes)
+    view = BarView(console, plan, nodes)
     with view:
         nodes[0].units, nodes[0].batches, nodes[0].loss = 1, 2, 0.5
         view.update(nodes[0], {"event": "batch"})

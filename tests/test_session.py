@@ -24,7 +24,7 @@ from gradientmail import MailboxError, MailRejectedError, MemoryMailbox, Session
 from gradientmail.mailbox.wrappers import CountingMailbox, DelayedMailbox, FaultyMailbox
 from gradientmail.session import KEEP_MAIL, DelayedNesterov, Session, consensus
 from gradientmail.session.chain import KEEP, TOMBSTONE, Listing, active_learners, list_session
-from gradientmail.session.core import _to_wire
+from gradientmail.session.exchange import to_wire
 from gradientmail.session.mail import (
     FORMAT,
     Contribution,
@@ -345,9 +345,9 @@ def test_the_merge_is_applied_at_a_step_boundary_not_by_the_thread(memory_mailbo
     with session(peer_model, memory_mailbox, "peer") as peer, session(model, memory_mailbox) as s:
         exchange(peer, peer_model, 4.0)  # run: 2
         s.step(samples=1)
-        job = s._job
-        assert job is not None and job.done.wait(10)
-        assert value(model) == 0.0  # the background finished; the model changes only at a step
+        assert s.in_flight
+        s.wait(timedelta(seconds=10), apply=False)  # the background finished ...
+        assert s.in_flight and value(model) == 0.0  # ... and the model changes only at a step
         s.step(samples=1)
         assert value(model) == 2.0
 
@@ -479,7 +479,7 @@ def test_bfloat16_wire_halves_the_bytes_and_rounds_without_bias(memory_mailbox):
     consensus(memory_mailbox, result)  # a bfloat16 run is read by any node
     torch.manual_seed(0)
     values = torch.full((200_000,), 1.0 + 2**-10)  # between two bfloat16 steps (2**-7 apart)
-    rounded = _to_wire(values, torch.bfloat16).float()
+    rounded = to_wire(values, torch.bfloat16).float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert rounded.mean().item() == pytest.approx(1.0 + 2**-10, abs=2e-5)
     with pytest.raises(MailRejectedError, match="travels as torch.bfloat16"):
@@ -672,7 +672,7 @@ def test_background_failure_is_raised_at_next_step_wrapped_in_session_error(memo
     with session(linear(), FaultyMailbox(memory_mailbox, fault), every_steps=1) as s:
         broken.set()
         s.step(samples=1)
-        s._job.done.wait(10)
+        s.wait(timedelta(seconds=10), apply=False)  # failed in the background: raised at the step
         with pytest.raises(SessionError, match="disk full") as info:
             s.step(samples=1)
         assert isinstance(info.value.__cause__, OSError)
@@ -720,6 +720,7 @@ def test_body_exception_propagates_unmasked_and_no_final_mail_is_sent(memory_mai
         failing = broken.is_set() and operation == "put_if_absent" and key.startswith("session/")
         return OSError("store down") if failing else None
 
+    before = set(threading.enumerate())
     with pytest.raises(KeyError, match="from the body") as info:
         with session(linear(), FaultyMailbox(memory_mailbox, fault)) as s:
             broken.set()
@@ -727,7 +728,7 @@ def test_body_exception_propagates_unmasked_and_no_final_mail_is_sent(memory_mai
             raise KeyError("from the body")
     assert any("store down" in note for note in getattr(info.value, "__notes__", []))
     assert list(memory_mailbox.list("session/")) == [state_key(0)]  # the base; nothing folded
-    assert not s._worker._thread.is_alive()
+    assert not [t for t in threading.enumerate() if t not in before and t.name.startswith("gradientmail-session-")]
 
 
 @pytest.mark.timeout(30)

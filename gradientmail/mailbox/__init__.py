@@ -1,7 +1,8 @@
 """Mailbox backends: where every node leaves and reads its mail.
 
-``S3Mailbox`` and ``FsspecMailbox`` are imported lazily so that ``import gradientmail`` does not
-pull boto3 or fsspec.
+``base`` holds the protocol and the base class, ``registry`` the URL schemes, one module per
+backend. ``S3Mailbox`` and ``FsspecMailbox`` load lazily: ``import gradientmail`` pulls neither
+boto3 nor fsspec.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from gradientmail.mailbox.base import (
+    BaseMailbox,
+    BaseVersionedMailbox,
     Mailbox,
     VersionedMailbox,
     describe,
@@ -22,6 +25,8 @@ from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.url import open_mailbox
 
 __all__ = [
+    "BaseMailbox",
+    "BaseVersionedMailbox",
     "FsspecMailbox",
     "LocalMailbox",
     "Mailbox",

@@ -1,8 +1,7 @@
-"""The ``Mailbox`` protocol and the checks built on its five primitives.
+"""The ``Mailbox`` protocol, the base class backends build on, and the checks on top of them.
 
-Every backend implements the same five methods; everything else in GradientMail (the shared queue,
-the session, the CLI) is written against this protocol only, so a user can wrap any mailbox for
-metrics or fault injection and pass the wrapper anywhere a mailbox is accepted.
+Everything above the mailbox layer (queue, session, CLI) is written against the protocol only, so
+any wrapper that follows it (metrics, fault injection) can be passed where a mailbox is accepted.
 """
 
 from __future__ import annotations
@@ -13,21 +12,40 @@ from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 from gradientmail.errors import UnsafeStoreError
+from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
+
+__all__ = [
+    "LIST_PAGE",
+    "PROBE_PREFIX",
+    "BaseMailbox",
+    "BaseVersionedMailbox",
+    "Mailbox",
+    "VersionedMailbox",
+    "describe",
+    "require_replace_if",
+    "supports_replace_if",
+    "verify_mailbox",
+]
+
+LIST_PAGE = 1000
+"""Keys per list page, as in S3's ``ListObjectsV2`` (its maximum): one page is one request."""
+
+PROBE_PREFIX = "_gradientmail/probe/"
+"""Where ``verify_mailbox`` writes (and removes) its probe keys."""
 
 
 @runtime_checkable
 class Mailbox(Protocol):
     """A flat key/value store with one hard promise: atomic conditional creation.
 
-    Keys are relative ``/``-separated paths (``units/000003-1.json``), validated by every backend
-    before anything is written.
+    Keys are relative ``/``-separated paths (``units/000003-1.json``), validated before anything
+    is written (``gradientmail.mailbox.keys``).
     """
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` with ``data``; True if this call created it, False if it existed.
+        """Create ``key``; True if this call created it, False if it existed. Never overwrites.
 
-        Never overwrites. When several processes race on one key exactly one gets True, and
-        every reader sees either no value or the whole value.
+        Of several racing callers exactly one gets True; readers see no value or the whole one.
         """
         ...
 
@@ -40,10 +58,7 @@ class Mailbox(Protocol):
         ...
 
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
-        """Keys starting with ``prefix`` (a string prefix), in lexicographic order, lazily.
-
-        ``start_after`` skips every key ``<=`` it, so a caller can resume a listing cheaply.
-        """
+        """Keys starting with ``prefix``, sorted, lazily; ``start_after`` skips keys ``<=`` it."""
         ...
 
     def delete(self, key: str) -> None:
@@ -53,15 +68,11 @@ class Mailbox(Protocol):
 
 @runtime_checkable
 class VersionedMailbox(Protocol):
-    """The optional compare-and-swap capability: replace a value only if nobody changed it.
+    """The optional compare-and-swap: replace a value only if nobody changed it.
 
-    Not part of ``Mailbox``: a backend offers it only where the store can do it atomically
-    (``supports_replace_if``). Leases, reclaim and resume in the shared queue need it.
-
-    A version names a value, not a write: ``LocalMailbox`` and ``MemoryMailbox`` use the
-    value's SHA-256 and S3 its ETag (the MD5 of a plain upload), so writing back identical
-    bytes gives the same version. Callers that must tell two writes apart put a unique token
-    in the value (claims do).
+    Offered only where the store can do it atomically (``supports_replace_if``); leases, reclaim
+    and resume need it. A version names a value, not a write (a SHA-256 or an S3 ETag): callers
+    that must tell two writes apart put a unique token in the value.
     """
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
@@ -69,14 +80,90 @@ class VersionedMailbox(Protocol):
         ...
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
-        """Replace ``key`` with ``data`` only if its current version is ``version``.
+        """Replace ``key`` only if its version is still ``version``; never creates.
 
-        True when this call replaced it, atomically with the comparison; False when the key
-        changed since, or does not exist (never creates). When several callers race with the
-        same version exactly one gets True. Atomic with respect to ``put_if_absent`` and other
-        ``replace_if`` calls on the key.
+        Of several racing callers with one version exactly one gets True.
         """
         ...
+
+
+class BaseMailbox:
+    """Validates keys and values, then calls the backend's raw operations.
+
+    A backend implements only ``_put_if_absent``, ``_get``, ``_put``, ``_delete`` and ``_list``
+    (as filelock's platform classes implement only ``_acquire`` / ``_release``), each receiving
+    arguments already checked, and states in its docstring what makes its create atomic.
+    """
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """See ``Mailbox.put_if_absent``."""
+        return self._put_if_absent(validate_key(key), validate_value(data, key))
+
+    def get(self, key: str) -> bytes | None:
+        """See ``Mailbox.get``."""
+        return self._get(validate_key(key))
+
+    def put(self, key: str, data: bytes) -> None:
+        """See ``Mailbox.put``."""
+        self._put(validate_key(key), validate_value(data, key))
+
+    def delete(self, key: str) -> None:
+        """See ``Mailbox.delete``."""
+        self._delete(validate_key(key))
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        """See ``Mailbox.list``; the arguments are checked at the call, not at the first key."""
+        validate_prefix(prefix)
+        if start_after is not None and not isinstance(start_after, str):
+            raise TypeError(f"start_after must be a str or None, not {type(start_after).__name__}")
+        return self._list(prefix, start_after)
+
+    def verify(self) -> None:
+        """Check that conditional creation really works on this store (``verify_mailbox``)."""
+        verify_mailbox(self)
+
+    # -- the raw operations a backend implements ---------------------------------------------
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        raise NotImplementedError
+
+    def _get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def _put(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _list(self, prefix: str, start_after: str | None) -> Iterator[str]:
+        raise NotImplementedError
+
+
+class BaseVersionedMailbox(BaseMailbox):
+    """A ``BaseMailbox`` that also offers compare-and-swap (``VersionedMailbox``).
+
+    Backends add ``_get_versioned`` and ``_replace_if``.
+    """
+
+    supports_replace_if = True
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """See ``VersionedMailbox.get_versioned``."""
+        return self._get_versioned(validate_key(key))
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        """See ``VersionedMailbox.replace_if``."""
+        validate_key(key)
+        data = validate_value(data, key)
+        if not isinstance(version, str):
+            raise TypeError(f"version must be a str from get_versioned, not {type(version).__name__}")
+        return self._replace_if(key, data, version)
+
+    def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        raise NotImplementedError
+
+    def _replace_if(self, key: str, data: bytes, version: str) -> bool:
+        raise NotImplementedError
 
 
 def supports_replace_if(mailbox: object) -> bool:
@@ -88,7 +175,11 @@ def supports_replace_if(mailbox: object) -> bool:
 
 
 def require_replace_if(mailbox: object, feature: str) -> VersionedMailbox:
-    """``mailbox`` itself when it supports ``replace_if``; else ``UnsafeStoreError`` naming it."""
+    """``mailbox`` itself when it supports ``replace_if``.
+
+    Raises:
+        UnsafeStoreError: it does not; the message names ``feature`` and the stores that do.
+    """
     if supports_replace_if(mailbox):
         return mailbox  # type: ignore[return-value]
     store = describe(mailbox)
@@ -102,21 +193,20 @@ def require_replace_if(mailbox: object, feature: str) -> VersionedMailbox:
     )
 
 
-PROBE_PREFIX = "_gradientmail/probe/"
-
-
 def describe(mailbox: object) -> str:
-    """A short human description of a mailbox for error messages (its URL when it has one)."""
+    """A short description of a mailbox for error messages (its URL when it has one)."""
     url = getattr(mailbox, "url", None)
     return str(url) if url else repr(mailbox)
 
 
 def verify_mailbox(mailbox: Mailbox) -> None:
-    """Refuse a store whose ``put_if_absent`` is not really conditional.
+    """Refuse a store whose ``put_if_absent`` is not really conditional (four requests).
 
-    Some S3-compatible servers silently ignore ``If-None-Match``: every node would then "win"
-    every claim. Creating a probe key twice exposes that before any work is claimed: the second
-    create must return False and the value must read back whole. Costs four requests.
+    Some S3-compatible servers silently ignore ``If-None-Match``, so every node would win every
+    claim: creating a probe key twice exposes that before any work is claimed.
+
+    Raises:
+        UnsafeStoreError: the second create also succeeded, or the probe did not read back whole.
     """
     key = f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     data = f"probe {uuid.uuid4().hex}".encode()
@@ -131,27 +221,17 @@ def verify_mailbox(mailbox: Mailbox) -> None:
             pass
     store = describe(mailbox)
     if not first:
-        raise UnsafeStoreError(
-            f"{store}: creating a fresh probe key reported that it already existed; "
-            "put_if_absent does not report creation truthfully",
-            operation="verify",
-            key=key,
-            store=store,
+        problem = "creating a fresh probe key reported that it already existed; put_if_absent does not report creation truthfully"
+    elif second:
+        problem = (
+            "a second put_if_absent on the same key also succeeded, so this store ignores "
+            "conditional writes (If-None-Match) and two nodes could claim one unit. Use a store "
+            "that enforces them (AWS S3, MinIO, Cloudflare R2, a local directory)"
         )
-    if second:
-        raise UnsafeStoreError(
-            f"{store}: a second put_if_absent on the same key also succeeded, so this store "
-            "ignores conditional writes (If-None-Match) and two nodes could claim one unit. "
-            "Use a store that enforces them (AWS S3, MinIO, Cloudflare R2, a local directory)",
-            operation="verify",
-            key=key,
-            store=store,
+    elif value != data:
+        problem = (
+            f"the probe key did not read back as written ({'missing' if value is None else 'overwritten or partial'})"
         )
-    if value != data:
-        raise UnsafeStoreError(
-            f"{store}: the probe key did not read back as written "
-            f"({'missing' if value is None else 'overwritten or partial'})",
-            operation="verify",
-            key=key,
-            store=store,
-        )
+    else:
+        return
+    raise UnsafeStoreError(f"{store}: {problem}", operation="verify", key=key, store=store)

@@ -1,26 +1,10 @@
-"""``FsspecMailbox``: a mailbox on an fsspec filesystem that can create atomically.
+"""``FsspecMailbox``: a mailbox on an fsspec filesystem whose atomic create is verified.
 
-fsspec's generic ``pipe_file(mode="create")`` checks for the file and then writes it: two racing
-nodes can both win a claim, and reading the claim back cannot compensate for a store that
-silently overwrites. So only filesystems whose atomic create was verified, in their code and in
-GradientMail's tests, are accepted (``ATOMIC_CREATE``); every other one is refused with
-``UnsafeStoreError`` before anything is written.
-
-Verified mechanisms:
-
-- ``LocalFileSystem`` (``file://``): the ``LocalMailbox`` technique, a whole temporary file
-  published with ``os.link``; readers never see an empty or partial value.
-- ``s3fs.S3FileSystem`` >= 2025.7 (``s3://``): ``open(path, "xb")`` sends ``If-None-Match: *``
-  with the single ``PutObject`` or with ``CompleteMultipartUpload`` for large values, so the store
-  decides. s3fs commits a zero-byte ``"xb"`` file through ``touch()`` *without* the condition,
-  so empty values are refused (``ValueError``). s3fs retries failed requests internally and hides
-  that from its caller, so a "file exists" answer may be about this call's own write: every
-  ``put_if_absent`` carries a random token as object metadata (``x-amz-meta-gm-token``), and
-  every "exists" answer, or failure, is settled by reading the token back (one ``HeadObject``).
-
-Not verified yet, hence refused: gcsfs and adlfs (both document an atomic ``"xb"``), and every
-other filesystem. ``memory://`` filesystems live in one process: use ``open_mailbox("memory://x")``
-(a ``MemoryMailbox``, which says so when it crosses a process boundary) instead.
+fsspec's generic ``pipe_file(mode="create")`` checks and then writes, so two nodes could both win
+a claim: only the filesystems in ``ATOMIC_CREATE`` are accepted, every other one is refused with
+``UnsafeStoreError`` before anything is written. Local disk publishes a whole temporary file with
+``os.link`` (as ``LocalMailbox``); s3fs >= 2025.7 sends ``If-None-Match: *`` with ``open(path,
+"xb")`` and settles its own hidden retries with a metadata token. Details: docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -34,16 +18,15 @@ import fsspec
 import fsspec.core
 
 from gradientmail.errors import MailboxError, MissingExtraError, UnsafeStoreError
-from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
+from gradientmail.mailbox.base import LIST_PAGE, BaseMailbox
+from gradientmail.mailbox.keys import validate_prefix
 from gradientmail.mailbox.local import LocalMailbox
-from gradientmail.mailbox.s3_listing import list_keys
+from gradientmail.mailbox.s3_common import CREDENTIAL_CODES, TOKEN_METADATA, error_code, list_keys
 
-TOKEN_METADATA = "gm-token"
-"""User-metadata name of the per-call creation token on s3fs (``x-amz-meta-gm-token``)."""
+__all__ = ["ATOMIC_CREATE", "LIST_PAGE", "MIN_S3FS_VERSION", "TOKEN_METADATA", "FsspecMailbox"]
 
 MIN_S3FS_VERSION = (2025, 7)
-LIST_PAGE = 1000
+"""The first s3fs that sends ``If-None-Match: *`` with ``"xb"`` writes."""
 
 ATOMIC_CREATE = {
     "fsspec.implementations.local.LocalFileSystem": "temporary file + os.link",
@@ -115,7 +98,7 @@ def _check_s3fs_version() -> None:
         )
 
 
-class FsspecMailbox:
+class FsspecMailbox(BaseMailbox):
     """A mailbox under ``root`` on the fsspec filesystem ``fs``.
 
     Args:
@@ -183,25 +166,21 @@ class FsspecMailbox:
         # fsspec filesystems pickle by rebuilding from their arguments; clients are re-created.
         return (_rebuild, (self.fs, self.root, self.block_size))
 
-    # -- the five primitives ---------------------------------------------------------------
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    # -- the raw operations (BaseMailbox validated the arguments) -----------------------------
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
         return self._impl.put_if_absent(key, data)
 
-    def get(self, key: str) -> bytes | None:
+    def _get(self, key: str) -> bytes | None:
         return self._impl.get(key)
 
-    def put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytes) -> None:
         self._impl.put(key, data)
 
-    def delete(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         self._impl.delete(key)
 
-    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+    def _list(self, prefix: str, start_after: str | None) -> Iterator[str]:
         return self._impl.list(prefix, start_after)
-
-    def verify(self) -> None:
-        """Check that conditional creation works here (see ``verify_mailbox``)."""
-        verify_mailbox(self)
 
 
 def _rebuild(fs: Any, root: str, block_size: int | None) -> FsspecMailbox:
@@ -213,6 +192,8 @@ class _LocalImpl(LocalMailbox):
 
 
 class _S3fsImpl:
+    """The s3fs operations; keys and values arrive validated."""
+
     def __init__(self, owner: FsspecMailbox, root: str) -> None:
         bucket, _, prefix = root.partition("/")
         if not bucket:
@@ -226,14 +207,11 @@ class _S3fsImpl:
     def fs(self) -> Any:
         return self.owner.filesystem
 
-    def _key(self, key: str) -> str:
-        return self.prefix + validate_key(key)
-
     def _error(self, operation: str, key: str, exc: BaseException) -> MailboxError:
-        code = _s3_code(exc)
+        code = error_code(exc)
         if code == "NoSuchBucket":
             cause = f"bucket {self.bucket!r} does not exist at this endpoint"
-        elif isinstance(exc, PermissionError) or code in ("AccessDenied", "InvalidAccessKeyId"):
+        elif isinstance(exc, PermissionError) or code in CREDENTIAL_CODES:
             cause = "the credentials were rejected or lack permission"
         elif "credentials" in str(exc).lower():
             cause = "no usable AWS credentials (environment, profile, ~/.aws or a role)"
@@ -247,9 +225,8 @@ class _S3fsImpl:
             store=store,
         )
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        name = self._key(key)
-        body = validate_value(data, key)
+    def put_if_absent(self, key: str, body: bytes) -> bool:
+        name = self.prefix + key
         if not body:
             raise ValueError(
                 f"{self.owner.url}: put_if_absent({key!r}) with an empty value: s3fs writes an "
@@ -271,7 +248,7 @@ class _S3fsImpl:
             return self._created_by(name, key, token)
         except Exception as exc:
             _discard(handle)
-            if _s3_code(exc) == "PreconditionFailed":
+            if error_code(exc) == "PreconditionFailed":
                 # A 412 that s3fs did not map to FileExistsError (no Condition in the answer).
                 return self._created_by(name, key, token)
             return self._settle(name, key, token, exc)
@@ -288,7 +265,7 @@ class _S3fsImpl:
         try:
             response = self.fs.call_s3("head_object", Bucket=self.bucket, Key=name)
         except FileNotFoundError as exc:
-            if _s3_code(exc) == "NoSuchBucket":
+            if error_code(exc) == "NoSuchBucket":
                 raise self._error("put_if_absent", key, exc) from exc
             return False
         except Exception as exc:
@@ -296,12 +273,12 @@ class _S3fsImpl:
         return (response.get("Metadata") or {}).get(TOKEN_METADATA) == token
 
     def get(self, key: str) -> bytes | None:
-        name = self._key(key)
+        name = self.prefix + key
         try:
             # max_concurrency=1: one GetObject, no HeadObject first and no cached sizes.
             return self.fs.cat_file(f"{self.bucket}/{name}", max_concurrency=1)
         except FileNotFoundError as exc:
-            if _s3_code(exc) in ("NoSuchBucket",):
+            if error_code(exc) in ("NoSuchBucket",):
                 raise self._error("get", key, exc) from exc
             return None
         except (IsADirectoryError, NotADirectoryError):
@@ -310,25 +287,24 @@ class _S3fsImpl:
             raise self._error("get", key, exc) from exc
 
     def put(self, key: str, data: bytes) -> None:
-        name = self._key(key)
-        body = validate_value(data, key)
+        name = self.prefix + key
         try:
-            self.fs.pipe_file(f"{self.bucket}/{name}", body)
+            self.fs.pipe_file(f"{self.bucket}/{name}", data)
         except Exception as exc:
             raise self._error("put", key, exc) from exc
 
     def delete(self, key: str) -> None:
-        name = self._key(key)
+        name = self.prefix + key
         try:
             self.fs.call_s3("delete_object", Bucket=self.bucket, Key=name)
         except FileNotFoundError as exc:
-            if _s3_code(exc) == "NoSuchBucket":
+            if error_code(exc) == "NoSuchBucket":
                 raise self._error("delete", key, exc) from exc
         except Exception as exc:
             raise self._error("delete", key, exc) from exc
         self.fs.invalidate_cache(f"{self.bucket}/{name}")
 
-    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+    def list(self, prefix: str, start_after: str | None) -> Iterator[str]:
         def fetch(request: dict[str, Any]) -> Any:
             try:
                 return self.fs.call_s3("list_objects_v2", **request)
@@ -344,16 +320,3 @@ def _discard(handle: Any) -> None:
         handle.discard()
     except Exception:
         pass
-
-
-def _s3_code(exc: BaseException) -> str:
-    """The S3 error code behind an exception s3fs translated (``NoSuchBucket``...), or ''."""
-    seen = exc
-    for _ in range(4):
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            return str((response.get("Error") or {}).get("Code") or "")
-        if seen.__cause__ is None:
-            break
-        seen = seen.__cause__
-    return ""

@@ -42,7 +42,20 @@ def _problem(text: str, *, allow_trailing_slash: bool) -> str | None:
 
 
 def validate_key(key: str) -> str:
-    """Return ``key`` unchanged, or raise ``InvalidKeyError`` saying what is wrong with it."""
+    """``key`` unchanged when it is a valid mailbox key.
+
+    Raises:
+        InvalidKeyError: it is not; the message says what is wrong with it.
+
+    Example:
+        >>> from gradientmail.mailbox import validate_key
+        >>> validate_key("units/000003-1.json")
+        'units/000003-1.json'
+        >>> validate_key("../escape")
+        Traceback (most recent call last):
+        ...
+        gradientmail.errors.InvalidKeyError: invalid mailbox key '../escape': it has a segment starting with '.' ('..')
+    """
     problem = _problem(key, allow_trailing_slash=False)
     if problem:
         raise InvalidKeyError(f"invalid mailbox key {key!r}: it {problem}")
@@ -63,7 +76,11 @@ def validate_prefix(prefix: str) -> str:
 
 
 def validate_value(data: bytes, key: str) -> bytes:
-    """``data`` as ``bytes``, or ``TypeError`` naming the key: mailbox values are raw bytes."""
+    """``data`` as ``bytes`` (mailbox values are raw bytes).
+
+    Raises:
+        TypeError: ``data`` is not bytes-like; the message names ``key``.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"mailbox values are bytes, not {type(data).__name__} (key {key!r})")
     return bytes(data)

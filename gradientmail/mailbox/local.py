@@ -1,28 +1,10 @@
 """``LocalMailbox``: a directory on a local or shared POSIX filesystem, the embedded default.
 
-Atomicity: a value is first written whole to a hidden temporary file in the target directory,
-then published with ``os.link`` (create) or ``os.replace`` (overwrite). ``link`` fails if the
-name exists, so exactly one racing creator wins, and a reader sees either no file or the whole
-value; ``O_EXCL`` alone would expose an empty file between create and write. Both calls are
-atomic on local filesystems and on NFSv3+; temporary files start with ``.`` and never show up
-in ``list``.
-
-Hostile or broken contents: nothing below the root is reached through a symbolic link
-(``local_paths``): a key that is, or lies under, a symlink or a special file raises
-``MailboxError`` naming it, and ``list`` skips it with a ``MailSkippedWarning``, as it does
-names that are not valid keys. Temporary files are removed when a write fails and swept by
-``list`` once their writer is dead (``local_temp``). Local I/O failures raise ``MailboxError``
-naming the operation, key, store and cause, as the S3 backend does.
-
-Compare-and-swap (``replace_if``, for leases and resume): the version of a value is its SHA-256.
-``replace_if`` holds an exclusive ``fcntl.flock`` on a per-key lock file under the hidden
-``.locks/`` directory while it reads, compares and publishes with ``os.replace``, so among
-processes on one machine exactly one of several racing callers with the same version wins.
-It never creates, and ``put_if_absent`` never replaces, so the two cannot interleave badly;
-an unconditional ``put`` or ``delete`` of the same key is not ordered against it. ``flock`` is not
-reliable over every network filesystem (NFS maps it to byte-range locks, which need a working
-lock manager); use S3 for leases across machines unless your shared filesystem is known to
-honour it.
+Atomicity: a value is written whole to a hidden temporary file, then published with ``os.link``
+(create: fails if the name exists) or ``os.replace`` (overwrite), so exactly one racing creator
+wins and readers never see a partial value. ``replace_if`` holds a per-key ``fcntl.flock``.
+Nothing is reached through a symbolic link (``local_paths``); stale temporary files of dead
+writers are swept by ``list`` (``local_temp``). Details: docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -39,8 +21,8 @@ from pathlib import Path
 
 from gradientmail.errors import KeyConflictError, MailboxError, MailSkippedWarning
 from gradientmail.mailbox import local_temp
-from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix, validate_value
+from gradientmail.mailbox.base import BaseVersionedMailbox
+from gradientmail.mailbox.keys import is_valid_key, validate_key
 from gradientmail.mailbox.local_paths import (
     DIR_FLAGS,
     READ_FLAGS,
@@ -69,8 +51,25 @@ def _version(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class LocalMailbox:
-    """A mailbox in the directory ``path`` (created unless ``create=False``)."""
+class LocalMailbox(BaseVersionedMailbox):
+    """A mailbox in a directory that every node can reach (a local disk or a shared mount).
+
+    Args:
+        path: The mailbox directory.
+        create: Create the directory when missing; False refuses a missing one.
+
+    Raises:
+        FileNotFoundError: ``create=False`` and there is no directory at ``path``.
+
+    Example:
+        >>> import tempfile
+        >>> from gradientmail.mailbox import LocalMailbox
+        >>> box = LocalMailbox(tempfile.mkdtemp())
+        >>> box.put_if_absent("units/1", b"mine"), box.put_if_absent("units/1", b"yours")
+        (True, False)
+        >>> box.get("units/1"), list(box.list())
+        (b'mine', ['units/1'])
+    """
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = True) -> None:
         self.path = Path(path).expanduser().absolute()
@@ -139,9 +138,7 @@ class LocalMailbox:
         return mode
 
     # -- the five primitives ---------------------------------------------------------------
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        validate_key(key)
-        data = validate_value(data, key)
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
         with self._failures("put_if_absent", key), self._parent("put_if_absent", key, create=True) as (fd, leaf):
             assert fd is not None
             if self._created(fd, leaf, key) is not None:
@@ -165,9 +162,7 @@ class LocalMailbox:
             raise self._conflict("put_if_absent", key, "other keys live under it")
         return None if mode is None else False
 
-    # -- compare-and-swap (optional capability, see VersionedMailbox) ------------------------
-    supports_replace_if = True
-
+    # -- compare-and-swap (see VersionedMailbox) -----------------------------------------------
     @contextlib.contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
         root = open_root(self.path, create=True)
@@ -203,25 +198,19 @@ class LocalMailbox:
         finally:
             os.close(fd)  # closing releases the lock
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        data = self.get(key)
+    def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        data = self._get(key)
         return None if data is None else (data, _version(data))
 
-    def replace_if(self, key: str, data: bytes, version: str) -> bool:
-        validate_key(key)
-        data = validate_value(data, key)
-        if not isinstance(version, str):
-            raise TypeError(f"version must be a str from get_versioned, not {type(version).__name__}")
+    def _replace_if(self, key: str, data: bytes, version: str) -> bool:
         with self._failures("replace_if", key), self._key_lock(key):
-            current = self.get(key)
+            current = self._get(key)
             if current is None or _version(current) != version:
                 return False
             self._publish("replace_if", key, data)
             return True
 
-    def put(self, key: str, data: bytes) -> None:
-        validate_key(key)
-        data = validate_value(data, key)
+    def _put(self, key: str, data: bytes) -> None:
         with self._failures("put", key):
             self._publish("put", key, data)
 
@@ -243,8 +232,7 @@ class LocalMailbox:
                 local_temp.remove(fd, temp)
                 raise
 
-    def get(self, key: str) -> bytes | None:
-        validate_key(key)
+    def _get(self, key: str) -> bytes | None:
         with self._failures("get", key), self._parent("get", key, create=False) as (fd, leaf):
             if fd is None:
                 return None
@@ -267,8 +255,7 @@ class LocalMailbox:
             with open(handle, "rb") as stream:
                 return stream.read()
 
-    def delete(self, key: str) -> None:
-        validate_key(key)
+    def _delete(self, key: str) -> None:
         with self._failures("delete", key), self._parent("delete", key, create=False) as (fd, leaf):
             if fd is None:
                 return
@@ -282,8 +269,7 @@ class LocalMailbox:
             except (FileNotFoundError, IsADirectoryError):
                 pass
 
-    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
-        validate_prefix(prefix)
+    def _list(self, prefix: str, start_after: str | None) -> Iterator[str]:
         # Only the directory named by the prefix's complete segments needs walking.
         directory, _, _ = prefix.rpartition("/")
         with self._failures("list", prefix):
@@ -331,10 +317,6 @@ class LocalMailbox:
                 yield key
             else:
                 skipped.append((key, describe_entry(fd, entry.name, key)))
-
-    def verify(self) -> None:
-        """Check that conditional creation works here (see ``verify_mailbox``)."""
-        verify_mailbox(self)
 
 
 def _skip(store: str, entries: list[tuple[str, str]]) -> None:

@@ -16,6 +16,20 @@ import os
 import stat
 from pathlib import Path
 
+from gradientmail.errors import ParentIsKey, UnsafeEntry  # defined there, importable from here as before
+
+__all__ = [
+    "DIR_FLAGS",
+    "READ_FLAGS",
+    "ParentIsKey",
+    "UnsafeEntry",
+    "describe_entry",
+    "is_unsafe",
+    "lstat_mode",
+    "open_directory",
+    "open_root",
+]
+
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """Opening a directory below the root: never through a symlink."""
 
@@ -24,19 +38,6 @@ READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _MISSING_RETRIES = 3  # a directory removed between our mkdir and open (a racing delete)
-
-
-class UnsafeEntry(Exception):
-    """An entry of the mailbox that must not be used: a symlink or a special file."""
-
-    def __init__(self, relative: str, what: str) -> None:
-        super().__init__(f"{relative!r} is {what}")
-        self.relative = relative
-        self.what = what
-
-
-class ParentIsKey(Exception):
-    """A directory a key needs is an existing key (a regular file)."""
 
 
 def describe_entry(dir_fd: int, name: str, relative: str) -> str:

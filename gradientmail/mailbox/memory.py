@@ -1,9 +1,8 @@
 """``MemoryMailbox``: an in-process store for tests and notebooks.
 
 Atomicity: one lock guards a dict, so ``put_if_absent`` is atomic among the threads of one
-process. Mailboxes with the same ``name`` share one store within a process. The store cannot
-cross a process boundary: a forked or spawned worker would silently get a private copy and claim
-units nobody else sees, so any use from another process raises ``WrongProcessError``.
+process. A forked or spawned worker would get a private copy, so any use from another process
+raises ``WrongProcessError``.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import threading
 from collections.abc import Iterator
 
 from gradientmail.errors import WrongProcessError
-from gradientmail.mailbox.base import verify_mailbox
-from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
+from gradientmail.mailbox.base import LIST_PAGE, BaseVersionedMailbox
 
 
 class _Store:
@@ -35,8 +33,24 @@ def _store_named(name: str) -> _Store:
         return _STORES.setdefault(name, _Store())
 
 
-class MemoryMailbox:
-    """An in-process mailbox; every ``MemoryMailbox(name)`` with the same name shares it."""
+class MemoryMailbox(BaseVersionedMailbox):
+    """An in-process mailbox; every ``MemoryMailbox(name)`` of one process with the same name shares it.
+
+    Args:
+        name: The store's name (``open_mailbox("memory://name")`` opens the same one).
+
+    Raises:
+        WrongProcessError: on any use from another process than the one that created it.
+
+    Example:
+        >>> from gradientmail.mailbox import MemoryMailbox
+        >>> box = MemoryMailbox("doctest-memory")
+        >>> box.clear()
+        >>> box.put_if_absent("units/1", b"mine"), box.put_if_absent("units/1", b"yours")
+        (True, False)
+        >>> box.get("units/1"), list(box.list("units/"))
+        (b'mine', ['units/1'])
+    """
 
     def __init__(self, name: str = "default") -> None:
         if not isinstance(name, str) or not name:
@@ -64,9 +78,7 @@ class MemoryMailbox:
             )
         return self._store
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        validate_key(key)
-        value = validate_value(data, key)
+    def _put_if_absent(self, key: str, value: bytes) -> bool:
         store = self._checked_store()
         with store.lock:
             if key in store.values:
@@ -75,19 +87,14 @@ class MemoryMailbox:
             bisect.insort(store.sorted_keys, key)
             return True
 
-    # -- compare-and-swap (optional capability, see VersionedMailbox): under the store's lock --
-    supports_replace_if = True
-
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        validate_key(key)
+    # -- compare-and-swap (see VersionedMailbox): under the store's lock ----------------------
+    def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
         store = self._checked_store()
         with store.lock:
             data = store.values.get(key)
         return None if data is None else (data, hashlib.sha256(data).hexdigest())
 
-    def replace_if(self, key: str, data: bytes, version: str) -> bool:
-        validate_key(key)
-        value = validate_value(data, key)
+    def _replace_if(self, key: str, value: bytes, version: str) -> bool:
         store = self._checked_store()
         with store.lock:
             current = store.values.get(key)
@@ -96,34 +103,29 @@ class MemoryMailbox:
             store.values[key] = value
             return True
 
-    def put(self, key: str, data: bytes) -> None:
-        validate_key(key)
-        value = validate_value(data, key)
+    def _put(self, key: str, value: bytes) -> None:
         store = self._checked_store()
         with store.lock:
             if key not in store.values:
                 bisect.insort(store.sorted_keys, key)
             store.values[key] = value
 
-    def get(self, key: str) -> bytes | None:
-        validate_key(key)
+    def _get(self, key: str) -> bytes | None:
         store = self._checked_store()
         with store.lock:
             return store.values.get(key)
 
-    def delete(self, key: str) -> None:
-        validate_key(key)
+    def _delete(self, key: str) -> None:
         store = self._checked_store()
         with store.lock:
             if store.values.pop(key, None) is not None:
                 index = bisect.bisect_left(store.sorted_keys, key)
                 del store.sorted_keys[index]
 
-    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
-        validate_prefix(prefix)
+    def _list(self, prefix: str, start_after: str | None) -> Iterator[str]:
         store = self._checked_store()
         position = max(prefix, start_after) if start_after is not None else prefix
-        page = 1000
+        page = LIST_PAGE
         while True:
             with store.lock:
                 keys = store.sorted_keys
@@ -143,10 +145,6 @@ class MemoryMailbox:
         with store.lock:
             store.values.clear()
             store.sorted_keys.clear()
-
-    def verify(self) -> None:
-        """Check that conditional creation works here (see ``verify_mailbox``)."""
-        verify_mailbox(self)
 
 
 def _unpickle_memory_mailbox(name: str, pid: int) -> MemoryMailbox:

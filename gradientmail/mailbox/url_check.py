@@ -13,7 +13,11 @@ from __future__ import annotations
 import difflib
 import re
 
-SERVED = ("file", "memory", "s3", "s3a")
+from gradientmail.mailbox.registry import SCHEMES, known_to_fsspec
+
+__all__ = ["SERVED", "is_local_path"]
+
+SERVED = tuple(SCHEMES)
 """Schemes ``open_mailbox`` maps to its own backends."""
 
 _LOOKALIKE = SERVED + ("gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https")
@@ -40,15 +44,6 @@ def _refuse(url: str, problem: str, meant: str | None, *, path_like: bool | None
     if path_like is not None:
         message += " For a local directory of that name, pass an absolute path or a str starting with './'."
     return ValueError(message)
-
-
-def _known_to_fsspec(scheme: str) -> bool | None:
-    """Whether fsspec knows ``scheme``; None when fsspec is not installed."""
-    try:
-        from fsspec.registry import known_implementations, registry
-    except ImportError:
-        return None
-    return scheme in known_implementations or scheme in registry
 
 
 def is_local_path(url: str, *, path_like: bool = False) -> bool:
@@ -115,7 +110,7 @@ def _check_url(url: str, scheme: str, rest: str) -> None:
         return
     if scheme == "memory":
         return
-    if _known_to_fsspec(scheme) is False:
+    if known_to_fsspec(scheme) is False:
         close = difflib.get_close_matches(scheme, SERVED, n=1, cutoff=0.5)
         raise _refuse(
             url,

@@ -12,13 +12,24 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gradientmail.mailbox.base import Mailbox, describe, supports_replace_if
+from gradientmail.mailbox.base import LIST_PAGE, Mailbox, describe, supports_replace_if
 
-LIST_PAGE = 1000
-"""Keys per list page, as in S3's ``ListObjectsV2``: one page counts as one request."""
+__all__ = ["LIST_PAGE", "CountingMailbox", "DelayedMailbox", "FaultyMailbox", "MailboxWrapper"]
 
 
-class _Wrapper:
+class MailboxWrapper:
+    """Forwards every operation to ``inner``; subclass it and override what you measure or break.
+
+    The optional compare-and-swap is forwarded when ``inner`` has it.
+
+    Example:
+        >>> from gradientmail.mailbox import MemoryMailbox
+        >>> from gradientmail.mailbox.wrappers import MailboxWrapper
+        >>> wrapped = MailboxWrapper(MemoryMailbox("doctest-wrapper"))
+        >>> wrapped.url, wrapped.supports_replace_if
+        ('memory://doctest-wrapper', True)
+    """
+
     def __init__(self, inner: Mailbox) -> None:
         self.inner = inner
 
@@ -58,7 +69,10 @@ class _Wrapper:
         return self._versioned().replace_if(key, data, version)
 
 
-class CountingMailbox(_Wrapper):
+_Wrapper = MailboxWrapper  # the name tests and nodes used before it was public
+
+
+class CountingMailbox(MailboxWrapper):
     """Counts requests by operation as an object store would bill them.
 
     A ``list`` is charged one request per started page of ``LIST_PAGE`` keys, and only for the
@@ -131,7 +145,7 @@ class CountingMailbox(_Wrapper):
                 self._count("list")
 
 
-class DelayedMailbox(_Wrapper):
+class DelayedMailbox(MailboxWrapper):
     """Adds ``latency`` seconds to every request (and to every list page), like a far store."""
 
     def __init__(self, inner: Mailbox, latency: float) -> None:
@@ -177,7 +191,7 @@ class DelayedMailbox(_Wrapper):
                 time.sleep(self.latency)
 
 
-class FaultyMailbox(_Wrapper):
+class FaultyMailbox(MailboxWrapper):
     """Raises ``fault(operation, key)``'s exception when it returns one; for tests.
 
     ``fault`` is called before each request with the operation name and key (the prefix for

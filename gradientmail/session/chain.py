@@ -1,29 +1,9 @@
 """The run's state as a chain of versions on the store, advanced by ``put_if_absent``.
 
-``session/state/{version}`` holds the run's model with every contribution folded in so far.
-A learner folds its progress by reading the newest version ``v``, adding its contribution and
-creating ``v + 1`` with ``put_if_absent``: exactly one writer wins each version, so every
-contribution lands exactly once, and a loser simply folds again onto the winner's version.
-That is compare-and-swap built from the one primitive every mailbox has, and it keeps the cost
-of an exchange at one state read and one state write however many learners there are.
-
-A version number must never be created twice, or a writer holding an old version could create a
-"next" one that nobody builds on. So old versions are *retired*, not deleted: the writer of
-version ``v`` overwrites ``v - KEEP`` with a few-byte tombstone (and deletes ``v - RETIRE``,
-whose tombstone no writer can still race: a writer re-reads a base older than
-``MAX_BASE_AGE_S`` before writing). Listings during a run start after the version a node holds,
-so tombstones cost nothing.
-
-Membership is a key per learner, ``session/members/{learner}.{joined}``: listing ``session/``
-(which finds the newest version anyway) shows who is in, for the ``1/N`` scale of progress.
-
-Everything read here is untrusted. A version that is corrupt, truncated or holds NaN or Inf is
-*skipped* with a ``MailSkippedWarning``: readers walk back to the newest usable version and a
-writer folds onto that one, creating the version after the newest listed, so the chain goes on
-and one bad file blocks nobody. Every node judges a version by its bytes alone, so all nodes
-skip the same ones. Times in headers and member keys only decide who counts in ``N``; a time
-further in the future than ``MAX_CLOCK_SKEW_S`` is not trusted, so a forged date cannot keep a
-member counted forever.
+A learner folds its progress by reading the newest version ``v`` and creating ``v + 1``: exactly
+one writer wins each version (compare-and-swap from the one primitive every mailbox has), and a
+loser folds again onto the winner's. Old versions are tombstoned, never recreated; unusable
+versions are skipped with a ``MailSkippedWarning``. Details: ``docs/session.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
-from gradientmail.errors import MailRejectedError, MailSkippedWarning, SessionError
+from gradientmail.errors import MailRejectedError, MailSkippedWarning, SessionError, UnusableStateError
 from gradientmail.layout import SESSION_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.session.mail import (
@@ -48,7 +28,6 @@ from gradientmail.session.mail import (
     Spec,
     State,
     StateHeader,
-    UnusableStateError,
     decode,
     encode,
     format_refusal,
@@ -131,10 +110,11 @@ def skipped(error: UnusableStateError) -> None:
 
 
 def read_state(mailbox: Mailbox, version: int, spec: Spec) -> State | None:
-    """One checked version, or None when it was deleted (it is no longer among the newest).
+    """One checked version, or None when it was retired (it is no longer among the newest).
 
-    Raises ``UnusableStateError`` for a corrupt or non-finite version (to be skipped) and
-    ``MailRejectedError`` for a state of another model or format (a configuration error).
+    Raises:
+        UnusableStateError: a corrupt or non-finite version (to be skipped).
+        MailRejectedError: a state of another model or format (a configuration error).
     """
     key = state_key(version)
     data = mailbox.get(key)
@@ -154,8 +134,10 @@ def read_usable(mailbox: Mailbox, newest: int, spec: Spec, known: State | None =
     """The newest usable version at or below ``newest``, skipping unusable ones with a warning.
 
     ``known`` (a version this node already holds, checked) ends the walk without a download.
-    Raises ``_Unreachable`` when ``newest`` itself is retired (newer versions exist), and
-    ``MailRejectedError`` when every version still kept is unusable.
+
+    Raises:
+        _Unreachable: ``newest`` itself is retired (newer versions exist): list again.
+        MailRejectedError: every version still kept is unusable.
     """
     version = newest
     while version >= max(0, newest - MAX_WALK_BACK):
@@ -261,12 +243,25 @@ def fold(
 ) -> Fold:
     """Fold this learner's contribution into the newest version, exactly once.
 
-    ``known`` is the version this learner holds (its anchor): while it is still the newest it is
-    not downloaded again. ``increment_for(N)`` gives the increment for ``N`` active learners,
-    ``entry(previous)`` this learner's header line and ``add(base, increment)`` the tensors of
-    the next version, as stored. Losing a version to another writer costs one read of the
-    winner's version and one more attempt, never a lost or doubled contribution. Raises
-    ``SessionError`` past ``deadline`` (``time.monotonic``).
+    Losing a version to another writer costs one read of the winner's version and one more
+    attempt (after a randomized backoff), never a lost or doubled contribution.
+
+    Args:
+        mailbox: the run's store.
+        spec: what a state of this model holds.
+        me: this learner.
+        known: the version this learner holds; not downloaded again while it is the newest.
+        increment_for: the increment for ``N`` active learners.
+        entry: this learner's header line, given the header of the version folded onto.
+        add: the next version's tensors, as stored, from a base and an increment.
+        max_staleness: seconds after which a silent member stops counting in ``N``.
+        deadline: ``time.monotonic()`` past which losing again raises.
+
+    Returns:
+        The version written, what it was folded onto, the conflicts and ``N``.
+
+    Raises:
+        SessionError: past ``deadline``, or when the run's state is gone.
     """
     listing = list_session(mailbox, after=None if known is None else known.header.version)
     newest = listing.newest

@@ -1,36 +1,29 @@
-"""``Session``: the training-thread side (``step``) and the one background exchange thread."""
+"""``Session``: the training-thread side (enter, ``step()``, exit).
+
+Mailbox work runs on one background thread (``session.exchange``); this side snapshots the
+model, hands the snapshot over, and applies each finished exchange at a step boundary.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradientmail.errors import GradientMailError, SessionError
+from gradientmail.errors import SessionError
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
-from gradientmail.session.chain import KEEP, active_learners, create_base, fold, read_newest
-from gradientmail.session.mail import (
-    Contribution,
-    Spec,
-    State,
-    accumulation_dtype,
-    float_state,
-    member_key,
-    spec_of,
-)
+from gradientmail.session.chain import KEEP
+from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, snapshot_into, surface
+from gradientmail.session.mail import accumulation_dtype, float_state, member_key, spec_of
 from gradientmail.session.merge import load_into
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
 
@@ -38,52 +31,40 @@ log = logging.getLogger("gradientmail.session")
 """Joining and leaving at INFO, every exchange at DEBUG; the library never configures handlers."""
 
 DEFAULT_EVERY = timedelta(seconds=30)
-"""Exchange interval. Time (not steps) keeps every node's cadence equal whatever its speed, so a
-fast node's mail carries proportionally more samples, and bounds store requests per node
-(about 4 + peers per exchange) whatever the step time. 30 s leaves a model of a few hundred MB
-time to travel to S3 and back before the next exchange is due."""
+"""Exchange interval: by time, so every node's cadence is equal whatever its speed."""
 
 DEFAULT_MAX_STALENESS = timedelta(minutes=5)
 """Ten exchange intervals: a peer whose newest mail is older than this has stopped counting."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""Longest wait for the background thread (catch-up on enter, last exchange and final mail on
-exit) before a ``SessionError`` says the mailbox is not answering."""
+"""Longest wait for the background thread before a ``SessionError`` (mailbox not answering)."""
 
 ENV_EVERY = "GRADIENTMAIL_SESSION_EVERY_S"
 ENV_EVERY_STEPS = "GRADIENTMAIL_SESSION_EVERY_STEPS"
 ENV_MAX_STALENESS = "GRADIENTMAIL_SESSION_MAX_STALENESS_S"
 ENV_TIMEOUT = "GRADIENTMAIL_SESSION_TIMEOUT_S"
 ENV_OUTER = "GRADIENTMAIL_SESSION_OUTER"
-"""Environment variables that, when set, override the matching argument (seconds, or a step
-count; ``none`` disables an interval), so an operator can retune a job without editing code."""
+"""Environment overrides of the matching argument (seconds or steps; ``none`` disables one)."""
 
 KEEP_MAIL = KEEP
 """Versions of the run's state kept behind the newest (the old name, kept for imports)."""
 
 
-def _env_interval(name: str, value: timedelta | None) -> timedelta | None:
-    text = os.environ.get(name)
-    if text is None or not text.strip():
+def _env(name: str, value: Any, parse: Callable[[str], Any], expected: str) -> Any:
+    """``value``, or the environment variable ``name`` parsed when set (``none``: None)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
         return value
-    if text.strip().lower() == "none":
+    if text.lower() == "none":
         return None
     try:
-        return timedelta(seconds=float(text))
+        return parse(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a number of seconds or 'none'") from None
+        raise ValueError(f"{name}={text!r}: expected {expected} or 'none'") from None
 
 
-def _env_steps(value: int | None) -> int | None:
-    text = os.environ.get(ENV_EVERY_STEPS)
-    if text is None or not text.strip():
-        return value
-    if text.strip().lower() == "none":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{ENV_EVERY_STEPS}={text!r}: expected a step count or 'none'") from None
+def _seconds(text: str) -> timedelta:
+    return timedelta(seconds=float(text))
 
 
 def _positive(name: str, value: timedelta | None, *, optional: bool = False) -> float:
@@ -97,114 +78,42 @@ def _positive(name: str, value: timedelta | None, *, optional: bool = False) -> 
     return seconds
 
 
-def _units_claimed(learner_id: str) -> int | None:
-    """Units this learner claimed, from the shared queue of this process when it has one."""
-    try:
-        from gradientmail.patterns.shared_queue import units_claimed_by
-    except (ImportError, AttributeError):
-        return None
-    try:
-        units = units_claimed_by(learner_id)
-    except Exception:  # a status field must never fail an exchange
-        return None
-    if isinstance(units, bool):
-        return None
-    if isinstance(units, int):
-        return units
-    try:
-        return len(units)
-    except TypeError:
-        return None
-
-
-def _unit_spans(store: str, learner_id: str) -> dict[str, Any] | None:
-    """The recent units' training spans timed by this process's shared queue (``gradientmail
-    plot`` draws them), or None."""
-    try:
-        from gradientmail.patterns.unit_timing import spans_record
-
-        return spans_record(store, learner_id)
-    except Exception:  # a display aid must never fail an exchange
-        return None
-
-
-@dataclass(frozen=True)
-class _Merge:
-    delta: dict[str, Tensor]  # the run's state after this fold - the snapshot, per entry
-    weights: dict[str, int]  # learner -> samples newly folded into the run, this learner included
-
-
-class _Job:
-    """One unit of background work; the training thread polls ``done`` (an ``Event``)."""
-
-    __slots__ = ("fn", "done", "result", "error")
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # recorded here, raised on the training thread
-            self.error = exc
-        finally:
-            self.fn = None
-            self.done.set()
-
-
-class _Worker:
-    """The one background thread of a session; runs jobs one at a time, in order."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        # Daemon: a store that never answers must not keep the interpreter alive at exit; every
-        # wait on this thread is bounded by the session's timeout instead.
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job.run()
-
-    def submit(self, fn: Callable[[], Any]) -> _Job:
-        job = _Job(fn)
-        self._jobs.put(job)
-        return job
-
-    def close(self, timeout: float) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout)
-
-
 class Session:
-    """Asynchronous exchange of training progress through a mailbox; see ``gradientmail.session``.
+    """Keeps nodes that train on different data one model, without making any of them wait.
+
+    Each exchange folds this node's progress (``/ N``) into the run's state in the mailbox, in
+    the background; ``step()`` applies the result. Details: ``docs/session.md``.
 
     Args:
-        model: the ``torch.nn.Module`` being trained; its floating-point ``state_dict`` entries
-            are exchanged.
-        mailbox: any object with the ``Mailbox`` methods, the same store for every node.
+        model: the module being trained; its floating-point ``state_dict`` entries are exchanged.
+        mailbox: the same store for every node.
         learner_id: this node's name, one key segment (``node-3``), unique in the run.
-        every: exchange when this much time has passed since the previous exchange began.
-            ``None`` to exchange by steps only.
-        every_steps: exchange when this many ``step()`` calls have passed since the previous
-            exchange began; ``None`` (default) to exchange by time only. With both, whichever
-            is due first.
-        max_staleness: a member that has neither joined nor folded progress for this long (by
-            its own clock) no longer counts in ``N``: a silent or dead node stops counting.
-        timeout: the longest wait for the background thread on enter and exit.
-        catch_up: on enter, load the run's state (a late or restarted node joins the run
-            instead of starting cold). The first node's model becomes the run's base.
-        outer: the outer optimizer: ``"delayed_nesterov"`` (default, measured best: progress / N
-            plus a momentum step every 4 folds) or ``"average"`` (progress / N only), or an
-            ``OuterOptimizer`` such as ``DelayedNesterov(lr=0.5)``.
-        wire_dtype: the dtype the run's state is stored in: ``None`` (float32; float64 for a
-            float64 model) or ``torch.bfloat16`` (half the bytes, stochastically rounded).
+        every: exchange when this much time has passed since the last one (``None``: by steps).
+        every_steps: exchange every this many ``step()`` calls (``None``: by time); with both,
+            whichever is due first.
+        max_staleness: a member silent for this long no longer counts in ``N``.
+        timeout: the longest wait for the background thread.
+        catch_up: on enter, load the run's state (the first node's model becomes the base).
+        outer: ``"delayed_nesterov"`` (default), ``"average"`` or an ``OuterOptimizer``.
+        wire_dtype: ``None`` (float32 state) or ``torch.bfloat16`` (half the bytes).
 
-    Environment variables ``GRADIENTMAIL_SESSION_EVERY_S``, ``..._EVERY_STEPS``,
-    ``..._MAX_STALENESS_S`` and ``..._TIMEOUT_S`` override the arguments when set.
+    The ``ENV_*`` environment variables override the matching arguments when set.
+
+    Raises:
+        SessionError: on ``step()``, ``wait()`` or exit, for a failed background exchange.
+
+    Example:
+        >>> import torch
+        >>> from gradientmail import MemoryMailbox, Session, consensus
+        >>> box, model = MemoryMailbox("doctest-session"), torch.nn.Linear(2, 1)
+        >>> box.clear()
+        >>> with Session(model, mailbox=box, learner_id="node-0", every_steps=1) as session:
+        ...     session.step(samples=32)
+        ...     session.wait()
+        >>> session.steps, session.exchanges
+        (1, 2)
+        >>> consensus(box, torch.nn.Linear(2, 1))
+        {'node-0': 32}
     """
 
     def __init__(
@@ -232,10 +141,10 @@ class Session:
             raise ValueError(f"learner_id must be one key segment without '/', not {learner_id!r}")
         validate_key(progress_key(learner_id))
         validate_key(member_key(learner_id, 0.0))
-        every = _env_interval(ENV_EVERY, every)
-        every_steps = _env_steps(every_steps)
-        max_staleness = _env_interval(ENV_MAX_STALENESS, max_staleness)
-        timeout = _env_interval(ENV_TIMEOUT, timeout)
+        every = _env(ENV_EVERY, every, _seconds, "a number of seconds")
+        every_steps = _env(ENV_EVERY_STEPS, every_steps, int, "a step count")
+        max_staleness = _env(ENV_MAX_STALENESS, max_staleness, _seconds, "a number of seconds")
+        timeout = _env(ENV_TIMEOUT, timeout, _seconds, "a number of seconds")
         if every_steps is not None and (
             isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
         ):
@@ -265,20 +174,21 @@ class Session:
         self._seq = 0
         self._exchanges = 0
         self._merges = 0
-        self._conflicts = 0
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
         self._last_weights: dict[str, int] = {}
         self._buffers: dict[str, Tensor] = {}  # the snapshot, reused from exchange to exchange
-        # Owned by the background thread once entered.
-        self._spec: Spec = {}
-        self._known: State | None = None  # the newest version of the run's state this node holds
-        self._anchor: dict[str, Tensor] = {}  # where this node's local progress is measured from
-        self._member: str | None = None
-        self._active = 1  # N when the previous fold (or joining) happened
-        self._outer_state = self.outer.start()
+        self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
+            mailbox,
+            learner_id,
+            outer=self.outer,
+            wire_dtype=wire_dtype,
+            catch_up=catch_up,
+            max_staleness_s=self._max_staleness_s,
+            timeout_s=self._timeout_s,
+        )
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -304,12 +214,12 @@ class Session:
     @property
     def conflicts(self) -> int:
         """Versions of the run's state lost to other writers (each cost one more read)."""
-        return self._conflicts
+        return self._exchanger.conflicts
 
     @property
     def version(self) -> int | None:
         """The version of the run's state this node last read or wrote."""
-        known = self._known
+        known = self._exchanger.known
         return None if known is None else known.header.version
 
     @property
@@ -333,48 +243,34 @@ class Session:
         if self._state != "new":
             raise SessionError(f"Session {self.learner_id!r} was already entered; create a new one")
         entries = float_state(self.model)
-        self._spec = spec_of(entries, self.wire_dtype)
-        if not self._spec:
+        spec = spec_of(entries, self.wire_dtype)
+        if not spec:
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
-        initial = {
-            name: tensor.detach().to(
-                "cpu", torch.float64 if tensor.dtype == torch.float64 else torch.float32, copy=True
-            )
-            for name, tensor in entries.items()
-        }
-        self._worker = _Worker(f"gradientmail-session-{self.learner_id}")
+        initial = {name: t.detach().to("cpu", accumulation_dtype(t.dtype), copy=True) for name, t in entries.items()}
+        exchanger = self._exchanger
+        self._worker = Worker(f"gradientmail-session-{self.learner_id}")
         self._started_wall = time.time()
         self._started = time.monotonic()
         try:
-            state, own = self._wait(self._worker.submit(lambda: self._enter_job(initial)), "joining the run")
+            state, own = self._wait(self._worker.submit(lambda: exchanger.enter(spec, initial)), "joining the run")
             if self.catch_up:
                 load_into(self.model, state.tensors)
             if own is not None:  # a restarted learner continues its sequence and its totals
                 self._seq = own.seq + 1
                 self._steps = own.step
                 self._samples = own.samples
-        except BaseException:
-            self._worker.close(0)
-            raise
-        self._samples_at_enter = self._samples
-        # A first progress record, so that `gradientmail status` lists this
-        # learner from the start rather than from its first exchange.
-        progress = self._progress(finished=False)
-        try:
-            self._wait(self._worker.submit(lambda: self._put_progress(progress)), "writing progress")
+            self._samples_at_enter = self._samples
+            # A first progress record: `gradientmail status` lists this learner from the start.
+            progress = self._progress(finished=False)
+            self._wait(self._worker.submit(lambda: exchanger.put_progress(progress)), "writing progress")
         except BaseException:
             self._worker.close(0)
             raise
         self._schedule()
         self._state = "active"
-        log.info(
-            "%s joined the run on %s at version %s (%s, outer %s)",
-            self.learner_id,
-            describe(self.mailbox),
-            self.version,
-            "caught up" if self.catch_up else "own parameters",
-            self.outer.name,
-        )
+        how = "caught up" if self.catch_up else "own parameters"
+        what = "%s joined the run on %s at version %s (%s, outer %s)"
+        log.info(what, self.learner_id, describe(self.mailbox), self.version, how, self.outer.name)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -386,19 +282,10 @@ class Session:
             if exc is None:
                 if job is not None:
                     self._finish(self._wait(job, "the last exchange"))
-                self._finish(
-                    self._wait(
-                        self._worker.submit(self._exchange_job_for_now(final=True)), "folding the final progress"
-                    )
-                )
-                log.info(
-                    "%s left the run at version %s after %d steps, %d exchanges, %d conflicts",
-                    self.learner_id,
-                    self.version,
-                    self._steps,
-                    self._exchanges,
-                    self._conflicts,
-                )
+                final = self._worker.submit(self._exchange_job_for_now(final=True))
+                self._finish(self._wait(final, "folding the final progress"))
+                what = "%s left the run at version %s after %d steps, %d exchanges, %d conflicts"
+                log.info(what, self.learner_id, self.version, self._steps, self._exchanges, self.conflicts)
             else:
                 log.warning("%s left the run after an exception in the training loop: %r", self.learner_id, exc)
                 # Nothing final after a failed body (as after a crash, its progress up to its last
@@ -413,7 +300,7 @@ class Session:
                 if note and hasattr(exc, "add_note"):
                     exc.add_note(note)
                 if not self._stuck:  # leave the member list, so peers stop counting this node
-                    self._worker.submit(self._leave).done.wait(self._timeout_s)
+                    self._worker.submit(self._exchanger.leave).done.wait(self._timeout_s)
         finally:
             # An idle thread ends at once; a stuck one (a store that never answers) is a daemon
             # and is left behind rather than waited for again.
@@ -422,15 +309,14 @@ class Session:
 
     # -- the training thread -----------------------------------------------------------------
     def step(self, samples: int) -> None:
-        """Count one optimizer step and ``samples``; exchange in the background when due.
+        """Count one optimizer step; apply a finished exchange; start the next one when due.
 
-        ``samples`` is what this step trained on, in any unit every node uses alike (sequences,
-        tokens); it is reported in progress records and in the run's state.
+        Args:
+            samples: what this step trained on, in a unit every node uses alike (sequences).
 
-        Applies a finished exchange here, at a step boundary, and raises any failure of the
-        background exchange (``MailRejectedError``, ``MailboxError``, or ``SessionError``
-        wrapping anything else). When nothing is due and nothing has finished this is a few
-        attribute reads.
+        Raises:
+            GradientMailError: a failure of the background exchange (``MailRejectedError``,
+                ``MailboxError``, or ``SessionError`` wrapping anything else).
         """
         if self._state != "active":
             raise SessionError(f"Session {self.learner_id!r}: call step() inside `with session:`")
@@ -450,51 +336,34 @@ class Session:
             self._job = self._worker.submit(self._exchange_job_for_now(final=False))
             self._schedule()
 
-    def wait(self, timeout: timedelta | None = None) -> None:
-        """Wait for the exchange in flight, if any, and apply it now.
+    def wait(self, timeout: timedelta | None = None, *, apply: bool = True) -> None:
+        """Wait for the exchange in flight, if any, and apply it now (before an evaluation).
 
-        For tests and for a consistent state before evaluation or a checkpoint. Raises what
-        ``step()`` would raise, or ``SessionError`` after ``timeout`` (default: the session's).
+        Args:
+            timeout: the longest wait (default: the session's ``timeout``).
+            apply: False to only wait; the next ``step()`` applies the result.
+
+        Raises:
+            SessionError: past ``timeout``, or what ``step()`` would raise.
         """
         if self._state != "active":
             raise SessionError(f"Session {self.learner_id!r}: call wait() inside `with session:`")
         job = self._job
         if job is not None:
             limit = self._timeout_s if timeout is None else _positive("timeout", timeout)
-            if not job.done.wait(limit):
-                # Still in flight (and still owning the snapshot): a later step() or wait()
-                # picks it up; no new exchange starts meanwhile.
-                raise SessionError(
-                    f"learner {self.learner_id!r}: the exchange in flight did not finish within "
-                    f"{timedelta(seconds=limit)}; the mailbox {describe(self.mailbox)} is slow or "
-                    "not answering"
-                )
-            self._job = None
-            self._finish(self._result(job, "the exchange in flight"))
+            job.done.wait(limit)
+            # Past the limit the job stays in flight (owning the snapshot): a later call picks it up.
+            self._raise_if_running(job, "the exchange in flight", limit)
+            if apply:
+                self._job = None
+                self._finish(self._result(job, "the exchange in flight"))
 
     def _schedule(self) -> None:
         self._due_step = self._steps + self._every_steps
         self._due_time = time.monotonic() + self._every_s
 
-    def _snapshot(self) -> dict[str, Tensor]:
-        """The model's floating-point entries copied to the CPU, into reused buffers.
-
-        Only called with no exchange in flight, so the previous snapshot is free to overwrite;
-        reusing it avoids fresh (page-faulting) allocations, which cost more than the copy.
-        """
-        buffers = self._buffers
-        for name, tensor in float_state(self.model).items():
-            buffer = buffers.get(name)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                pin = tensor.device.type == "cuda"  # page-locked: a faster copy from the GPU
-                buffer = buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            buffer.copy_(tensor.detach())
-        return buffers
-
     def _progress(self, *, finished: bool) -> dict[str, Any]:
-        now = time.time()
-        elapsed = time.monotonic() - self._started
-        done = self._samples - self._samples_at_enter
+        elapsed, done = time.monotonic() - self._started, self._samples - self._samples_at_enter
         return {
             "learner": self.learner_id,
             "steps": self._steps,
@@ -502,167 +371,45 @@ class Session:
             "samples_per_s": done / elapsed if elapsed > 0 else 0.0,
             "units": None,
             "started": self._started_wall,
-            "last_seen": now,
+            "last_seen": time.time(),
             "finished": finished,
         }
 
-    def _exchange_job_for_now(self, *, final: bool) -> Callable[[], _Merge]:
-        snapshot = self._snapshot()
+    def _exchange_job_for_now(self, *, final: bool) -> Callable[[], Merge]:
+        snapshot = snapshot_into(self._buffers, self.model)
         totals = (self._seq, self._steps, self._samples)
         self._seq += 1
         progress = self._progress(finished=final)
-        return lambda: self._exchange_job(snapshot, totals, progress, final)
+        exchanger = self._exchanger
+        return lambda: exchanger.exchange(snapshot, totals, progress, final)
 
-    def _finish(self, merge: _Merge) -> None:
+    def _finish(self, merge: Merge) -> None:
         """Apply a finished exchange as a delta: local progress made meanwhile stays."""
         self._exchanges += 1
-        live = float_state(self.model)
-        with torch.no_grad():
-            for name, delta in merge.delta.items():
-                target = live[name]
-                target.add_(delta.to(device=target.device, dtype=target.dtype))
+        merge.apply_to(self.model)
         if any(learner != self.learner_id for learner in merge.weights):
             self._merges += 1
         self._last_weights = merge.weights
-        log.debug(
-            "%s exchange %d: version %s, %d conflicts so far, samples folded %s",
-            self.learner_id,
-            self._exchanges,
-            self.version,
-            self._conflicts,
-            merge.weights,
-        )
+        what = "%s exchange %d: version %s, %d conflicts so far, samples folded %s"
+        log.debug(what, self.learner_id, self._exchanges, self.version, self.conflicts, merge.weights)
 
-    def _result(self, job: _Job, what: str) -> Any:
+    def _result(self, job: Job, what: str) -> Any:
         if job.error is not None:
-            raise self._surface(job.error, what)
+            raise surface(job.error, f"{what} of Session {self.learner_id!r} on {describe(self.mailbox)}")
         return job.result
 
-    def _wait(self, job: _Job, what: str, limit: float | None = None) -> Any:
-        limit = self._timeout_s if limit is None else limit
-        if not job.done.wait(limit):
-            self._stuck = True
-            raise SessionError(
-                f"learner {self.learner_id!r}: {what} did not finish within {timedelta(seconds=limit)}; "
-                f"the mailbox {describe(self.mailbox)} is not answering"
-            )
+    def _wait(self, job: Job, what: str) -> Any:
+        """``job``'s result; a thread still busy past the timeout is stuck (left behind on exit)."""
+        self._stuck = not job.done.wait(self._timeout_s) or self._stuck
+        self._raise_if_running(job, what, self._timeout_s)
         return self._result(job, what)
 
-    def _surface(self, error: BaseException, what: str) -> BaseException:
-        where = f"raised by {what} of Session {self.learner_id!r} on {describe(self.mailbox)}"
-        if isinstance(error, GradientMailError):
-            if hasattr(error, "add_note") and where not in getattr(error, "__notes__", ()):
-                error.add_note(where)
-            return error
-        wrapped = SessionError(f"{what} of learner {self.learner_id!r} failed: {type(error).__name__}: {error}")
-        wrapped.__cause__ = error
-        return wrapped
-
-    # -- the background thread -----------------------------------------------------------------
-    def _enter_job(self, initial: dict[str, Tensor]) -> tuple[State, Contribution | None]:
-        """Join the run: its newest state (creating the base if there is none) and a member key."""
-        mailbox, me = self.mailbox, self.learner_id
-        state, listing = read_newest(mailbox, self._spec)
-        if state is None:
-            state = create_base(mailbox, self._spec, initial, me)
-        self._member = member_key(me, time.time())
-        mailbox.put(self._member, json.dumps({"learner": me, "joined": time.time()}).encode())
-        for key in listing.member_keys.get(me, []):  # an earlier incarnation's, if any
-            if key != self._member:
-                mailbox.delete(key)
-        self._known = state
-        self._anchor = _widen(state.tensors) if self.catch_up else initial
-        self._active = len(active_learners(listing, state.header, me, time.time(), self._max_staleness_s))
-        return state, state.header.learners.get(me)
-
-    def _exchange_job(
-        self, snapshot: dict[str, Tensor], totals: tuple[int, int, int], progress: dict[str, Any], final: bool
-    ) -> _Merge:
-        mailbox, me = self.mailbox, self.learner_id
-        seq, steps, samples = totals
-        anchor = self._anchor
-        local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
-        for name, tensor in local.items():  # never spread a diverged model to every node
-            if not bool(torch.isfinite(tensor).all()):
-                raise SessionError(
-                    f"learner {me!r}: this node's own parameters hold NaN or Inf in {name!r} "
-                    "(local training diverged: lower the learning rate, clip gradients); nothing "
-                    "was folded into the run, whose state stays finite"
-                )
-        wire = self.wire_dtype
-
-        def add(base: Mapping[str, Tensor], increment: Mapping[str, Tensor]) -> dict[str, Tensor]:
-            return {name: _to_wire(base[name].to(increment[name].dtype) + increment[name], wire) for name in increment}
-
-        done = fold(
-            mailbox,
-            self._spec,
-            me=me,
-            known=self._known,
-            increment_for=lambda active: self._outer_state(local, self._scale_for(active)),
-            entry=lambda header: Contribution(seq=seq, step=steps, samples=samples, time=time.time(), final=final),
-            add=add,
-            max_staleness=self._max_staleness_s,
-            deadline=time.monotonic() + self._timeout_s,
-        )
-        self._conflicts += done.conflicts
-        before = self._known.header.learners if self._known is not None else {}
-        self._known = done.state
-        self._anchor = _widen(done.state.tensors)
-        delta = {name: self._anchor[name] - snapshot[name].to(self._anchor[name].dtype) for name in self._anchor}
-        weights = {}
-        for learner, entry in done.state.header.learners.items():
-            old = before.get(learner)
-            gained = entry.samples - (old.samples if old is not None else 0)
-            if gained > 0 or (learner == me and gained >= 0):
-                weights[learner] = gained
-        if final:
-            self._leave()
-        self._put_progress(progress)
-        return _Merge(delta=delta, weights=weights)
-
-    def _scale_for(self, active: int) -> int:
-        """``N`` for progress made since the previous fold: the larger of then and now.
-
-        Progress made while four learners ran still counts 1/4 when the others have left by the
-        time it is folded (a learner's last progress, at exit), and a learner that just joined
-        does not yet inflate the others' contributions: the rule never overshoots.
-        """
-        scale = max(active, self._active)
-        self._active = active
-        return scale
-
-    def _leave(self) -> None:
-        if self._member is not None:
-            self.mailbox.delete(self._member)
-            self._member = None
-
-    def _put_progress(self, progress: dict[str, Any]) -> None:
-        record = dict(progress, units=_units_claimed(self.learner_id))
-        spans = _unit_spans(describe(self.mailbox), self.learner_id)
-        if spans is not None:  # when and for how long this learner trained its recent units
-            record["unit_spans"] = spans
-        self.mailbox.put(progress_key(self.learner_id), json.dumps(record).encode())
-
-
-def _widen(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Tensors as stored, in the dtype sums are taken in (float32, or float64 as it is)."""
-    return {name: t.to(accumulation_dtype(t.dtype)) for name, t in tensors.items()}
-
-
-def _to_wire(tensor: Tensor, wire: torch.dtype | None) -> Tensor:
-    """``tensor`` in the dtype it is stored in; bfloat16 is rounded stochastically (unbiased).
-
-    Round-to-nearest would drop every contribution smaller than half a bfloat16 step of the
-    weight; adding random low bits before truncating keeps each one in expectation.
-    """
-    if wire is None or wire == tensor.dtype:
-        return tensor
-    if wire == torch.bfloat16 and tensor.dtype == torch.float32:
-        bits = tensor.contiguous().view(torch.int32)
-        noise = torch.randint(0, 1 << 16, tensor.shape, dtype=torch.int32)
-        return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
-    return tensor.to(wire)
+    def _raise_if_running(self, job: Job, what: str, limit: float) -> None:
+        if not job.done.is_set():
+            raise SessionError(
+                f"learner {self.learner_id!r}: {what} did not finish within {timedelta(seconds=limit)}; "
+                f"the mailbox {describe(self.mailbox)} is slow or not answering"
+            )
 
 
 def _samples(value: Any) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from gradientmail.errors import MailRejectedError
+from gradientmail.errors import MailRejectedError, UnusableStateError  # re-exported: its old home
 from gradientmail.layout import SESSION_PREFIX
 
 FORMAT = "gradientmail.session/2"
@@ -40,15 +40,6 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_LEARNERS = 100_000
 MAX_COUNT = 2**62
 """Upper bound for any count in a header (steps, samples, sequence numbers)."""
-
-
-class UnusableStateError(MailRejectedError):
-    """A version that cannot be used: corrupt, truncated, not finite, or inconsistent.
-
-    Unlike a well-formed state of another model or format (a configuration error, raised), such
-    a version is skipped with a ``MailSkippedWarning``: one bad file, or one diverged or hostile
-    writer, must not stop every node and every ``consensus()`` of the run.
-    """
 
 
 Spec = dict[str, tuple[tuple[int, ...], "torch.dtype | None"]]

@@ -24,10 +24,13 @@ def load_into(model: torch.nn.Module, tensors: Mapping[str, Tensor]) -> None:
 def consensus(mailbox: Mailbox, model: torch.nn.Module) -> dict[str, int]:
     """Load the run's model into ``model``: its base plus every learner's folded progress.
 
-    The newest version of the run's state (``session/state/``) holds every contribution that
-    any learner has folded in, so this is the model of the whole run, not an average of final
-    positions; read during a run, it is the run so far. Floating-point parameters and buffers
-    are loaded; integer buffers keep the model's values.
+    The newest version of the run's state holds every contribution folded in so far, so this is
+    the whole run's model (the run so far, during a run), on any machine. Integer buffers keep
+    the model's values.
+
+    Args:
+        mailbox: the run's store.
+        model: a module of the run's architecture; its floating-point entries are overwritten.
 
     Returns:
         ``{learner: samples}``: the samples of every learner whose progress it holds.
@@ -36,6 +39,17 @@ def consensus(mailbox: Mailbox, model: torch.nn.Module) -> dict[str, int]:
         LookupError: the mailbox holds no state of a run.
         MailRejectedError: the state does not match ``model`` (names, shapes) or is corrupt, or
             the mailbox holds mail of another format; ``model`` is not modified.
+
+    Example:
+        >>> import torch
+        >>> from gradientmail import MemoryMailbox, Session
+        >>> box = MemoryMailbox("doctest-consensus")
+        >>> box.clear()
+        >>> for name, samples in [("a", 8), ("b", 4)]:
+        ...     with Session(torch.nn.Linear(2, 1), mailbox=box, learner_id=name) as session:
+        ...         session.step(samples=samples)
+        >>> consensus(box, torch.nn.Linear(2, 1))
+        {'a': 8, 'b': 4}
     """
     # Any floating dtype is accepted: a run may store its state in bfloat16 (wire_dtype).
     spec = {name: (shape, None) for name, (shape, _) in spec_of(float_state(model)).items()}
