@@ -26,7 +26,7 @@ from pathlib import Path
 
 from benchmarks._common import TARGETS
 
-SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_figures")
+SCRIPTS = ("balance", "requests", "throughput", "s3_latency", "stall", "session", "session_figures")
 """What ``python -m benchmarks`` runs (within its 3-minute budget)."""
 FULL_SCRIPTS = (*SCRIPTS, "training", "scale")
 """What ``--full`` runs: also the model-quality benchmark, which trains for minutes, and the
@@ -47,6 +47,7 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("throughput", "ratio_disk", "the same, LocalMailbox on this machine's disk (0.8 ms a file create)"),
     ("throughput", "ratio_latency_20ms", "the same (tmpfs), 20 ms per mailbox request"),
     ("throughput", "ratio_latency_100ms", "the same, 100 ms per mailbox request"),
+    ("s3_latency", "ratio_s3_20ms", "the same on S3Mailbox: moto over HTTP behind a 20 ms-per-request proxy"),
     ("stall", "stall_fraction", "share of time the loop waits for data, 50 ms step, 20 ms load, LocalMailbox"),
     ("stall", "stall_fraction_dataloader", "the same for a plain DataLoader (num_workers=1), no claims"),
     ("stall", "stall_fraction_workers0", "the same for shared_queue(workers=0)"),

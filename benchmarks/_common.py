@@ -40,16 +40,23 @@ class Target:
 
 
 TARGETS: dict[str, Target] = {
-    "shared_over_bound": Target("<=", 1.05, "shared-queue makespan / fluid lower bound, 64 nodes"),
-    "requests_per_claim": Target("<=", 3.0, "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
+    "shared_over_bound": Target("<=", 1.02, "shared-queue makespan / fluid lower bound, 64 nodes"),
+    "requests_per_claim": Target("<=", 2.2, "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
+    "requests_per_claim_no_rotation": Target(
+        "<=", 2.5, "the same in the mapping's order (every node wants the same unit)"
+    ),
     "conflicts_per_claim": Target("<=", 0.05, "lost claims per claimed unit, same run"),
     "conflicts_per_claim_threads": Target(
-        "<=", 0.05, "lost claims per claimed unit, 64 threads racing for real, rotation"
+        "<=", 0.01, "lost claims per claimed unit, 64 threads racing for real, rotation"
     ),
     "ratio_local": Target(
-        ">=", 0.95, "shared_queue / plain DataLoader batches/s, LocalMailbox (worse of small, large)"
+        ">=", 0.98, "shared_queue / plain DataLoader batches/s, LocalMailbox (worse of small, large)"
     ),
-    "ratio_latency_20ms": Target(">=", 0.90, "the same with 20 ms per mailbox request"),
+    "ratio_latency_20ms": Target(">=", 0.95, "the same with 20 ms per mailbox request"),
+    "ratio_latency_100ms": Target(">=", 0.90, "the same with 100 ms per mailbox request"),
+    "ratio_s3_20ms": Target(
+        ">=", 0.95, "the same on S3Mailbox over HTTP (moto behind a proxy adding 20 ms per request)"
+    ),
     "stall_fraction": Target("<", 0.01, "share of wall time the training loop waits for data, after the first batch"),
     "step_overhead": Target("<", 0.01, "Session.step with nothing due / one training step"),
     "drag": Target(">=", 0.95, "consensus advance per node step in the toy (no progress lost)"),

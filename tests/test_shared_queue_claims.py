@@ -14,6 +14,7 @@ from gradientmail.errors import InvalidKeyError, UnsafeStoreError
 from gradientmail.layout import CLAIMS_PREFIX, claim_key
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.patterns.claims import (
+    STRETCH,
     Claimer,
     KeyTypeError,
     claim_body,
@@ -176,21 +177,58 @@ def test_claimer_lists_when_catching_up_with_a_known_claim(box):
     assert not any(listed_before[f"{i:05d}"] for i in range(45, 60))
 
 
-def test_claimers_competing_for_the_same_units_list_first_and_never_conflict(box):
-    identifiers = [f"{i:05d}" for i in range(200)]
-    counted = [CountingMailbox(box), CountingMailbox(box)]
-    claimers = [Claimer(counted[0], identifiers, "a"), Claimer(counted[1], identifiers, "b")]
+def take_turns(claimers: list[Claimer]) -> list[str]:
+    """Each claimer claims one unit in turn until none finds a free one."""
     got: list[str] = []
     while True:
         claimed = [claimer.claim_next() for claimer in claimers]
         got.extend(identifier for identifier in claimed if identifier is not None)
-        if claimed == [None, None]:
-            break
-    assert sorted(got) == identifiers
-    for claimer, _mailbox in zip(claimers, counted, strict=True):
-        assert claimer.stats["conflicts"] == 0
+        if all(identifier is None for identifier in claimed):
+            return got
+
+
+def test_claimers_listing_before_every_claim_never_conflict(box):
+    identifiers = [f"{i:05d}" for i in range(200)]
+    claimers = [Claimer(box, identifiers, name, listing="always") for name in "ab"]
+    assert sorted(take_turns(claimers)) == identifiers
+    for claimer in claimers:
+        assert claimer.stats["conflicts"] == 0 and claimer.stats["blind"] == 0
+        assert claimer.stats["jumps"] == 0
         assert claimer.stats["listings"] >= claimer.stats["claims"] - 1, "both list before each claim"
-        assert claimer.risk() > 0.5
+
+
+def test_claimers_in_a_crowd_jump_ahead_and_list_far_less(box):
+    # Four claimers with the same order: the seed's adaptive claimer listed before every claim.
+    identifiers = [f"{i:05d}" for i in range(2000)]
+    claimers = [Claimer(box, identifiers, f"node-{rank}") for rank in range(4)]
+    assert sorted(take_turns(claimers)) == identifiers
+    claims = sum(claimer.stats["claims"] for claimer in claimers)
+    listings = sum(claimer.stats["listings"] for claimer in claimers)
+    conflicts = sum(claimer.stats["conflicts"] for claimer in claimers)
+    assert sum(claimer.stats["jumps"] for claimer in claimers) > 0
+    assert listings < claims * 0.6  # listing before every claim: about 1 per claim
+    assert conflicts < claims / 20
+
+
+def test_after_a_jump_a_claimer_walks_a_stretch_of_consecutive_units(box):
+    identifiers = [f"{i:05d}" for i in range(2000)]
+    claimers = [Claimer(box, identifiers, f"node-{rank}") for rank in range(4)]
+    won: dict[str, list[int]] = {claimer.learner_id: [] for claimer in claimers}
+    while True:
+        claimed = [(claimer, claimer.claim_next()) for claimer in claimers]
+        for claimer, identifier in claimed:
+            if identifier is not None:
+                won[claimer.learner_id].append(int(identifier))
+        if all(identifier is None for _, identifier in claimed):
+            break
+    jumped = [claimer for claimer in claimers if claimer.stats["jumps"]]
+    assert jumped
+    for claimer in jumped:
+        numbers = won[claimer.learner_id]
+        longest = max(
+            len(list(run)) for _, run in itertools.groupby(enumerate(numbers), lambda pair: pair[1] - pair[0])
+        )
+        assert longest >= STRETCH, f"{claimer.learner_id} never walked a stretch"
 
 
 def test_a_claimer_that_knows_everything_is_claimed_makes_no_request(box):
@@ -302,7 +340,7 @@ def test_each_claim_costs_less_than_three_requests_in_a_round_of_nodes(box):
     assert served == 2 * len(units)
     requests = sum(mailbox.requests for mailbox in mailboxes)
     assert requests / len(units) < 2.6, [dict(mailbox.counts) for mailbox in mailboxes]
-    # The seed's plain rotation in the same round: every claim lists first.
+    # The seed's plain rotation in the same round: nodes compete for the same next units.
     store = MemoryMailbox(f"plain-{random.getrandbits(64):x}")
     plain = [CountingMailbox(store) for _ in range(nodes)]
     batches = [
@@ -322,7 +360,7 @@ def test_each_claim_costs_less_than_three_requests_in_a_round_of_nodes(box):
             for iterator in list(batches):
                 if next(iterator, None) is None:
                     batches.remove(iterator)
-        assert sum(mailbox.requests for mailbox in plain) / len(units) > 2.85
+        assert sum(mailbox.requests for mailbox in plain) > requests
     finally:
         store.clear()
 
@@ -358,6 +396,64 @@ def test_simulated_bill_matches_counting_mailbox():
         store.clear()
 
 
+@pytest.mark.parametrize("shape", [{}, {"block": 1, "lag": 0}, {"block": 3, "lag": 2}])
+@pytest.mark.parametrize(("units", "lanes", "nodes"), [(24, 4, 4), (23, 4, 9), (1003, 7, 16), (50, 1, 3)])
+def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, nodes):
+    """The simulator's arithmetic rotation gives every node exactly ``rotated_order``'s preference,
+    a shorter last group and more nodes than lanes included."""
+    from gradientmail.patterns.claims import ClaimIndex
+    from gradientmail.patterns.simulate import rotated_positions
+
+    mapping = dict(itertools.islice(unit_grid(-(-units // lanes), 1, lanes).items(), units))
+    index = ClaimIndex(mapping)
+    orders = list(rotated_positions(index, list(mapping), nodes, lanes, **shape))
+    assert len(orders) == nodes
+    for rank, order in enumerate(orders):
+        assert list(order) == rotated_order(mapping, rank, lanes, **shape), rank
+        assert index.order(order) is order.positions  # the claimer takes them as they are
+
+
+def test_claimer_walks_a_position_order(box):
+    from gradientmail.patterns.claims import ClaimIndex, PositionOrder
+
+    identifiers = [f"u{i}" for i in range(12)]
+    index = ClaimIndex(identifiers)
+    wanted = identifiers[::-1]
+    order = PositionOrder(index, index.order(wanted))
+    assert list(order) == wanted and order[2:4] == wanted[2:4]
+    claimer = Claimer(box, order, "a", index=index)
+    assert [claimer.claim_next() for _ in range(13)] == [*wanted, None]
+    with pytest.raises(ValueError, match="positions"):
+        PositionOrder(index, [0, 1])
+
+
+def test_dataset_takes_listing_claim_index_and_prepared(box):
+    from gradientmail.layout import RUN_KEY
+    from gradientmail.patterns.claims import ClaimIndex
+
+    units = unit_grid(steps=4, unit_steps=1, lanes=2)
+    counting = CountingMailbox(box)
+    index = ClaimIndex(units)
+    dataset = SharedQueueDataset(
+        units, mailbox=counting, learner_id="a", load=_two_batches, listing="never", claim_index=index, prepared=True
+    )
+    assert len(list(dataset)) == len(units)
+    assert box.get(RUN_KEY) is None  # prepared: the caller ran prepare_mailbox, iterating skips it
+    assert counting.counts["list"] == 0  # listing="never"
+    assert counting.counts["put_if_absent"] == len(units)
+    with pytest.raises(ValueError, match="listing"):
+        SharedQueueDataset(units, mailbox=box, learner_id="a", load=_two_batches, listing="sometimes")
+
+
+def test_simulate_refuses_an_order_that_is_not_a_permutation():
+    units = unit_grid(steps=2, unit_steps=1, lanes=2)
+    good = list(units)
+    with pytest.raises(ValueError, match="not a unit"):
+        simulate(units, [1, 1], orders=[good, [*good[:-1], "nope"]])
+    with pytest.raises(ValueError, match="exactly once"):
+        simulate(units, [1, 1], orders=[good, [*good[:-1], good[0]]])
+
+
 # -- the seed's schedule, virtually ---------------------------------------------------------------
 
 
@@ -388,9 +484,11 @@ def test_step_spread_grows_with_the_stretches_nodes_keep_to_themselves():
     plain = simulate(units, speeds, rotate_lanes=8, block=1, lag=0, jitter=0.2)
     default = simulate(units, speeds, rotate_lanes=8, jitter=0.2)
     longer = simulate(units, speeds, rotate_lanes=8, block=8, lag=1, jitter=0.2)
-    assert plain.step_spread <= 4
-    assert plain.step_spread < default.step_spread <= 12 < longer.step_spread <= 20
+    assert default.step_spread <= 12 < longer.step_spread <= 20
     assert longer.requests_per_claim < default.requests_per_claim < plain.requests_per_claim
+    # Competing for the same next units, nodes jump ahead in stretches: they drift apart too.
+    assert plain.claim_stats["jumps"] > 0
+    assert plain.step_spread <= 2 * STRETCH
 
 
 # -- the unit helpers ----------------------------------------------------------------------------

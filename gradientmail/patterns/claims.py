@@ -69,6 +69,23 @@ SPREAD = 64
 in a row, up to ``SPREAD``) rather than the first: claimers that lost the same race list at the
 same moment, and would otherwise all create the same next unit again and go on losing together."""
 
+CROWD_LIMIT = 0.9
+"""``adaptive`` treats a claimer as walking in a crowd (nodes preferring the same next units, as
+in the mapping's order) when more than this share of its recent listings (about the last
+``CROWD_MEMORY``) found its candidate already taken: it then jumps ahead (see ``STRETCH``)."""
+
+CROWD_MEMORY = 10
+"""Roughly how many recent listings the crowd estimate remembers."""
+
+STRETCH = 16
+"""In a crowd, a claimer whose candidate was taken jumps ``STRETCH`` units past the start of
+the first run of at least ``2 * STRETCH`` free units ahead in its order, then creates the units
+after it blindly, up to ``STRETCH`` per listing: every jump lands at least that far past the
+last claim its claimer saw, so a claimer walking its stretch does not meet one that jumped
+after it started. One listing then serves about ``STRETCH`` claims instead of one."""
+
+JUMP_WINDOW = 4096
+"""How far along its order (in units) a claimer looks for a free run to jump to."""
 _STEP_CLASSES = 4096  # distinct steps remembered; beyond that, new steps use the overall rate
 
 
@@ -223,9 +240,39 @@ class ClaimIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def order(self, identifiers: Iterable[str]) -> list[int]:
-        """The sorted positions of ``identifiers``, in their order."""
+    def order(self, identifiers: Iterable[str]) -> Sequence[int]:
+        """The sorted positions of ``identifiers``, in their order.
+
+        A ``PositionOrder`` over this index gives its positions as they are: no lookup per unit
+        (the simulator's thousand nodes each pass one).
+        """
+        if isinstance(identifiers, PositionOrder) and identifiers.index is self:
+            return identifiers.positions
         return list(map(self._by_identifier.__getitem__, identifiers))
+
+
+class PositionOrder(Sequence[str]):
+    """A preference order held as sorted positions in a ``ClaimIndex``: identifiers on demand.
+
+    A list of a million identifiers costs each node tens of MB and a lookup per unit to turn
+    into positions; an ``array("i")`` of positions costs 4 bytes a unit. ``positions`` must be
+    a permutation of ``range(len(index))`` (not checked: the caller built it from the index).
+    """
+
+    def __init__(self, index: ClaimIndex, positions: Sequence[int]) -> None:
+        if len(positions) != len(index):
+            raise ValueError(f"{len(positions)} positions for an index of {len(index)} units")
+        self.index = index
+        self.positions = positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, item: Any) -> Any:
+        keys = self.index.keys
+        if isinstance(item, slice):
+            return [keys[position][len(CLAIMS_PREFIX) :] for position in self.positions[item]]
+        return keys[self.positions[item]][len(CLAIMS_PREFIX) :]
 
 
 @dataclass(frozen=True)
@@ -237,6 +284,7 @@ class Pick:
     step: int | None  # distance in sorted order from the previous unit of the order
     blind: bool  # attempted without a listing covering it
     token: str  # the attempt's claim token, unique to it
+    stretch: bool = False  # a unit of a stretch walked after a jump
 
 
 class Claimer:
@@ -272,8 +320,13 @@ class Claimer:
       Otherwise it creates blindly: two requests per claim. Where each node works through
       stretches of units no other node prefers (``rotated_order(..., block=k)``) that is most
       claims; where nodes compete for the same next units (every node in the mapping's order,
-      or the seed's plain rotation) every step is found contested, and it lists first: three
-      requests per claim, without conflicts. A node alone never meets anyone: two.
+      or the seed's plain rotation) every step is found contested, and it lists first. A
+      claimer whose recent listings nearly all (``CROWD_LIMIT``) found its candidate taken is
+      in such a crowd: it then jumps ``STRETCH`` units into the first long enough run of free
+      units ahead in its order and creates the units after it blindly, listing once per
+      ``STRETCH`` of them, so crowded claimers walk stretches of their own (about 2.3 requests
+      per claim instead of 3, at the price of a few conflicts and of nodes drifting further
+      apart in the run: about ``2 * STRETCH`` units each). A node alone never meets anyone: two.
     After a lost create it lists (every policy but ``"never"``) and then takes one of its next
     free units that listing settled (16 of them, doubling with each loss in a row, up to
     ``SPREAD``), chosen by its learner id and worker rather than the first: claimers that lost
@@ -287,8 +340,8 @@ class Claimer:
 
     ``stats`` counts ``claims``, ``attempts``, ``conflicts`` (a create that lost, or a read-back
     that showed another token), ``listings``, ``blind`` (attempts on a candidate no current
-    listing covered) and ``stale`` (listings that found the candidate already taken, where a
-    blind attempt would have conflicted).
+    listing covered), ``stale`` (listings that found the candidate already taken, where a
+    blind attempt would have conflicted) and ``jumps`` (stretches started ahead in a crowd).
     """
 
     def __init__(
@@ -334,6 +387,9 @@ class Claimer:
         self._taken = 0.0
         self._others = False  # a listing has shown a claim that is not this claimer's
         self._losses = 0  # creates lost in a row
+        self._cursor: int | None = None
+        self._budget = 0
+        self._crowd = 0.0
         self._seat = zlib.crc32(f"{learner_id}/{worker}".encode())  # spreads claimers after a loss
         self.stats: Counter[str] = Counter()
 
@@ -359,7 +415,11 @@ class Claimer:
         known = self._known
         adaptive = self.listing == "adaptive"
         end = len(order)
+        stale = False
         while True:
+            stretched = self._stretch_pick()
+            if stretched is not None:
+                return stretched
             index = self._next
             while index < end and known[order[index]]:
                 index += 1  # claimed by someone: never looked at again
@@ -374,10 +434,12 @@ class Claimer:
                 if near or self._should_list(step):
                     self._refresh(position)
                     taken = bool(known[position])
+                    self._crowd += ((1.0 if taken else 0.0) - self._crowd) / CROWD_MEMORY
                     if not near:
                         self._observe(step, taken)
                     if taken:
                         self.stats["stale"] += 1
+                        stale = True
                         self._next += 1
                         continue
                 else:
@@ -387,14 +449,80 @@ class Claimer:
                 index = self._spread(index)
                 position = order[index]
                 step = position - order[index - 1] if index else None
-            if index == self._next:
-                self._next += 1
-            self.stats["attempts"] += 1
-            self._fresh = False
-            known[position] = 1  # settled by this attempt, whoever wins
-            self._advance_low()
-            token, self._token = self._token or uuid.uuid4().hex, None
-            return Pick(position, self._keys[position][len(CLAIMS_PREFIX) :], step, blind, token)
+            elif stale and adaptive and self._crowd > CROWD_LIMIT:
+                target = self._jump(index)
+                if target != index:
+                    self.stats["jumps"] += 1
+                    index = target
+                    position = order[index]
+                    step = position - order[index - 1] if index else None
+                    self._cursor = index + 1
+                    self._budget = STRETCH - 1
+            return self._take(index, step, blind)
+
+    def _take(self, index: int, step: int | None, blind: bool, stretch: bool = False) -> Pick:
+        """The attempt on ``order[index]``: it counts as known-claimed from now, whoever wins."""
+        if index == self._next:
+            self._next += 1
+        position = self._order[index]
+        self.stats["attempts"] += 1
+        self._fresh = False
+        self._known[position] = 1
+        self._advance_low()
+        token, self._token = self._token or uuid.uuid4().hex, None
+        return Pick(position, self._keys[position][len(CLAIMS_PREFIX) :], step, blind, token, stretch)
+
+    def _stretch_pick(self) -> Pick | None:
+        """The next unit of the stretch after a jump, listing first once per ``STRETCH`` of them.
+
+        None when there is no stretch or it ended (a unit known claimed, a lost create, or a
+        listing that found the next unit taken): ``pick`` then goes on from ``_next``.
+        """
+        cursor = self._cursor
+        if cursor is None:
+            return None
+        order = self._order
+        known = self._known
+        if self._losses or cursor >= len(order) or known[order[cursor]]:
+            self._cursor = None
+            return None
+        position = order[cursor]
+        blind = not (self._fresh and position <= self._covered)
+        if blind and self._budget <= 0:
+            self._refresh(position)
+            if known[position]:
+                self._cursor = None
+                return None
+            self._budget = min(STRETCH, self._run(cursor, STRETCH))
+            blind = False
+        if blind:
+            self.stats["blind"] += 1
+            self._budget -= 1
+        self._cursor = cursor + 1
+        return self._take(cursor, position - order[cursor - 1] if cursor else None, blind, stretch=True)
+
+    def _run(self, index: int, limit: int) -> int:
+        """How many units from ``order[index]`` on (at most ``limit``) the latest listing shows free."""
+        order = self._order
+        known = self._known
+        end = min(len(order), index + limit)
+        covered = self._covered
+        for later in range(index, end):
+            if known[order[later]] or order[later] > covered:
+                return later - index
+        return end - index
+
+    def _jump(self, index: int) -> int:
+        """Where to go from free candidate ``index`` in a crowd: ``STRETCH`` units into the first
+        run of ``2 * STRETCH`` units the latest listing shows free (``index`` if none is near),
+        leaving the start of the run to whoever is walking into it."""
+        segment = self._order[index : index + JUMP_WINDOW]
+        covered = self._covered
+        if covered < len(self._keys) - 1:  # the listing stopped early: nothing past it is known
+            segment = segment[: next((i for i, position in enumerate(segment) if position > covered), len(segment))]
+        flags = bytes(map(self._known.__getitem__, segment))  # 1: known claimed
+        found = flags.find(bytes(2 * STRETCH))
+        return index if found < 0 else index + found + STRETCH
 
     def attempt(self, pick: Pick) -> bool:
         """The requests of one claim (create, read back): whether this claimer won ``pick``.
@@ -409,7 +537,9 @@ class Claimer:
         self._losses = self._losses + 1 if not won else 0
         if not won:
             self.stats["conflicts"] += 1
-        if pick.blind:
+        if not won:
+            self._cursor = None
+        if pick.blind and not pick.stretch:
             self._observe(pick.step, not won)
         if not won:
             return None

@@ -46,6 +46,7 @@ from gradientmail.patterns.batches import TensorTree, first_non_tensor
 from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
 from gradientmail.patterns.claims import (
     DEFAULT_LISTING,
+    LISTING_POLICIES,
     Claimer,
     ClaimIndex,
     validate_identifiers,
@@ -228,6 +229,12 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             each worker once claims are seen to stall it; ``shared_queue`` watches its buffer
             and claims ahead only when the loop was starving while a claim was made. Not used with
             ``resume``, ``lease`` or a restored state (those claim on demand).
+        listing: When the claimer lists claims before an attempt (``claims.LISTING_POLICIES``;
+            the default suits every store, the others are for comparisons).
+        claim_index: A ``ClaimIndex`` of these units to share (building one sorts every key:
+            the simulator builds it once for all its nodes); None builds it on first use.
+        prepared: The caller already ran ``prepare_mailbox`` on ``mailbox`` for these units,
+            as ``shared_queue`` does once per node; iterating then skips it.
 
     With ``resume`` or ``lease``, consumption is tracked where the dataset is iterated: use it
     through ``shared_queue`` or iterate it directly in the training process (a batch counts as
@@ -255,8 +262,13 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         resume: bool = False,
         lease: timedelta | float | None = None,
         claim_ahead: int = 0,
+        listing: str = DEFAULT_LISTING,
+        claim_index: ClaimIndex | None = None,
+        prepared: bool = False,
     ) -> None:
         super().__init__()
+        if listing not in LISTING_POLICIES:
+            raise ValueError(f"listing must be one of {LISTING_POLICIES}, not {listing!r}")
         if not isinstance(units, Mapping):
             raise TypeError(f"units must be a mapping of identifier -> unit value, not {type(units).__name__}")
         self.units: dict[str, V] = dict(units)
@@ -276,10 +288,10 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self.claim_ahead = _positive("claim_ahead", claim_ahead, 0)
         self._gauge: BufferGauge | None = None  # shared_queue's buffer, which claim_ahead watches
         self._counter = _register_counter(self.learner_id)
-        self._verified = False  # shared_queue verifies once in the main process
+        self._verified = prepared  # shared_queue verifies once in the main process
         self._control: _Control | None = None
-        self._listing = DEFAULT_LISTING
-        self._claim_index: ClaimIndex | None = None  # built on first use (the simulator shares one)
+        self._listing = listing
+        self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
         self._claim_stats: Counter[str] = Counter()  # per process; the simulator reads it
         self.resume = resume
         self.lease_s = check_elastic(mailbox, resume, lease)
