@@ -153,7 +153,7 @@ def race(units_count: int, learners: int, rotation: bool) -> Outcome:
     stats: Counter[str] = Counter()
     operations: Counter[str] = Counter()
     for dataset, counter in zip(datasets, counters, strict=True):
-        stats.update(dataset._claim_stats)
+        stats.update(dataset.claim_stats)
         operations.update(counter.counts)
     if stats["claims"] != units_count:
         raise RuntimeError(f"race: {stats['claims']} claims for {units_count} units")

@@ -6,6 +6,8 @@ Catch ``GradientMailError`` for anything the library raises on purpose; catch th
 
 from __future__ import annotations
 
+import pickle
+
 
 class GradientMailError(Exception):
     """Base class of every error GradientMail raises on purpose."""
@@ -150,3 +152,17 @@ class UnsafeEntry(Exception):
 
 class ParentIsKey(Exception):
     """A directory a local key needs is an existing key (a regular file); internal, as ``UnsafeEntry``."""
+
+
+# -- the claim protocol (moved from patterns/claims.py) -------------------------------------------
+class KeyTypeError(InvalidKeyError, TypeError):
+    """A unit identifier or learner id that is not a ``str`` (also a ``TypeError``)."""
+
+
+# -- the shared queue's worker checks (moved from patterns/shared_queue.py) ------------------------
+class InProcessMailboxError(WrongProcessError, ValueError):
+    """A ``MemoryMailbox`` was given to worker processes, which would each get a private copy."""
+
+
+class UnpicklableError(GradientMailError, TypeError, pickle.PicklingError):
+    """``load``, the units or the mailbox cannot be sent to workers under this start method."""

@@ -24,7 +24,7 @@ from process_harness import join_all  # tests/ is on sys.path, as for every test
 from queue_nodes import RecordingLoad
 
 from gradientmail.layout import WORK_PREFIX
-from gradientmail.mailbox.wrappers import _Wrapper
+from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.patterns.elastic import take_over
 from gradientmail.patterns.shared_queue import shared_queue
 
@@ -34,7 +34,7 @@ def _append(path: Path, line: str) -> None:
         handle.write(line + "\n")
 
 
-class ProgressLog(_Wrapper):
+class ProgressLog(MailboxWrapper):
     """Logs every completed write of a progress record (``work/{learner}/...``) to a file:
     ``identifier value`` per write, ``value`` the record's ``field`` (-1 when it has none), into
     ``written-{learner}.txt`` or ``written-{learner}-{run}.txt`` (one log per incarnation)."""

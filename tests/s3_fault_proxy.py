@@ -76,7 +76,7 @@ class FaultProxy:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                proxy._handle(self.request)
+                proxy.handle_connection(self.request)
 
         class Server(socketserver.ThreadingTCPServer):
             allow_reuse_address = True
@@ -109,7 +109,7 @@ class FaultProxy:
                 self.faults += 1
             return action
 
-    def _handle(self, conn: socket.socket) -> None:
+    def handle_connection(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = conn.makefile("rb")
         try:

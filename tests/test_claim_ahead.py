@@ -3,7 +3,6 @@ loop starves, deliver errors in order, and leave nothing running behind."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import threading
 from collections import Counter
@@ -16,7 +15,7 @@ from queue_nodes import Item, RecordingLoad, named_units, read_lines
 from gradientmail import LocalMailbox
 from gradientmail.errors import MailboxError
 from gradientmail.layout import CLAIMS_PREFIX
-from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, _Wrapper
+from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, MailboxWrapper
 from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
 from gradientmail.patterns.claims import Claimer, parse_claim
 from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue, units_claimed_by
@@ -75,7 +74,7 @@ def test_limit_zero_claims_on_demand_like_the_claimer(box):
     handed = drain(ahead)
     ahead.close()
     assert handed == order
-    assert ahead.depth == 0 and ahead._pool is None  # no thread was ever started
+    assert ahead.depth == 0 and not ahead.threaded  # no thread was ever started
 
 
 def test_grows_while_the_loop_starves_and_claims_ahead(box):
@@ -84,7 +83,7 @@ def test_grows_while_the_loop_starves_and_claims_ahead(box):
     ahead = ClaimAhead(Claimer(box, order, "node-0"), limit=3, gauge=DryGauge(), count=lambda: counted.update(["won"]))
     handed = [ahead.next() for _ in range(10)]
     assert ahead.depth == 3
-    concurrent.futures.wait(list(ahead._pending))
+    ahead.wait_in_flight()
     # Ten units handed out, three more claimed ahead and waiting, nothing else.
     assert len(claimed(box)) == 13 == counted["won"]
     handed += drain(ahead)
@@ -99,7 +98,7 @@ def test_a_stalled_loop_never_makes_it_claim_ahead(box):
         ahead.next()
         assert len(claimed(box)) == handed  # claimed on demand only
     ahead.close()
-    assert ahead.depth == 0 and ahead._pool is None
+    assert ahead.depth == 0 and not ahead.threaded
 
 
 def test_without_a_gauge_every_wait_counts(box):
@@ -167,7 +166,7 @@ def test_claim_error_arrives_after_the_units_claimed_before_it(box):
     assert handed == order[:6]
 
 
-class BlockingMailbox(_Wrapper):
+class BlockingMailbox(MailboxWrapper):
     """Holds every create of one key until released."""
 
     def __init__(self, inner, key: str) -> None:

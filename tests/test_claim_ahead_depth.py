@@ -3,7 +3,6 @@ claim's latency behind loading, never more than ``limit`` nor ``TIED_S`` of this
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 
 import pytest
@@ -67,8 +66,7 @@ def test_depth_reaches_the_measured_target_beyond_the_old_cap_of_four(memory_mai
     for _ in range(3):  # the third is the second wait in a row while the loop starves
         ahead.next()
     assert ahead.depth == 41
-    concurrent.futures.wait(list(ahead._pending))
-    assert len(ahead._pending) == 41
+    assert ahead.wait_in_flight() == 41
     ahead.close()
 
 
@@ -84,8 +82,7 @@ def test_depth_stays_within_the_tied_work_bound_and_shrinks_when_units_slow(memo
     assert ahead.depth == 4
     for _ in range(25):  # claims already in flight are handed out, none is started beyond 4
         ahead.next()
-    concurrent.futures.wait(list(ahead._pending))
-    assert len(ahead._pending) <= 4
+    assert ahead.wait_in_flight() <= 4
     ahead.close()
 
 

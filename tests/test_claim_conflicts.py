@@ -16,7 +16,6 @@ import pytest
 
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.patterns import claims
 from gradientmail.patterns.claims import (
     Claimer,
     ClaimIndex,
@@ -25,6 +24,7 @@ from gradientmail.patterns.claims import (
     try_claim,
 )
 from gradientmail.patterns.units import rotated_order, unit_grid
+from gradientmail.queue import claims
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +61,7 @@ def events(monkeypatch):
         log.append(("token", value.hex))
         return value
 
-    claims._hostname()  # the one look-up of this process, before anything is recorded
+    claims.host_name()  # the one look-up of this process, before anything is recorded
     monkeypatch.setattr(claims.uuid, "uuid4", uuid4)
     monkeypatch.setattr(claims.socket, "gethostname", lambda: log.append(("hostname",)) or "h")
     return log

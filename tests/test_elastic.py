@@ -219,9 +219,9 @@ def test_a_node_that_consumes_nothing_does_not_renew_its_lease(memory_mailbox):
     tracker = ProgressTracker(memory_mailbox, "node-0", options)
     tracker.start()
     first = memory_mailbox.get(lease_key("node-0"))
-    assert tracker._beat_due() is None  # nothing consumed: nothing to renew, however long
+    assert tracker.beat_due() is None  # nothing consumed: nothing to renew, however long
     tracker.consumed("a", "t", 0)
-    assert tracker._beat_due() is not None
+    assert tracker.beat_due() is not None
     tracker.close(release=False)
     assert json.loads(memory_mailbox.get(lease_key("node-0")))["state"] == "stopped"
     assert json.loads(first)["beat"] == 1
@@ -300,9 +300,9 @@ def test_a_unit_just_taken_over_is_not_taken_again_at_once(memory_mailbox):
     box.put(lease_key("slow"), _body(learner="slow", incarnation="s", beat=1, state="running"))
     watcher = ElasticClaimer(box, ["a"], "node-9", ElasticOptions(resume=False, lease_s=1.0), clock=clock)
     leases: dict = {}
-    watcher._takeable("x", {"learner": "slow", "token": "t0", "incarnation": "s"}, leases)
+    watcher.takeable("x", {"learner": "slow", "token": "t0", "incarnation": "s"}, leases)
     clock.now += 5  # the lease has stood still for long...
     fresh = {"learner": "slow", "token": "t1", "incarnation": "s"}  # ...but this claim is new
-    assert not watcher._takeable("x", fresh, {})
+    assert not watcher.takeable("x", fresh, {})
     clock.now += 1
-    assert watcher._takeable("x", fresh, {})
+    assert watcher.takeable("x", fresh, {})

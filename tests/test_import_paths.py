@@ -115,3 +115,147 @@ def test_mailbox_wrapper_base_is_public():
     from gradientmail.mailbox import wrappers
 
     assert set(wrappers.__all__) >= {"CountingMailbox", "DelayedMailbox", "FaultyMailbox", "MailboxWrapper"}
+
+
+# -- the shared queue itself: gradientmail/queue/ (was patterns/shared_queue.py) -----------------
+SHARED_QUEUE_MOVES = [
+    ("gradientmail.patterns.shared_queue", "gradientmail.queue.shared_queue", ["shared_queue", "QueueContext"]),
+    ("gradientmail.patterns.shared_queue", "gradientmail.queue.shared_queue", ["WITH_HINT", "log"]),
+    ("gradientmail.patterns.shared_queue", "gradientmail.queue.dataset", ["SharedQueueDataset", "prepare_mailbox"]),
+    ("gradientmail.patterns.shared_queue", "gradientmail.queue.counter", ["units_claimed_by"]),
+    ("gradientmail.patterns.shared_queue", "gradientmail.queue.batch_checks", ["Batch"]),
+    ("gradientmail.patterns.shared_queue", "gradientmail.errors", ["InProcessMailboxError", "UnpicklableError"]),
+    ("gradientmail", "gradientmail.queue.shared_queue", ["shared_queue"]),
+    ("gradientmail", "gradientmail.queue.dataset", ["SharedQueueDataset"]),
+    (
+        "gradientmail.queue",
+        "gradientmail.patterns.shared_queue",
+        ["shared_queue", "SharedQueueDataset", "prepare_mailbox", "units_claimed_by", "QueueContext"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "names"), SHARED_QUEUE_MOVES, ids=lambda value: str(value))
+def test_shared_queue_old_paths(old, new, names):
+    _same(old, new, names)
+
+
+def test_shared_queue_old_module_lists_its_names():
+    from gradientmail.patterns import shared_queue as old
+
+    assert set(old.__all__) >= {"shared_queue", "SharedQueueDataset", "units_claimed_by", "WITH_HINT"}
+
+
+# -- the rest of the queue: gradientmail/queue/ (was patterns/claims.py, elastic.py, ...) --------
+QUEUE_MOVES = [
+    (
+        "gradientmail.patterns.claims",
+        "gradientmail.queue.claims",
+        ["try_claim", "read_claim", "parse_claim", "claim_body", "claim_fields", "validate_identifier"],
+    ),
+    ("gradientmail.patterns.claims", "gradientmail.queue.claims", ["validate_identifiers", "validate_learner_id"]),
+    (
+        "gradientmail.patterns.claims",
+        "gradientmail.queue.claimer",
+        ["Claimer", "Pick", "LISTING_POLICIES", "DEFAULT_LISTING", "NEAR", "RISK_LIMIT", "RISK_MEMORY", "UNSEEN_RISK"],
+    ),
+    ("gradientmail.patterns.claims", "gradientmail.queue.claim_index", ["ClaimIndex", "PositionOrder"]),
+    (
+        "gradientmail.patterns.claims",
+        "gradientmail.queue.crowd",
+        ["SPREAD", "CROWD_LIMIT", "CROWD_MEMORY", "STRETCH", "JUMP_WINDOW"],
+    ),
+    ("gradientmail.patterns.claims", "gradientmail.errors", ["KeyTypeError"]),
+    (
+        "gradientmail.patterns.elastic",
+        "gradientmail.queue.reclaim",
+        ["ElasticClaimer", "ElasticOptions", "check_elastic"],
+    ),
+    (
+        "gradientmail.patterns.elastic",
+        "gradientmail.queue.takeover",
+        ["Assignment", "take_over", "recorded_step", "recorded_progress"],
+    ),
+    (
+        "gradientmail.patterns.elastic",
+        "gradientmail.queue.leases",
+        [
+            "LeaseWatch",
+            "lease_body",
+            "lease_seconds",
+            "work_body",
+            "ACTIVE",
+            "RELEASED",
+            "RUNNING",
+            "STOPPED",
+            "POLL_S",
+        ],
+    ),
+    (
+        "gradientmail.patterns.elastic",
+        "gradientmail.queue.progress",
+        ["ProgressTracker", "Consumption", "consume_inline", "tagged_items", "Tagged", "BATCH", "END"],
+    ),
+    (
+        "gradientmail.patterns.units",
+        "gradientmail.queue.units",
+        ["Unit", "unit_grid", "rotated_order", "DEFAULT_BLOCK"],
+    ),
+    (
+        "gradientmail.patterns.claim_ahead",
+        "gradientmail.queue.claim_ahead",
+        ["ClaimAhead", "BufferGauge", "DepthGauge", "DEFAULT_CLAIM_AHEAD", "TIED_S", "SMOOTHING"],
+    ),
+    ("gradientmail.patterns.presence", "gradientmail.queue.presence", ["Presence", "presence_renew_s", "RENEW_S"]),
+    (
+        "gradientmail.patterns.batches",
+        "gradientmail.queue.batches",
+        ["map_tensors", "to_device", "first_non_tensor", "MAX_DEPTH", "TensorTree"],
+    ),
+    ("gradientmail.patterns.inline", "gradientmail.queue.inline", ["inline", "Inline", "INLINE_BYTES"]),
+    ("gradientmail.patterns.progress_display", "gradientmail.queue.progress_display", ["ProgressDisplay", "log"]),
+    (
+        "gradientmail.patterns.unit_timing",
+        "gradientmail.queue.unit_timing",
+        ["BatchWatch", "UnitTimes", "unit_times", "spans_record", "KEEP_UNITS"],
+    ),
+    (
+        "gradientmail.patterns.simulate",
+        "gradientmail.queue.simulate",
+        ["simulate", "fixed_split_makespan", "rotated_positions", "SimulationResult", "main", "ORDERS"],
+    ),
+    ("gradientmail.queue", "gradientmail.queue.claims", ["try_claim", "read_claim"]),
+    ("gradientmail.queue", "gradientmail.queue.claimer", ["Claimer"]),
+    ("gradientmail.queue", "gradientmail.queue.units", ["Unit", "unit_grid", "rotated_order"]),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "names"), QUEUE_MOVES, ids=lambda value: str(value))
+def test_queue_old_paths(old, new, names):
+    _same(old, new, names)
+
+
+def test_queue_old_modules_list_every_name_they_had():
+    from gradientmail.patterns import claims, elastic
+
+    assert {"Claimer", "ClaimIndex", "try_claim", "KeyTypeError", "SPREAD"} <= set(claims.__all__)
+    assert {"ElasticClaimer", "ProgressTracker", "take_over", "tagged_items", "BATCH"} <= set(elastic.__all__)
+
+
+def test_old_simulate_module_still_runs():
+    import subprocess
+    import sys
+
+    argv = [
+        sys.executable,
+        "-m",
+        "gradientmail.patterns.simulate",
+        "--units",
+        "40",
+        "--learners",
+        "4",
+        "--orders",
+        "default",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.splitlines()[1].split()[:4] == ["40", "4", "default", "adaptive"]

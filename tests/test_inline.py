@@ -9,8 +9,8 @@ import torch
 from queue_nodes import Item, named_units
 
 from gradientmail import LocalMailbox
-from gradientmail.patterns.inline import INLINE_BYTES, _Inline, inline
 from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.inline import INLINE_BYTES, Inline, inline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,7 +30,7 @@ SMALL = {
 def test_small_tensors_pickle_inline_and_arrive_equal(name):
     tensor = SMALL[name]
     wrapped = inline(tensor)
-    assert isinstance(wrapped, _Inline)
+    assert isinstance(wrapped, Inline)
     data = pickle.dumps(wrapped)
     assert len(data) < tensor.numel() * tensor.element_size() + 200  # the bytes, not a handle
     arrived = pickle.loads(data)

@@ -371,9 +371,9 @@ def _two_batches(unit: Unit):
 
 
 def test_simulated_bill_matches_counting_mailbox():
-    from gradientmail.patterns.simulate import _Counting, _PagedMemoryMailbox
+    from gradientmail.queue.paged_memory import PagedCountingMailbox, PagedMemoryMailbox
 
-    store = _PagedMemoryMailbox(f"bill-{random.getrandbits(64):x}")
+    store = PagedMemoryMailbox(f"bill-{random.getrandbits(64):x}")
     try:
         for i in range(2500):
             store.put_if_absent(f"units/{i:05d}", b"x")
@@ -388,7 +388,7 @@ def test_simulated_bill_matches_counting_mailbox():
             ("units/", "units/01499", 1001),
             ("v/", None, 3),
         ]:
-            fast, real = _Counting(store), CountingMailbox(MemoryMailbox(store.name))
+            fast, real = PagedCountingMailbox(store), CountingMailbox(MemoryMailbox(store.name))
             got = list(itertools.islice(fast.list(prefix, after), take))
             assert got == list(itertools.islice(real.list(prefix, after), take))
             assert fast.counts == real.counts, (prefix, after, take)

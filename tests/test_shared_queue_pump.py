@@ -21,7 +21,9 @@ from test_shared_queue import FailingLoad, ProducedCounter, _leftovers, _wait_un
 from torch.utils.data import _utils
 
 from gradientmail.layout import CLAIMS_PREFIX
-from gradientmail.patterns.shared_queue import _HandOff, _wake, shared_queue
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.handoff import HandOff
+from gradientmail.queue.loader import wake_loader
 
 FORK = multiprocessing.get_context("fork")
 
@@ -34,9 +36,8 @@ def _handoff_threads(learner: str) -> list[threading.Thread]:
 
 def _handoff_full(batches, slots: int) -> bool:
     """Every place of the hand-off holds a batch: it is not inside next() and asks for no more."""
-    pump = batches._pump
-    with pump._changed:
-        return pump._room == 0 and len(pump._ready) == slots
+    pump = batches.handoff
+    return pump.slots == slots and pump.full()
 
 
 class BlockingLoad:
@@ -100,7 +101,7 @@ def test_a_worker_with_one_place_keeps_the_direct_path(local_mailbox, workers, p
         prefetch=prefetch,
         workers=workers,
     ) as batches:
-        assert batches._pump is None and _handoff_threads("d") == []
+        assert batches.handoff is None and _handoff_threads("d") == []
         got = sorted((int(t[0]), step) for step, t in batches)
     assert got == [(i, s) for i in range(10) for s in range(2)]
     assert _leftovers(threads_before) == ([], [])
@@ -194,7 +195,7 @@ def test_leaving_waits_for_a_blocked_worker(local_mailbox, tmp_path):
             # The hand-off is inside next(), waiting for the blocked worker. Release the worker
             # once the block is being left.
             releaser = threading.Thread(
-                target=lambda: batches._control.stop.wait(20) and load.release(),
+                target=lambda: batches.control.stop.wait(20) and load.release(),
                 daemon=True,
             )
             releaser.start()
@@ -267,12 +268,12 @@ class FakeLoaderIterator:
 def test_handoff_woken_inside_next():
     data = queue.Queue()
     loader = FakeLoaderIterator(data)
-    pump = _HandOff(loader, 2, "gradientmail-handoff-unit")
+    pump = HandOff(loader, 2, "gradientmail-handoff-unit")
     data.put((0, "a"))
     assert pump.take() == "a"
     pump.stop()
     # Blocked in next() with nothing coming: woken by an item it cannot unpack.
-    assert pump.finish(0.05, then=lambda: pytest.fail("not abandoned"), wake=lambda: _wake(loader))
+    assert pump.finish(0.05, then=lambda: pytest.fail("not abandoned"), wake=lambda: wake_loader(loader))
     assert _handoff_threads("unit") == []
 
 
@@ -286,7 +287,7 @@ def test_handoff_that_cannot_be_woken_runs_the_cleanup_itself(monkeypatch):
             release.wait(20)
             raise StopIteration
 
-    pump = _HandOff(Stuck(), 1, "gradientmail-handoff-stuck")
+    pump = HandOff(Stuck(), 1, "gradientmail-handoff-stuck")
     pump.stop()
     assert not pump.finish(0.05, then=cleaned.set, wake=lambda: None)
     assert not cleaned.is_set()
@@ -306,7 +307,7 @@ def test_handoff_delivers_end_and_errors_in_order():
                 raise KeyboardInterrupt("from the loader")
             return super().__next__()
 
-    pump = _HandOff(Failing(data), 1, "gradientmail-handoff-order")
+    pump = HandOff(Failing(data), 1, "gradientmail-handoff-order")
     assert [pump.take(), pump.take()] == ["a", "b"]
     with pytest.raises(KeyboardInterrupt, match="from the loader"):
         pump.take()
@@ -315,7 +316,7 @@ def test_handoff_delivers_end_and_errors_in_order():
     ended = queue.Queue()
     ended.put((0, "a"))
     ended.put((None, None))
-    pump = _HandOff(FakeLoaderIterator(ended), 1, "gradientmail-handoff-end")
+    pump = HandOff(FakeLoaderIterator(ended), 1, "gradientmail-handoff-end")
     assert pump.take() == "a"
     with pytest.raises(StopIteration):
         pump.take()

@@ -22,8 +22,10 @@ from torch.utils.data._utils.collate import default_convert
 
 from gradientmail import LoaderError, LocalMailbox
 from gradientmail.patterns.batches import MAX_DEPTH, first_non_tensor, map_tensors, to_device
-from gradientmail.patterns.inline import INLINE_BYTES, _Inline, inline
-from gradientmail.patterns.shared_queue import SharedQueueDataset, _checked_batch, _keep, shared_queue
+from gradientmail.patterns.inline import INLINE_BYTES, inline
+from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue
+from gradientmail.queue.batch_checks import checked_batch, keep_pairs
+from gradientmail.queue.inline import Inline
 from gradientmail.status import read_run
 
 pytestmark = pytest.mark.timeout(120)
@@ -144,24 +146,24 @@ def test_inline_wraps_each_small_leaf_and_leaves_the_rest():
     before = pickle.dumps(batch)
     wrapped = inline(batch)
     x, (y, inner) = wrapped["a"]
-    assert all(isinstance(leaf, _Inline) for leaf in (x, y, *inner["b"]))
+    assert all(isinstance(leaf, Inline) for leaf in (x, y, *inner["b"]))
     assert type(inner["b"]) is Pair
     assert wrapped["large"] is batch["large"] and wrapped["view"] is batch["view"]
     assert pickle.dumps(batch) == before, "the loader's batch is not changed in place"
     assert_same(pickle.loads(pickle.dumps(wrapped)), batch)
     plain = torch.zeros(3)
-    assert isinstance(inline(plain), _Inline) and inline(None) is None
+    assert isinstance(inline(plain), Inline) and inline(None) is None
 
 
 def test_the_worker_collate_inlines_structured_and_tagged_items():
-    """``_keep`` is DataLoader's collate_fn in the workers: pairs and elastic tagged items."""
+    """``keep_pairs`` is DataLoader's collate_fn in the workers: pairs and elastic tagged items."""
     batch = make("dict", 1, 0)
-    step, kept = _keep((0, batch))
-    assert step == 0 and all(isinstance(v, _Inline) for v in kept.values())
+    step, kept = keep_pairs((0, batch))
+    assert step == 0 and all(isinstance(v, Inline) for v in kept.values())
     tag = ("00001", "token", 0, 3)
-    assert _keep((0, batch, tag))[2] is tag
+    assert keep_pairs((0, batch, tag))[2] is tag
     end = (None, None, ("00001", "token", 1, None))
-    assert _keep(end) == end
+    assert keep_pairs(end) == end
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -313,11 +315,11 @@ def _cat_at_one(item: Item):
 
 def test_checked_batches_are_passed_on_without_a_copy():
     plain = torch.zeros(3)
-    assert _checked_batch("u", (4, plain))[1] is plain
+    assert checked_batch("u", (4, plain))[1] is plain
     nested = make("nested", 0, 0)
-    step, same = _checked_batch("u", [np.int64(4), nested])
+    step, same = checked_batch("u", [np.int64(4), nested])
     assert type(step) is int and step == 4 and same is nested
-    assert _checked_batch("u", (4, nested))[1] is nested
+    assert checked_batch("u", (4, nested))[1] is nested
 
 
 # -- the helpers ---------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from typing import Any
 
 import fsspec
 import fsspec.core
+from fsspec.core import split_protocol
+from fsspec.implementations.local import make_path_posix
 
 from gradientmail.errors import MailboxError, MissingExtraError, UnsafeStoreError
 from gradientmail.mailbox.base import LIST_PAGE, BaseMailbox
@@ -120,12 +122,13 @@ class FsspecMailbox(BaseMailbox):
         self.fs = fs
         self.block_size = block_size
         self._pid = os.getpid()
+        path = split_protocol(str(root))[1] if root else ""
         if _class_path(fs).startswith("fsspec.implementations.local."):
-            self.root = fs._strip_protocol(root) if root else os.getcwd()
+            self.root = make_path_posix(path) if root else os.getcwd()
             self._impl: _LocalImpl | _S3fsImpl = _LocalImpl(self.root)
         else:
             _check_s3fs_version()
-            self.root = fs._strip_protocol(root).rstrip("/")
+            self.root = path.rstrip("/")
             self._impl = _S3fsImpl(self, self.root)
 
     @classmethod

@@ -67,7 +67,12 @@ class MemoryMailbox(BaseVersionedMailbox):
         return f"MemoryMailbox({self.name!r})"
 
     def __reduce__(self):
-        return (_unpickle_memory_mailbox, (self.name, self._pid))
+        # The creating process travels with the copy: a use from any other process raises
+        # WrongProcessError (the store itself does not travel).
+        return (MemoryMailbox, (self.name,), {"pid": self._pid})
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self._pid = state["pid"]
 
     def _checked_store(self) -> _Store:
         if os.getpid() != self._pid:
@@ -145,9 +150,3 @@ class MemoryMailbox(BaseVersionedMailbox):
         with store.lock:
             store.values.clear()
             store.sorted_keys.clear()
-
-
-def _unpickle_memory_mailbox(name: str, pid: int) -> MemoryMailbox:
-    mailbox = MemoryMailbox(name)
-    mailbox._pid = pid  # a use from any other process raises WrongProcessError
-    return mailbox

@@ -25,57 +25,26 @@ from gradientmail.session.chain import KEEP
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, snapshot_into, surface
 from gradientmail.session.mail import accumulation_dtype, float_state, member_key, spec_of
 from gradientmail.session.merge import load_into
+from gradientmail.session.options import (
+    DEFAULT_EVERY,
+    DEFAULT_MAX_STALENESS,
+    DEFAULT_TIMEOUT,
+    ENV_EVERY,
+    ENV_EVERY_STEPS,
+    ENV_MAX_STALENESS,
+    ENV_OUTER,
+    ENV_TIMEOUT,
+    env_override,
+    positive_seconds,
+    seconds,
+)
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
 
 log = logging.getLogger("gradientmail.session")
 """Joining and leaving at INFO, every exchange at DEBUG; the library never configures handlers."""
 
-DEFAULT_EVERY = timedelta(seconds=30)
-"""Exchange interval: by time, so every node's cadence is equal whatever its speed."""
-
-DEFAULT_MAX_STALENESS = timedelta(minutes=5)
-"""Ten exchange intervals: a peer whose newest mail is older than this has stopped counting."""
-
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""Longest wait for the background thread before a ``SessionError`` (mailbox not answering)."""
-
-ENV_EVERY = "GRADIENTMAIL_SESSION_EVERY_S"
-ENV_EVERY_STEPS = "GRADIENTMAIL_SESSION_EVERY_STEPS"
-ENV_MAX_STALENESS = "GRADIENTMAIL_SESSION_MAX_STALENESS_S"
-ENV_TIMEOUT = "GRADIENTMAIL_SESSION_TIMEOUT_S"
-ENV_OUTER = "GRADIENTMAIL_SESSION_OUTER"
-"""Environment overrides of the matching argument (seconds or steps; ``none`` disables one)."""
-
 KEEP_MAIL = KEEP
 """Versions of the run's state kept behind the newest (the old name, kept for imports)."""
-
-
-def _env(name: str, value: Any, parse: Callable[[str], Any], expected: str) -> Any:
-    """``value``, or the environment variable ``name`` parsed when set (``none``: None)."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return value
-    if text.lower() == "none":
-        return None
-    try:
-        return parse(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected {expected} or 'none'") from None
-
-
-def _seconds(text: str) -> timedelta:
-    return timedelta(seconds=float(text))
-
-
-def _positive(name: str, value: timedelta | None, *, optional: bool = False) -> float:
-    if value is None and optional:
-        return math.inf
-    if not isinstance(value, timedelta):
-        raise TypeError(f"{name} must be a datetime.timedelta, not {type(value).__name__}")
-    seconds = value.total_seconds()
-    if seconds <= 0:
-        raise ValueError(f"{name} must be positive, not {value}")
-    return seconds
 
 
 class Session:
@@ -141,10 +110,10 @@ class Session:
             raise ValueError(f"learner_id must be one key segment without '/', not {learner_id!r}")
         validate_key(progress_key(learner_id))
         validate_key(member_key(learner_id, 0.0))
-        every = _env(ENV_EVERY, every, _seconds, "a number of seconds")
-        every_steps = _env(ENV_EVERY_STEPS, every_steps, int, "a step count")
-        max_staleness = _env(ENV_MAX_STALENESS, max_staleness, _seconds, "a number of seconds")
-        timeout = _env(ENV_TIMEOUT, timeout, _seconds, "a number of seconds")
+        every = env_override(ENV_EVERY, every, seconds, "a number of seconds")
+        every_steps = env_override(ENV_EVERY_STEPS, every_steps, int, "a step count")
+        max_staleness = env_override(ENV_MAX_STALENESS, max_staleness, seconds, "a number of seconds")
+        timeout = env_override(ENV_TIMEOUT, timeout, seconds, "a number of seconds")
         if every_steps is not None and (
             isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
         ):
@@ -163,10 +132,10 @@ class Session:
         self.catch_up = catch_up
         self.outer = resolve_outer(os.environ.get(ENV_OUTER, "").strip() or outer)
         self.wire_dtype = wire_dtype
-        self._every_s = _positive("every", every, optional=True)
+        self._every_s = positive_seconds("every", every, optional=True)
         self._every_steps = math.inf if every_steps is None else every_steps
-        self._max_staleness_s = _positive("max_staleness", max_staleness)
-        self._timeout_s = _positive("timeout", timeout)
+        self._max_staleness_s = positive_seconds("max_staleness", max_staleness)
+        self._timeout_s = positive_seconds("timeout", timeout)
 
         self._state = "new"  # new -> active -> closed
         self._steps = 0
@@ -350,7 +319,7 @@ class Session:
             raise SessionError(f"Session {self.learner_id!r}: call wait() inside `with session:`")
         job = self._job
         if job is not None:
-            limit = self._timeout_s if timeout is None else _positive("timeout", timeout)
+            limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
             job.done.wait(limit)
             # Past the limit the job stays in flight (owning the snapshot): a later call picks it up.
             self._raise_if_running(job, "the exchange in flight", limit)

@@ -1,0 +1,185 @@
+"""Checking what ``load`` yields and the order a node prefers, with messages that name the unit."""
+
+from __future__ import annotations
+
+import numbers
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradientmail.errors import LoaderError
+from gradientmail.queue.batches import TensorTree, first_non_tensor
+from gradientmail.queue.inline import inline
+
+__all__ = [
+    "Batch",
+    "add_note",
+    "checked_batch",
+    "checked_count",
+    "checked_order",
+    "describe_value",
+    "keep_pairs",
+    "loaded_batches",
+]
+
+Batch = tuple[int, TensorTree]
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc`` (shown under its traceback) where Python supports it."""
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)
+
+
+def checked_count(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``; else TypeError/ValueError.
+
+    Example:
+        >>> checked_count("prefetch", 8, 1)
+        8
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, not {value}")
+    return value
+
+
+def describe_value(value: object, limit: int = 120) -> str:
+    """Type and a shortened ``repr`` of ``value``, for error messages.
+
+    Example:
+        >>> describe_value([1, 2])
+        'list [1, 2]'
+    """
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real problem
+        text = "<unrepresentable>"
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def checked_batch(identifier: str, item: object) -> Batch:
+    """``item`` as a ``(step, batch)`` pair, the batch not copied.
+
+    Raises:
+        LoaderError: ``item`` is no pair of an int step and a tensor tree; the message names
+            the unit and the offending leaf.
+
+    Example:
+        >>> checked_batch("u", (4, torch.zeros(2)))
+        (4, tensor([0., 0.]))
+    """
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        step, batch = item
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            if isinstance(batch, torch.Tensor):  # the common case: no walk
+                return int(step), batch
+            problem = first_non_tensor(batch)
+            if problem is None:
+                return int(step), batch
+            raise LoaderError(
+                f"load for unit {identifier!r} yielded a (step, batch) {type(item).__name__} at "
+                f"step {int(step)} whose {problem}, not a torch.Tensor; a batch is a tensor, or "
+                "tuples, lists and dicts of tensors (convert numbers and arrays with "
+                "torch.as_tensor, keep other values out of the batch)"
+            )
+    raise LoaderError(
+        f"load for unit {identifier!r} yielded {describe_value(item)}; "
+        "it must yield (step, batch) pairs: an int step and a torch.Tensor (or tuples, lists "
+        "and dicts of tensors)"
+    )
+
+
+def checked_order(order: Sequence[str] | None, units: Mapping[str, Any]) -> list[str]:
+    """``order`` as a list, checked to be a permutation of the units' identifiers (None: theirs).
+
+    Raises:
+        ValueError: identifiers missing, unknown or repeated (the message lists a few).
+
+    Example:
+        >>> checked_order(["b", "a"], {"a": 1, "b": 2})
+        ['b', 'a']
+    """
+    if order is None:
+        return list(units)
+    if isinstance(order, (str, bytes)) or not isinstance(order, Iterable):
+        raise ValueError(f"order must be a sequence of unit identifiers, not {type(order).__name__}")
+    listed = list(order)
+    strange = [entry for entry in listed if not isinstance(entry, str)]
+    if strange:
+        raise ValueError(f"order must hold unit identifiers (str), found {describe_value(strange[0], 60)}")
+    if len(listed) == len(units) and set(listed) == set(units):
+        return listed
+    counts = Counter(listed)
+    repeated = [entry for entry, count in counts.items() if count > 1]
+    unknown = [entry for entry in counts if entry not in units]
+    missing = [identifier for identifier in units if identifier not in counts]
+    problems = []
+    for name, entries in (("missing", missing), ("unknown", unknown), ("repeated", repeated)):
+        if entries:
+            shown = ", ".join(repr(entry) for entry in entries[:3])
+            more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+            problems.append(f"{name}: {shown}{more}")
+    raise ValueError(
+        "order must list every unit identifier exactly once (a permutation of the units' keys); " + "; ".join(problems)
+    )
+
+
+def keep_pairs(item: Batch) -> Batch:
+    """DataLoader ``collate_fn`` that keeps each ``(step, batch)`` pair (and its tags) as it is,
+    but lets small tensors travel to the training process inline (``queue.inline``).
+
+    Example:
+        >>> step, batch, tag = keep_pairs((0, torch.ones(1), "unit"))
+        >>> step, tag
+        (0, 'unit')
+    """
+    if isinstance(item, tuple) and len(item) >= 2:
+        return (item[0], inline(item[1]), *item[2:])  # type: ignore[return-value]
+    return item
+
+
+def loaded_batches(load: Callable[[Any], Any], value: Any, identifier: str) -> Iterator[Batch]:
+    """Run ``load(value)`` for unit ``identifier`` and yield its pairs, each checked.
+
+    An error from ``load`` gets a note naming the unit; the loader's iterator is closed at the
+    end (its ``finally`` blocks run even when the consumer leaves early).
+
+    Raises:
+        LoaderError: ``load`` returned no iterable, or yielded something that is no pair.
+
+    Example:
+        >>> list(loaded_batches(lambda n: [(0, torch.tensor([n]))], 7, "u"))
+        [(0, tensor([7]))]
+    """
+    try:
+        batches = load(value)
+    except Exception as exc:
+        add_note(exc, f"while loading unit {identifier!r}")
+        raise
+    try:
+        iterator = iter(batches)
+    except TypeError:
+        raise LoaderError(
+            f"load for unit {identifier!r} returned {describe_value(batches)}, not an iterable "
+            "of (step, batch) pairs; write load as a generator that yields them"
+        ) from None
+    try:
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            except Exception as exc:
+                add_note(exc, f"while loading unit {identifier!r}")
+                raise
+            yield checked_batch(identifier, item)
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,80 @@
+"""How claimers competing for the same next units part ways (used by ``queue.claimer``).
+
+Pure functions over one claimer's view: ``order`` (sorted positions in preference order),
+``known`` (1 per position known claimed) and ``covered`` (the last position the latest listing
+settled). Why each rule exists: docs/queue.md.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+__all__ = ["CROWD_LIMIT", "CROWD_MEMORY", "JUMP_WINDOW", "SPREAD", "STRETCH", "free_run", "jump_target", "spread"]
+
+SPREAD = 64
+"""After a lost create, take one of the next 16 free units (doubling per loss in a row, up to
+``SPREAD``), not the first: claimers that lost together would otherwise lose together again."""
+
+CROWD_LIMIT = 0.9
+"""A claimer walks in a crowd when more than this share of its recent listings found its
+candidate taken: it then jumps ahead (``STRETCH``)."""
+
+CROWD_MEMORY = 10
+"""Roughly how many recent listings the crowd estimate remembers."""
+
+STRETCH = 16
+"""In a crowd, jump ``STRETCH`` units into the first run of ``2 * STRETCH`` free units ahead,
+then create up to ``STRETCH`` units blindly per listing."""
+
+JUMP_WINDOW = 4096
+"""How far along its order (in units) a claimer looks for a free run to jump to."""
+
+
+def free_run(order: Sequence[int], known: bytearray, covered: int, index: int, limit: int) -> int:
+    """How many units from ``order[index]`` on (at most ``limit``) the latest listing shows free.
+
+    Example:
+        >>> free_run([0, 1, 2, 3], bytearray([0, 0, 1, 0]), 3, 0, 4)
+        2
+    """
+    end = min(len(order), index + limit)
+    for later in range(index, end):
+        if known[order[later]] or order[later] > covered:
+            return later - index
+    return end - index
+
+
+def jump_target(order: Sequence[int], known: bytearray, covered: int, index: int) -> int:
+    """Where a crowded claimer goes from free candidate ``index``: ``STRETCH`` units into the
+    first run of ``2 * STRETCH`` free units (``index`` if none is near), leaving the start of the
+    run to whoever walks into it."""
+    segment = order[index : index + JUMP_WINDOW]
+    if covered < len(known) - 1:  # the listing stopped early: nothing past it is known
+        segment = segment[: next((i for i, position in enumerate(segment) if position > covered), len(segment))]
+    flags = bytes(map(known.__getitem__, segment))  # 1: known claimed
+    found = flags.find(bytes(2 * STRETCH))
+    return index if found < 0 else index + found + STRETCH
+
+
+def spread(order: Sequence[int], known: bytearray, covered: int, index: int, losses: int, seat: int) -> int:
+    """One of the first free candidates from ``index`` the latest listing settled, chosen by the
+    claimer's ``seat`` and its ``losses`` in a row, so claimers that lost together part.
+
+    Example:
+        >>> spread([0, 1, 2, 3], bytearray(4), 3, 0, losses=1, seat=0) in range(4)
+        True
+    """
+    width = min(SPREAD, 8 << losses)
+    free = []
+    for later in range(index, len(order)):
+        position = order[later]
+        if position > covered:
+            break
+        if not known[position]:
+            free.append(later)
+            if len(free) == width:
+                break
+        if later - index >= 4 * width:
+            break  # a run of known claims: the scan stays short
+    return free[zlib.crc32(losses.to_bytes(4, "little"), seat) % len(free)]

@@ -1,0 +1,382 @@
+"""``SharedQueueDataset``: an ``IterableDataset`` that claims work units and loads their batches.
+
+The long story (how claiming, resuming and worker processes interact) is in ``docs/queue.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from gradientmail.errors import UnsafeStoreError
+from gradientmail.layout import RUN_KEY
+from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
+from gradientmail.queue.batch_checks import (
+    Batch,
+    add_note,
+    checked_count,
+    checked_order,
+    describe_value,
+    loaded_batches,
+)
+from gradientmail.queue.batches import TensorTree
+from gradientmail.queue.claim_ahead import BufferGauge, ClaimAhead
+from gradientmail.queue.claim_index import ClaimIndex
+from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
+from gradientmail.queue.claims import validate_identifiers, validate_learner_id
+from gradientmail.queue.control import WorkerControl, guarded
+from gradientmail.queue.counter import register_counter
+from gradientmail.queue.presence import Presence, presence_renew_s
+from gradientmail.queue.progress import BATCH, ProgressTracker, consume_inline, tagged_items
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
+from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
+
+__all__ = ["SharedQueueDataset", "prepare_mailbox"]
+
+V = TypeVar("V")
+
+log = logging.getLogger("gradientmail.queue")
+
+
+def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | None = None) -> None:
+    """Record the run (``run.json``) if new, and refuse a store without atomic creation.
+
+    Only the node that creates ``run.json`` runs the full ``verify_mailbox``; the others read
+    it back (two requests instead of five; ``docs/queue.md`` explains why that suffices).
+
+    Raises:
+        UnsafeStoreError: the store does not create keys atomically, or lies about it.
+        RunMismatchError: ``identifiers`` differ from the run's unit set.
+
+    Example:
+        >>> from gradientmail.mailbox import MemoryMailbox
+        >>> prepare_mailbox(MemoryMailbox("doctest-prepare"), 2, ["a", "b"])
+    """
+    fingerprint = unit_fingerprint(identifiers) if identifiers is not None else None
+    if mailbox.put_if_absent(RUN_KEY, run_record(units, fingerprint)):
+        verify_mailbox(mailbox)
+        return
+    existing = mailbox.get(RUN_KEY)
+    if existing is None:
+        store = describe(mailbox)
+        raise UnsafeStoreError(
+            f"{store}: creating {RUN_KEY!r} reported that it already existed, but it cannot be "
+            "read; put_if_absent does not report creation truthfully",
+            operation="verify",
+            key=RUN_KEY,
+            store=store,
+        )
+    check_run_record(existing, units, fingerprint, describe(mailbox))
+
+
+class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
+    """Claims work units from a shared mailbox and yields each claimed unit's batches.
+
+    Iterating claims the first unclaimed unit in ``order``, yields its ``(step, batch)`` pairs,
+    then claims the next, until none is left; every DataLoader worker claims for itself.
+
+    Args:
+        units: Identifier → unit value, the same on every node (identifiers are key segments).
+        mailbox: The mailbox every node shares.
+        learner_id: This node's name, e.g. ``f"node-{rank}"``.
+        load: ``load(value)`` yields ``(step, batch)`` pairs for one unit, in step order; a
+            batch is a tensor, or tuples, lists and dicts of tensors.
+        order: This node's preference, a permutation of the identifiers (default: theirs).
+        resume: Record what the loop consumed; a restarted learner takes its unfinished units
+            back. Needs ``replace_if``.
+        lease: Renew a heartbeat and take over units of nodes silent for ``lease``.
+        claim_ahead: Most units claimed ahead of the one being loaded (0: on demand).
+        listing: When the claimer lists claims (``claims.LISTING_POLICIES``).
+        claim_index: A ``ClaimIndex`` of these units to share; None builds one on first use.
+        prepared: ``prepare_mailbox`` already ran for these units; iterating skips it.
+
+    Example:
+        >>> import torch
+        >>> from gradientmail.mailbox import MemoryMailbox
+        >>> load = lambda n: ((step, torch.tensor([n])) for step in range(2))
+        >>> box = MemoryMailbox("doctest-dataset")
+        >>> dataset = SharedQueueDataset({"a": 1, "b": 2}, mailbox=box, learner_id="n0", load=load)
+        >>> [(step, int(batch)) for step, batch in dataset]
+        [(0, 1), (1, 1), (0, 2), (1, 2)]
+    """
+
+    def __init__(
+        self,
+        units: Mapping[str, V],
+        *,
+        mailbox: Mailbox,
+        learner_id: str,
+        load: Callable[[V], Iterable[tuple[int, TensorTree]]],
+        order: Sequence[str] | None = None,
+        resume: bool = False,
+        lease: timedelta | float | None = None,
+        claim_ahead: int = 0,
+        listing: str = DEFAULT_LISTING,
+        claim_index: ClaimIndex | None = None,
+        prepared: bool = False,
+    ) -> None:
+        super().__init__()
+        if listing not in LISTING_POLICIES:
+            raise ValueError(f"listing must be one of {LISTING_POLICIES}, not {listing!r}")
+        if not isinstance(units, Mapping):
+            raise TypeError(f"units must be a mapping of identifier -> unit value, not {type(units).__name__}")
+        self.units: dict[str, V] = dict(units)
+        validate_identifiers(self.units)
+        self.learner_id = validate_learner_id(learner_id)
+        if not callable(load):
+            raise TypeError(
+                f"load must be a callable that yields (step, batch) pairs for a unit, not {type(load).__name__}"
+            )
+        if not isinstance(mailbox, Mailbox):
+            raise TypeError(
+                f"mailbox must be a Mailbox (put_if_absent, get, put, list, delete), not {type(mailbox).__name__}"
+            )
+        self.mailbox = mailbox
+        self.load = load
+        self.order: list[str] = checked_order(order, self.units)
+        self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
+        self._gauge: BufferGauge | None = None  # shared_queue's buffer, which claim_ahead watches
+        self._counter = register_counter(self.learner_id)
+        self._verified = prepared  # shared_queue verifies once in the main process
+        self._control: WorkerControl | None = None
+        self._listing = listing
+        self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
+        self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies
+        self.resume = resume
+        self.lease_s = check_elastic(mailbox, resume, lease)
+        self._elastic: ElasticOptions | None = (
+            ElasticOptions(resume, self.lease_s) if resume or self.lease_s is not None else None
+        )
+        self._tagged = False  # shared_queue strips the tags in the training process
+        self._timed = False  # shared_queue: plain batches carry their unit (unit_timing)
+        self._halt = [False]  # set when the consumer leaves (workers=0 has no control)
+        self._restore: dict[str, dict[str, Any]] = {}
+        self._positions: dict[str, dict[str, Any]] = {}  # unit -> token, last step yielded
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedQueueDataset({len(self.units)} units, learner_id={self.learner_id!r}, "
+            f"mailbox={describe(self.mailbox)})"
+        )
+
+    # -- what shared_queue configures and reads ------------------------------------------------
+    def configured(
+        self,
+        *,
+        prepared: bool | None = None,
+        gauge: BufferGauge | None = None,
+        control: WorkerControl | None = None,
+        tagged: bool | None = None,
+        timed: bool | None = None,
+    ) -> SharedQueueDataset[V]:
+        """A copy set up the way ``shared_queue`` runs it (None: as in this dataset).
+
+        The copy shares this dataset's claim counter, claim statistics and ``stop_claiming``.
+
+        Args:
+            prepared: ``prepare_mailbox`` already ran.
+            gauge: The consumer's buffer, which claiming ahead watches.
+            control: Stops DataLoader workers between operations.
+            tagged: Yield elastic items tagged for a ``ProgressTracker`` in the consumer.
+            timed: Plain batches carry their unit identifier (for ``unit_timing``).
+        """
+        changes = {
+            "_verified": self._verified if prepared is None else prepared,
+            "_gauge": gauge or self._gauge,
+            "_control": control or self._control,
+            "_tagged": self._tagged if tagged is None else tagged,
+            "_timed": self._timed if timed is None else timed,
+        }
+        dataset = copy.copy(self)
+        vars(dataset).update(changes)  # a copy of this class: its own state, as dataclasses.replace
+        return dataset
+
+    @property
+    def elastic(self) -> ElasticOptions | None:
+        """The resume/lease options (one incarnation per dataset); None for the seed queue."""
+        return self._elastic
+
+    @property
+    def gauge(self) -> BufferGauge | None:
+        """The consumer's buffer gauge set by ``configured``, if any."""
+        return self._gauge
+
+    @property
+    def claim_stats(self) -> Counter[str]:
+        """A copy of the claimers' statistics in this process (claims, attempts, conflicts, listings)."""
+        return Counter(self._claim_stats)
+
+    def units_claimed(self) -> int:
+        """Units claimed through this dataset (and its configured copies), workers included."""
+        return self._counter.total()
+
+    def stop_claiming(self) -> None:
+        """Tell a claimer in this process that waits for orphaned units to stop waiting."""
+        self._halt[0] = True
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker = info.id if info is not None else None
+        if self._elastic is not None and not self._tagged:
+            if worker is not None:
+                raise ValueError(
+                    "resume= and lease= record what the training loop consumed, which a "
+                    "DataLoader worker cannot see: use shared_queue(...), iterate the dataset "
+                    "in the training process, or use state_dict()/load_state_dict() (e.g. "
+                    "torchdata's StatefulDataLoader) without these options"
+                )
+            options = dataclasses.replace(self._elastic, incarnation=uuid.uuid4().hex)
+            tracker = ProgressTracker(self.mailbox, self.learner_id, options)
+            presence = Presence(
+                self.mailbox, self.learner_id, options.incarnation, renew_s=presence_renew_s(options.lease_s)
+            )
+            return consume_inline(self._claim_and_load(None, options), tracker, presence)
+        batches = self._claim_and_load(worker, self._elastic)
+        if self._control is None:
+            return batches
+        return guarded(batches, self._control, worker or 0)
+
+    # -- torchdata's Stateful protocol ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Per unit being read: its claim token, last step handed out and position in ``load``.
+
+        In a DataLoader worker this is that worker's state.
+        """
+        return {
+            "version": 1,
+            "learner_id": self.learner_id,
+            "units": {identifier: dict(position) for identifier, position in self._positions.items()},
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take the units of ``state_dict`` back on the next iteration, continuing each after its
+        last position (a compare-and-swap on the claim: needs ``replace_if``)."""
+        units = state_dict.get("units") if isinstance(state_dict, Mapping) else None
+        if not isinstance(units, Mapping):
+            raise ValueError(f"not a SharedQueueDataset state_dict (no 'units' mapping): {describe_value(state_dict)}")
+        if state_dict.get("learner_id") not in (None, self.learner_id):
+            raise ValueError(
+                f"state_dict of learner {state_dict.get('learner_id')!r} loaded into learner {self.learner_id!r}"
+            )
+        restore = {str(i): dict(p) for i, p in units.items() if i in self.units and isinstance(p, Mapping)}
+        if restore:
+            require_replace_if(self.mailbox, "load_state_dict")
+        self._restore = restore
+
+    def _claim_and_load(self, worker: int | None, options: ElasticOptions | None = None) -> Iterator[Any]:
+        if not self.units:
+            return
+        if not self._verified:
+            prepare_mailbox(self.mailbox, len(self.units), self.units)
+        if options is not None or self._restore:
+            yield from self._claim_and_load_elastic(worker, options)
+            return
+        if self._claim_index is None:
+            self._claim_index = ClaimIndex(self.units)
+        claimer = Claimer(
+            self.mailbox,
+            self.order,
+            self.learner_id,
+            worker=worker,
+            listing=self._listing,
+            index=self._claim_index,
+        )
+        gauge = self._gauge
+        claims = ClaimAhead(
+            claimer,
+            limit=self.claim_ahead,
+            gauge=gauge,
+            count=lambda: self._counter.add(worker),
+            name=f"gradientmail-claim-{self.learner_id}",
+        )
+        try:
+            while True:
+                try:
+                    identifier = claims.next()
+                except Exception as exc:
+                    add_note(exc, f"while learner {self.learner_id!r} was claiming a unit in {describe(self.mailbox)}")
+                    raise
+                if identifier is None:
+                    return
+                for position, (step, tensor) in enumerate(self._load_unit(identifier)):
+                    self._positions[identifier] = {"token": None, "step": step, "position": position}
+                    if gauge is not None:
+                        gauge.produced(worker)
+                    yield (step, tensor, identifier) if self._timed else (step, tensor)
+                log.debug(
+                    "%s loaded unit %s (%d batches)",
+                    self.learner_id,
+                    identifier,
+                    self._positions.get(identifier, {}).get("position", -1) + 1,
+                )
+                self._positions.pop(identifier, None)
+        finally:
+            claims.close()
+            self._claim_stats.update(claimer.stats)
+            _log_claims(self.learner_id, worker, claimer.stats)
+
+    def _claim_and_load_elastic(self, worker: int | None, options: ElasticOptions | None) -> Iterator[Any]:
+        """Resume, leases or a restored state: ``ElasticClaimer`` picks the units; with
+        ``options`` the items stay tagged for the consumer's ``ProgressTracker``."""
+        control = self._control
+        halt = self._halt
+        claimer = ElasticClaimer(
+            self.mailbox,
+            self.order,
+            self.learner_id,
+            options or ElasticOptions(resume=False, lease_s=None),
+            worker=worker,
+            listing=self._listing,
+            restore=self._restore,
+            stopping=lambda: halt[0] or (control is not None and control.stop.is_set()),
+        )
+        self._restore = {}
+        try:
+            items = tagged_items(claimer, self._load_unit, lambda: self._counter.add(worker))
+            while True:
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                except Exception as exc:
+                    add_note(
+                        exc,
+                        f"while learner {self.learner_id!r} was claiming or loading a unit in {describe(self.mailbox)}",
+                    )
+                    raise
+                step, tensor, (identifier, token, kind, position) = item
+                if kind == BATCH:
+                    self._positions[identifier] = {"token": token, "step": step, "position": position}
+                else:
+                    self._positions.pop(identifier, None)
+                if options is not None:
+                    yield item
+                elif kind == BATCH:
+                    yield step, tensor
+        finally:
+            self._claim_stats.update(claimer.claim_stats)
+
+    def _load_unit(self, identifier: str) -> Iterator[Batch]:
+        return loaded_batches(self.load, self.units[identifier], identifier)
+
+
+def _log_claims(learner_id: str, worker: int | None, stats: Counter[str]) -> None:
+    """One line per loader when it stops: what claiming cost (the conflicts summary)."""
+    where = "" if worker is None else f" (worker {worker})"
+    log.info(
+        "%s%s: claimed %d units in %d attempts: %d conflicts, %d listings",
+        learner_id,
+        where,
+        stats["claims"],
+        stats["attempts"],
+        stats["conflicts"],
+        stats["listings"],
+    )

@@ -1,0 +1,325 @@
+"""One live incarnation per ``learner_id``: the presence record ``learners/{learner_id}.json``.
+
+Every ``shared_queue`` registers before its first claim and refuses to start, with
+``DuplicateLearnerError``, while another incarnation of its learner is alive: two processes
+under one id would take each other's units. One read and one write at start, one write every
+``renew_s``, one of each at exit; a restart after a crash is allowed. Details: docs/queue.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from gradientmail.errors import DuplicateLearnerError
+from gradientmail.layout import learner_key
+from gradientmail.mailbox.base import Mailbox, supports_replace_if
+
+__all__ = ["Presence", "RENEW_S", "presence_renew_s"]
+
+RENEW_S = 10.0
+"""Seconds between renewals of a presence record (a quarter of the lease if that is shorter)."""
+
+WINDOW_RENEWALS = 3
+"""A record from another machine that did not change for this many of its writer's renewal
+intervals (on the reader's clock) belongs to a dead process."""
+
+CLOCK_TOLERANCE_S = 30.0
+"""Clock skew tolerated when a writer's own time already shows its record is long dead."""
+
+MAX_RECORD_BYTES = 4096
+"""A presence record is a few hundred bytes; anything larger is not one."""
+
+ATTEMPTS = 5
+"""Registration attempts when the record keeps changing under a compare-and-swap."""
+
+RUNNING, STOPPED = "running", "stopped"
+
+_log = logging.getLogger(__name__)
+_OPEN: set[str] = set()  # incarnations registered (and not closed) by this process
+_OPEN_LOCK = threading.Lock()
+
+
+def presence_renew_s(lease_s: float | None) -> float:
+    """The renewal interval: ``RENEW_S``, or a quarter of the lease when that is shorter."""
+    return RENEW_S if lease_s is None else min(RENEW_S, lease_s / 4)
+
+
+# -- who this process is -----------------------------------------------------------------------
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+@functools.cache
+def _machine() -> dict[str, Any]:
+    """Host name, boot id and PID namespace: equal for two processes that can see each other."""
+    try:
+        namespace: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
+    return {"host": socket.gethostname(), "boot": _read("/proc/sys/kernel/random/boot_id"), "pidns": namespace}
+
+
+def _process_state(pid: int) -> tuple[str, int] | None:
+    """``(state, start time in clock ticks since boot)`` of ``pid`` from ``/proc``; None: no such
+    process or no ``/proc``."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat or ")" not in stat:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    try:
+        return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
+    except (IndexError, ValueError):
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    state = _process_state(pid)
+    return None if state is None else state[1]
+
+
+def _alive(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` (started at ``start``, when known) still runs on this machine."""
+    if os.path.isdir("/proc/self"):
+        state = _process_state(pid)
+        if state is None or state[0] in ("Z", "X"):  # gone, or killed and not yet reaped
+            return False
+        return start is None or state[1] == start  # another start time: the PID was reused
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OSError:
+        return False
+    return True
+
+
+# -- records -----------------------------------------------------------------------------------
+def _body(learner_id: str, incarnation: str, state: str, beat: int, renew_s: float) -> bytes:
+    pid = os.getpid()
+    return json.dumps(
+        {
+            "learner": learner_id,
+            "incarnation": incarnation,
+            "state": state,
+            "beat": beat,
+            "time": time.time(),
+            "renew_s": renew_s,
+            **_machine(),
+            "pid": pid,
+            "pid_start": _process_start(pid),
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def _parse(key: str, data: bytes | None) -> dict[str, Any] | None:
+    """A presence record's fields, or None (with a warning when the record is unreadable)."""
+    if data is None:
+        return None
+    record: Any = None
+    if len(data) <= MAX_RECORD_BYTES:
+        try:
+            record = json.loads(data)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            record = None
+    fields = {"incarnation": str, "state": str, "host": str, "pid": int}
+    if not isinstance(record, dict) or not all(
+        isinstance(record.get(name), kind) and not isinstance(record.get(name), bool) for name, kind in fields.items()
+    ):
+        warnings.warn(
+            f"gradientmail: the presence record {key!r} ({len(data)} bytes) is not one this "
+            "library wrote; ignoring it (it is overwritten)",
+            stacklevel=4,
+        )
+        return None
+    return record
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
+
+
+def _same_machine(record: dict[str, Any]) -> bool:
+    return all(record.get(name) == value for name, value in _machine().items())
+
+
+# -- the record's owner ------------------------------------------------------------------------
+class Presence:
+    """Registers one incarnation of ``learner_id`` in ``mailbox`` and keeps it renewed.
+
+    ``start`` raises ``DuplicateLearnerError`` when another incarnation is alive (see the
+    module docstring), else writes the record and renews it every ``renew_s`` on a daemon
+    thread; ``close`` marks it stopped. ``clock``/``sleep`` (monotonic) and ``wall`` (Unix
+    time) are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        learner_id: str,
+        incarnation: str,
+        *,
+        renew_s: float = RENEW_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.mailbox = mailbox
+        self.learner_id = learner_id
+        self.incarnation = incarnation
+        self.renew_s = renew_s
+        self.key = learner_key(learner_id)
+        self._clock, self._sleep, self._wall = clock, sleep, wall
+        self._versioned = supports_replace_if(mailbox)
+        self._beat = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    # -- public ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Register, or raise ``DuplicateLearnerError`` if another incarnation is alive."""
+        for _ in range(ATTEMPTS):
+            data, version = self._get()
+            record = _parse(self.key, data)
+            if record is not None and record.get("incarnation") != self.incarnation:
+                judged = self._judge(record, data)
+                if judged is not None:
+                    raise self._duplicate(judged)
+            if self._register(data, version):
+                break
+        else:
+            raise DuplicateLearnerError(
+                f"learner {self.learner_id!r}: its presence record {self.key!r} kept changing "
+                f"while this process registered ({ATTEMPTS} attempts): another process is "
+                "starting under the same learner_id; use a unique learner_id"
+            )
+        with _OPEN_LOCK:
+            _OPEN.add(self.incarnation)
+        self._thread = threading.Thread(
+            target=self._renew, name=f"gradientmail-presence-{self.learner_id}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop renewing and mark the record stopped (unless another incarnation has taken it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with _OPEN_LOCK:
+            if self.incarnation not in _OPEN:
+                return
+            _OPEN.discard(self.incarnation)
+        try:
+            data, version = self._get()
+            record = _parse(self.key, data)
+            if record is None or record.get("incarnation") != self.incarnation:
+                return
+            body = _body(self.learner_id, self.incarnation, STOPPED, self._beat + 1, self.renew_s)
+            if version is not None:
+                self.mailbox.replace_if(self.key, body, version)  # type: ignore[attr-defined]
+            else:
+                self.mailbox.put(self.key, body)
+        except Exception as exc:  # only delays a restart elsewhere; never hides the real exit
+            warnings.warn(
+                f"gradientmail: marking the presence record {self.key!r} stopped failed: {exc!r}; "
+                "a restart on another machine waits for it to expire",
+                stacklevel=2,
+            )
+
+    # -- internals ---------------------------------------------------------------------------
+    def _get(self) -> tuple[bytes | None, str | None]:
+        if self._versioned:
+            got = self.mailbox.get_versioned(self.key)  # type: ignore[attr-defined]
+            return (None, None) if got is None else got
+        return self.mailbox.get(self.key), None
+
+    def _register(self, data: bytes | None, version: str | None) -> bool:
+        self._beat += 1
+        body = _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s)
+        if data is None:
+            return self.mailbox.put_if_absent(self.key, body)
+        if version is not None:
+            return bool(self.mailbox.replace_if(self.key, body, version))  # type: ignore[attr-defined]
+        self.mailbox.put(self.key, body)  # no compare-and-swap: best effort
+        return True
+
+    def _judge(self, record: dict[str, Any], data: bytes | None) -> dict[str, Any] | None:
+        """``record`` (or the newer one seen) when its process is alive, else None."""
+        if record.get("state") != RUNNING:
+            return None
+        if _same_machine(record):
+            if record["pid"] == os.getpid():
+                with _OPEN_LOCK:
+                    return record if record["incarnation"] in _OPEN else None
+            start = record.get("pid_start")
+            start = start if isinstance(start, int) and not isinstance(start, bool) else None
+            return record if _alive(record["pid"], start) else None
+        renew = _number(record.get("renew_s"))
+        renew = min(max(renew, 0.01), RENEW_S) if renew is not None else RENEW_S
+        window = WINDOW_RENEWALS * renew
+        written = _number(record.get("time"))
+        if written is not None and self._wall() - written > window + CLOCK_TOLERANCE_S:
+            return None  # long dead, even allowing for clock skew
+        _log.info(
+            "learner %r: watching the presence record of host %s pid %s for up to %.0f s to see "
+            "whether it is still alive",
+            self.learner_id,
+            record["host"],
+            record["pid"],
+            window,
+        )
+        began = self._clock()
+        while self._clock() - began < window:
+            self._sleep(min(renew / 4, 1.0))
+            now, _ = self._get()
+            if now != data:
+                newer = _parse(self.key, now)
+                alive = newer is not None and newer.get("state") == RUNNING
+                return newer if alive else None
+        return None
+
+    def _duplicate(self, record: dict[str, Any]) -> DuplicateLearnerError:
+        written = _number(record.get("time"))
+        age = f"{max(0.0, self._wall() - written):.0f} s ago" if written is not None else "recently"
+        return DuplicateLearnerError(
+            f"learner {self.learner_id!r} is already running in this run (renewed {age} by "
+            f"host {record['host']} pid {record['pid']}); use a unique learner_id. If that "
+            "process has stopped, start again: a dead process's record is recognised at once on "
+            "its own machine, and from another machine once it has not changed for "
+            f"{WINDOW_RENEWALS} renewal intervals",
+            learner=self.learner_id,
+            host=record["host"],
+            pid=record["pid"],
+        )
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.renew_s):
+            self._beat += 1
+            try:
+                self.mailbox.put(self.key, _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s))
+            except Exception as exc:  # a store fault must not stop training; the next renewal retries
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"gradientmail: renewing the presence record {self.key!r} failed: {exc!r}",
+                        stacklevel=1,
+                    )

@@ -1,0 +1,290 @@
+"""The elastic queue's consuming side: what the training loop has consumed, and heartbeats.
+
+A batch counts as consumed when the loop asks for the next item. ``ProgressTracker`` writes
+the latest consumed batch per unit, finished units and the lease heartbeat from one background
+thread; ``tagged_items`` / ``Consumption`` carry each batch's unit and position from the
+loading side (``queue.reclaim``) to it. Details: docs/queue.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
+from gradientmail.queue.claims import parse_claim
+from gradientmail.queue.leases import (
+    RELEASED,
+    RUNNING,
+    STOPPED,
+    dumps,
+    lease_body,
+    position_value,
+    step_value,
+    work_body,
+)
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
+from gradientmail.records import WORK, SkippedRecords
+
+__all__ = ["BATCH", "END", "Consumption", "ProgressTracker", "Tagged", "consume_inline", "tagged_items"]
+
+BATCH, END = 0, 1
+"""Kinds of the tag carried beside each item between the loading side and the consumer."""
+
+
+class ProgressTracker:
+    """Records consumed steps, finished units and the lease heartbeat from the consuming process.
+
+    ``consumed`` and ``finished`` only update memory; one background thread writes, one request
+    at a time, always the latest state (a unit's progress is coalesced to its last consumed
+    step). ``close`` flushes, releases this incarnation's unfinished units and marks the lease
+    stopped. A write that fails is kept and raised by the next ``check``; the thread goes on.
+    """
+
+    def __init__(self, mailbox: Any, learner_id: str, options: ElasticOptions) -> None:
+        self.mailbox = mailbox
+        self.learner_id = learner_id
+        self.options = options
+        self._changed = threading.Condition()
+        self._progress: dict[str, tuple[str, int, int | None]] = {}
+        self._finished: list[tuple[str, str]] = []
+        self._consumed = 0
+        self._beat_consumed = 0
+        self._beat = 0
+        self._last_beat = 0.0
+        self._stopping = False
+        self._writing = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.writes: dict[str, int] = {"progress": 0, "done": 0, "lease": 0, "released": 0}
+        self.skipped = SkippedRecords(f"learner {learner_id!r}")
+
+    # -- called by the consumer -----------------------------------------------------------
+    def start(self) -> None:
+        if self.options.lease_s is not None:
+            self._write_lease(RUNNING)
+        self._thread = threading.Thread(target=self._run, name=f"gradientmail-progress-{self.learner_id}", daemon=True)
+        self._thread.start()
+
+    def consumed(self, identifier: str, token: str, step: int, position: int | None = None) -> None:
+        """The loop consumed the batch labelled ``step`` at ``position`` of the unit's load()."""
+        with self._changed:
+            self._progress[identifier] = (token, step, position)
+            self._consumed += 1
+            self._changed.notify_all()
+
+    def finished(self, identifier: str, token: str) -> None:
+        with self._changed:
+            self._finished.append((identifier, token))
+            self._changed.notify_all()
+
+    def check(self) -> None:
+        """Raise the error of a failed background write (once)."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def flush(self) -> None:
+        """Wait until everything recorded so far is written."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._idle() or self._thread is None or not self._thread.is_alive())
+
+    def close(self, *, release: bool = True) -> None:
+        """Flush, stop the writer, release unfinished units of this incarnation, stop the lease."""
+        if self._thread is not None:
+            with self._changed:
+                self._stopping = True
+                self._changed.notify_all()
+            self._thread.join()
+            self._thread = None
+        if release:
+            self.release()
+        if self.options.lease_s is not None:
+            self._write_lease(STOPPED)
+
+    def release(self) -> int:
+        """Rewrite this incarnation's unfinished claims as released; returns how many."""
+        released = 0
+        prefix = work_prefix(self.learner_id)
+        for key in list(self.mailbox.list(prefix)):
+            record = self.skipped.parse(WORK, self.mailbox.get(key), key, self.learner_id)
+            if record is None or record.get("incarnation") != self.options.incarnation:
+                continue
+            identifier = key[len(prefix) :]
+            got = self.mailbox.get_versioned(claim_key(identifier))
+            claim = parse_claim(got[0]) if got is not None else None
+            if claim is not None and claim.get("token") == record.get("token"):
+                claim.update(
+                    state=RELEASED,
+                    step=step_value(record.get("step")),
+                    position=position_value(record.get("position")),
+                    released_at=time.time(),
+                )
+                if self.mailbox.replace_if(claim_key(identifier), dumps(claim), got[1]):
+                    released += 1
+            self.mailbox.delete(key)
+        self.writes["released"] += released
+        return released
+
+    # -- the writer thread ------------------------------------------------------------------
+    def _idle(self) -> bool:
+        return not self._progress and not self._finished and not self._writing
+
+    def beat_due(self) -> float | None:
+        """Seconds until the next heartbeat may be written (None: nothing to renew)."""
+        lease = self.options.lease_s
+        if lease is None or self._consumed == self._beat_consumed:
+            return None
+        return max(0.0, self._last_beat + lease / 4 - time.monotonic())
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._writing = False
+                self._changed.notify_all()
+                while True:
+                    due = self.beat_due()
+                    if self._progress or self._finished or due == 0.0:
+                        break
+                    if self._stopping:
+                        return
+                    self._changed.wait(due)
+                progress, self._progress = self._progress, {}
+                finished, self._finished = self._finished, []
+                beat = self.beat_due() == 0.0
+                self._writing = True
+            try:
+                self._write(progress, finished, beat)
+            except Exception as exc:  # surfaced to the consumer by check()
+                self._error = exc
+
+    def _write(
+        self, progress: dict[str, tuple[str, int, int | None]], finished: list[tuple[str, str]], beat: bool
+    ) -> None:
+        done = {identifier for identifier, _ in finished}
+        if beat:
+            self._write_lease(RUNNING)
+        for identifier, (token, step, position) in progress.items():
+            if identifier in done:
+                continue  # the done record below supersedes it
+            self.mailbox.put(
+                work_key(self.learner_id, identifier),
+                work_body(self.learner_id, token, self.options.incarnation, step, position=position),
+            )
+            self.writes["progress"] += 1
+        for identifier, token in finished:
+            claim = parse_claim(self.mailbox.get(claim_key(identifier)))
+            if claim is not None and claim.get("token") == token:
+                # Another node that took the unit over (this one was judged dead) finishes it.
+                record = {"learner": self.learner_id, "token": token, "at": time.time()}
+                self.mailbox.put_if_absent(done_key(identifier), dumps(record))
+                self.writes["done"] += 1
+            self.mailbox.delete(work_key(self.learner_id, identifier))
+
+    def _write_lease(self, state: str) -> None:
+        lease = self.options.lease_s
+        assert lease is not None
+        with self._changed:
+            self._beat += 1
+            self._beat_consumed = self._consumed
+            self._last_beat = time.monotonic()
+            beat, consumed = self._beat, self._consumed
+        self.mailbox.put(
+            lease_key(self.learner_id),
+            lease_body(self.learner_id, self.options.incarnation, beat, consumed, lease, state),
+        )
+        self.writes["lease"] += 1
+
+
+# -- the stream between the two sides ----------------------------------------------------------
+Tagged = tuple[Any, Any, tuple[str, str, int, Any]]
+"""``(step, tensor, (identifier, token, BATCH, position))`` or ``(None, None, (identifier, token,
+END, None))``; ``position`` is the batch's index in the unit's ``load()`` iteration."""
+
+
+def tagged_items(
+    claimer: ElasticClaimer,
+    load_unit: Callable[[str], Iterator[tuple[int, Any]]],
+    on_claim: Callable[[], None] = lambda: None,
+) -> Iterator[Tagged]:
+    """Each owned unit's batches not consumed before (``Assignment.skips``), then an end marker,
+    unit by unit; each batch tagged with its position in ``load``'s iteration."""
+    while True:
+        assignment = claimer.claim_next()
+        if assignment is None:
+            return
+        on_claim()
+        identifier, token = assignment.identifier, assignment.token
+        for position, (step, tensor) in enumerate(load_unit(identifier)):
+            if assignment.skips(step, position):
+                continue
+            yield step, tensor, (identifier, token, BATCH, position)
+        yield None, None, (identifier, token, END, None)
+
+
+class Consumption:
+    """Turns tagged items into ``(step, tensor)`` and tells the tracker what was consumed.
+
+    A batch counts as consumed when the next item is asked for (the loop trained on it), or
+    when ``close(consumed_last=True)`` says so (the ``with`` block was left without an error).
+    """
+
+    def __init__(self, tracker: ProgressTracker) -> None:
+        self.tracker = tracker
+        self._last: tuple[str, str, int, int | None] | None = None
+
+    def next_from(self, items: Iterator[Tagged]) -> tuple[int, Any]:
+        self.tracker.check()
+        if self._last is not None:
+            self.tracker.consumed(*self._last)
+            self._last = None
+        while True:
+            step, tensor, tag = next(items)
+            identifier, token, kind = tag[0], tag[1], tag[2]
+            if kind == END:
+                self.tracker.finished(identifier, token)
+                continue
+            self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None)
+            return step, tensor
+
+    def finish(self, *, consumed_last: bool) -> None:
+        if consumed_last and self._last is not None:
+            self.tracker.consumed(*self._last)
+        self._last = None
+
+
+def consume_inline(
+    items: Iterator[Tagged], tracker: ProgressTracker, presence: Any = None
+) -> Iterator[tuple[int, Any]]:
+    """Direct iteration of a dataset in this process: the generator resuming means consumed.
+
+    ``presence`` (a ``presence.Presence``) registers this incarnation first and is closed last.
+    """
+    consumption = Consumption(tracker)
+    if presence is not None:
+        presence.start()  # DuplicateLearnerError before anything is claimed or recorded
+    try:
+        tracker.start()
+    except BaseException:
+        if presence is not None:
+            presence.close()
+        raise
+    try:
+        while True:
+            try:
+                item = consumption.next_from(items)
+            except StopIteration:
+                return
+            yield item
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
+        consumption.finish(consumed_last=False)
+        try:
+            tracker.close()
+        finally:
+            if presence is not None:
+                presence.close()

@@ -1,0 +1,327 @@
+"""The elastic queue's loading side: which unit to load next, and taking units over.
+
+With ``resume=True`` or ``lease=`` a unit can change hands: released units, this learner's
+units of an earlier incarnation, and units whose owner's lease expired are taken over with
+``replace_if`` and read back (``queue.claims.read_back``), so exactly one node wins each.
+The consuming side is ``queue.progress``. Details: docs/queue.md.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from gradientmail.layout import (
+    CLAIMS_PREFIX,
+    DONE_PREFIX,
+    claim_key,
+    lease_key,
+    work_key,
+    work_prefix,
+)
+from gradientmail.mailbox.base import Mailbox, require_replace_if
+from gradientmail.queue.claimer import Claimer, Pick
+from gradientmail.queue.claims import try_claim
+from gradientmail.queue.leases import (
+    ACTIVE,
+    POLL_S,
+    RELEASED,
+    STOPPED,
+    LeaseWatch,
+    lease_seconds,
+    position_value,
+    read_record,
+    step_value,
+    work_body,
+)
+from gradientmail.queue.takeover import Assignment, take_over
+from gradientmail.records import CLAIM, LEASE, WORK, SkippedRecords
+
+__all__ = [
+    "Assignment",
+    "ElasticClaimer",
+    "ElasticOptions",
+    "check_elastic",
+]
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """What a dataset carries into its workers when resume or leases are on.
+
+    ``incarnation`` names one run of a learner (a fresh ``uuid4`` each time a queue is
+    iterated), so that a restarted node tells its own earlier, dead self's units from the
+    units its current workers hold.
+    """
+
+    resume: bool
+    lease_s: float | None
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def check_elastic(mailbox: Mailbox, resume: object, lease: timedelta | float | None) -> float | None:
+    """Validate ``resume`` / ``lease`` and refuse a store without compare-and-swap for them."""
+    if not isinstance(resume, bool):
+        raise TypeError(f"resume must be a bool, not {type(resume).__name__}")
+    seconds = lease_seconds(lease)
+    if resume or seconds is not None:
+        feature = "resume=True" if resume else f"lease={lease!r}"
+        require_replace_if(mailbox, feature)
+    return seconds
+
+
+class _FreshClaimer(Claimer):
+    """The seed's ``Claimer``, writing elastic claim bodies and remembering each won token."""
+
+    def __init__(self, *args: Any, incarnation: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.incarnation = incarnation
+        self.token: str | None = None
+
+    def attempt(self, pick: Pick) -> bool:
+        won = try_claim(
+            self.mailbox,
+            pick.identifier,
+            self.learner_id,
+            worker=self.worker,
+            token=pick.token,
+            incarnation=self.incarnation,
+            state=ACTIVE,
+            step=None,
+        )
+        if won:
+            self.token = pick.token  # claims run one at a time here (no ClaimAhead on the elastic path)
+        return won
+
+
+class ElasticClaimer:
+    """Picks this learner's next unit: its own unfinished ones, released or orphaned ones, fresh ones.
+
+    Order of preference: units handed over by ``restore`` (``load_state_dict``) and, with
+    ``resume``, this learner's units of an earlier incarnation (one listing of
+    ``work/{learner}/``); then units found by a *scan* (released units, and with leases units
+    whose owner's lease expired); then fresh units through the seed's claim protocol. A scan
+    lists ``units/`` and ``done/`` and reads the claims of unfinished units; it runs when the
+    claimer starts, with leases at most every ``lease/2`` while fresh units last, and when they
+    run out: without leases once more, with leases every ``lease/2`` until every unit is done
+    or held by this incarnation (a peer may still die), or until ``stopping()``.
+    """
+
+    def __init__(
+        self,
+        mailbox: Any,
+        order: Sequence[str],
+        learner_id: str,
+        options: ElasticOptions,
+        *,
+        worker: int | None = None,
+        listing: str = "adaptive",
+        restore: Mapping[str, Mapping[str, Any]] | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.mailbox = mailbox
+        self.order = list(order)
+        self.learner_id = learner_id
+        self.options = options
+        self.worker = worker
+        self.stopping = stopping
+        self.clock = clock
+        self._fresh = _FreshClaimer(
+            mailbox,
+            self.order,
+            learner_id,
+            worker=worker,
+            listing=listing,
+            incarnation=options.incarnation,
+        )
+        self._watch = LeaseWatch(options.lease_s, clock) if options.lease_s else None
+        self._restore = dict(restore or {})
+        self._own: list[str] | None = None if options.resume else []
+        # Scans serve resume and leases; a claimer that only restores a state_dict never scans.
+        self._scans = options.resume or options.lease_s is not None
+        self._next_scan = clock() if self._scans else float("inf")  # scan when starting
+        self._fresh_left = True
+        self._candidates: list[tuple[str, Any]] = []
+        self._pending = False
+        self._claims_seen: dict[tuple[str, Any], float] = {}  # (unit, token) -> first seen
+        self.skipped = SkippedRecords(f"learner {learner_id!r}")
+        """Unusable claims, work records and leases met (counted, warned once per kind and learner)."""
+        self.stats: dict[str, int] = {"claims": 0, "takeovers": 0, "scans": 0}
+
+    @property
+    def claim_stats(self) -> Any:
+        return self._fresh.stats
+
+    # -- public ------------------------------------------------------------------------------
+    def claim_next(self) -> Assignment | None:
+        """The next unit this claimer owns, or None when there is nothing left to take."""
+        while self._restore:
+            identifier, state = self._restore.popitem()
+            found = self._take(
+                identifier,
+                expect=_restorable(self.learner_id, state),
+                after=lambda claim, state=state: step_value(state.get("step")),
+                position=lambda claim, state=state: position_value(state.get("position")),
+            )
+            if found is not None:
+                return found
+        if self._own is None:
+            self._own = self._own_units()
+        while self._own:
+            identifier = self._own.pop(0)
+            found = self._take(identifier, expect=self._own_earlier)
+            if found is not None:
+                return found
+        found = self._take_candidate()
+        if found is not None:
+            return found
+        if self.clock() >= self._next_scan:
+            self._scan()
+            found = self._take_candidate()
+            if found is not None:
+                return found
+        if self._fresh_left:
+            identifier = self._fresh.claim_next()
+            if identifier is not None:
+                self.stats["claims"] += 1
+                assert self._fresh.token is not None
+                token = self._fresh.token
+                self.mailbox.put(
+                    work_key(self.learner_id, identifier),
+                    work_body(self.learner_id, token, self.options.incarnation, None),
+                )
+                return Assignment(identifier, token)
+            self._fresh_left = False
+        return self._drain()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _take(
+        self,
+        identifier: str,
+        *,
+        expect: Callable[[dict[str, Any]], bool],
+        after: Callable[[dict[str, Any]], int | None] | None = None,
+        position: Callable[[dict[str, Any]], int | None] | None = None,
+    ) -> Assignment | None:
+        found = take_over(
+            self.mailbox,
+            identifier,
+            self.learner_id,
+            self.options.incarnation,
+            expect=expect,
+            after=after,
+            worker=self.worker,
+            position=position,
+        )
+        if found is not None:
+            self.stats["takeovers"] += 1
+        return found
+
+    def _own_units(self) -> list[str]:
+        """This learner's unfinished units of earlier incarnations (one listing, one GET each)."""
+        prefix = work_prefix(self.learner_id)
+        found = []
+        for key in self.mailbox.list(prefix):
+            record = self.skipped.parse(WORK, self.mailbox.get(key), key, self.learner_id)
+            if record is None or record.get("incarnation") == self.options.incarnation:
+                continue  # unusable (warned), or a sibling worker's current unit
+            found.append(key[len(prefix) :])
+        rank = {identifier: position for position, identifier in enumerate(self.order)}
+        return sorted((i for i in found if i in rank), key=rank.__getitem__)
+
+    def _own_earlier(self, claim: dict[str, Any]) -> bool:
+        return (
+            claim.get("learner") == self.learner_id and claim.get("incarnation") != self.options.incarnation
+        ) or claim.get("state") == RELEASED
+
+    def _take_candidate(self) -> Assignment | None:
+        while self._candidates:
+            identifier, token = self._candidates.pop(0)
+            found = self._take(identifier, expect=lambda claim, token=token: claim.get("token") == token)
+            if found is not None:
+                return found
+            self._pending = True  # another node took it first; it is not done yet
+        return None
+
+    def _drain(self) -> Assignment | None:
+        """No fresh unit is left: take what becomes free, or stop."""
+        if not self._scans:
+            return None
+        while True:
+            self._scan()
+            found = self._take_candidate()
+            if found is not None:
+                return found
+            if self._watch is None or not self._pending:
+                return None
+            while self.clock() < self._next_scan:
+                if self.stopping():
+                    return None
+                time.sleep(min(POLL_S, max(0.0, self._next_scan - self.clock())))
+
+    def _scan(self) -> None:
+        """Collect released and orphaned units (in preference order) as candidates."""
+        self.stats["scans"] += 1
+        interval = self.options.lease_s / 2 if self.options.lease_s else float("inf")
+        self._next_scan = self.clock() + interval
+        claimed = {key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)}
+        done = {key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX)}
+        leases: dict[str, bytes | None] = {}
+        self._pending = False
+        self._candidates = []
+        for identifier in self.order:
+            if identifier not in claimed or identifier in done:
+                continue
+            key = claim_key(identifier)
+            claim = self.skipped.parse(CLAIM, self.mailbox.get(key), key)
+            if claim is None or claim.get("incarnation") == self.options.incarnation:
+                continue  # unusable (warned; nobody can take it over), or being worked on by this node
+            if self.takeable(identifier, claim, leases):
+                self._candidates.append((identifier, claim.get("token")))
+            else:
+                self._pending = True
+
+    def takeable(self, identifier: str, claim: dict[str, Any], leases: dict[str, bytes | None] | None = None) -> bool:
+        """Whether ``claim`` on ``identifier`` may be taken over now: released, this learner's
+        own of an earlier incarnation (with resume), or its owner's lease expired and the claim
+        itself stood still for a whole lease. ``leases`` caches lease reads within one scan."""
+        if leases is None:
+            leases = {}
+        if claim.get("state") == RELEASED:
+            return True
+        owner = claim.get("learner")
+        if self.options.resume and owner == self.learner_id:
+            return True  # our own unit of an earlier incarnation
+        if self._watch is None or not isinstance(owner, str):
+            return False
+        # The claim itself must also have stayed the same for a whole lease: a node that has
+        # just taken a unit over renews its lease only once it consumes from it.
+        now = self.clock()
+        first_seen = self._claims_seen.setdefault((identifier, claim.get("token")), now)
+        if owner not in leases:  # one read per owner and scan
+            leases[owner] = self.mailbox.get(lease_key(owner))
+            self.skipped.parse(LEASE, leases[owner], lease_key(owner), owner)  # counted and warned
+        incarnation = claim.get("incarnation") if isinstance(claim.get("incarnation"), str) else None
+        if not self._watch.expired(owner, leases[owner], incarnation):
+            return False
+        record = read_record(LEASE, leases[owner])
+        gone = record is not None and (
+            record.get("state") == STOPPED or (incarnation is not None and record.get("incarnation") != incarnation)
+        )
+        return gone or now - first_seen >= self._watch.lease_s
+
+
+def _restorable(learner_id: str, state: Mapping[str, Any]) -> Callable[[dict[str, Any]], bool]:
+    token = state.get("token")
+
+    def expect(claim: dict[str, Any]) -> bool:
+        if token is not None:
+            return claim.get("token") == token
+        return claim.get("learner") == learner_id and claim.get("state") != RELEASED
+
+    return expect

@@ -1,0 +1,125 @@
+"""Taking one unit over: the elastic counterpart of ``queue.claims.try_claim``.
+
+A takeover swaps the claim with ``replace_if`` (compare-and-swap: exactly one of several racing
+nodes wins) and reads it back like a claim; the new owner continues after the last batch the
+previous owner recorded as consumed (``work/{learner}/{identifier}``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gradientmail.layout import claim_key, work_key
+from gradientmail.mailbox.base import Mailbox
+from gradientmail.queue.claims import claim_fields, parse_claim, read_back
+from gradientmail.queue.leases import ACTIVE, RELEASED, dumps, position_value, read_record, step_value, work_body
+from gradientmail.records import WORK
+
+__all__ = ["Assignment", "recorded_progress", "recorded_step", "take_over"]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A unit this claimer now owns: load it and skip the batches consumed before.
+
+    Those are the batches at positions ``<= position`` of ``load``'s iteration (steps are labels
+    and may repeat); a record of an older version without a position is continued by its step
+    label instead, skipping every step ``<= after`` (best effort). None: nothing to skip.
+    """
+
+    identifier: str
+    token: str
+    after: int | None = None
+    taken_from: str | None = None
+    position: int | None = None
+
+    def skips(self, step: int, position: int) -> bool:
+        """Whether the batch at ``position`` (labelled ``step``) was consumed before."""
+        if self.position is not None:
+            return position <= self.position
+        return self.after is not None and step <= self.after
+
+
+def take_over(
+    mailbox: Any,
+    identifier: str,
+    learner_id: str,
+    incarnation: str,
+    *,
+    expect: Callable[[dict[str, Any]], bool] = lambda claim: True,
+    after: Callable[[dict[str, Any]], int | None] | None = None,
+    worker: int | None = None,
+    position: Callable[[dict[str, Any]], int | None] | None = None,
+) -> Assignment | None:
+    """Replace the claim on ``identifier`` with one of ours if ``expect(claim)`` holds.
+
+    Reads the claim with its version, checks ``expect``, swaps in a claim with a fresh token
+    (``replace_if``: exactly one of several racing callers wins), reads it back like the claim
+    protocol does, and records the unit under ``work/{learner_id}/``. ``after(claim)`` gives the
+    last step consumed before the takeover (default: the owner's work record, else the
+    claim's ``step``), ``position(claim)`` that batch's position in ``load``'s iteration
+    (default: recorded alongside the step; None when ``after`` is given without it).
+
+    Returns:
+        The ``Assignment``, or None when the claim changed meanwhile or ``expect`` refused it.
+
+    Raises:
+        UnsafeStoreError: the replaced claim cannot be read back.
+    """
+    key = claim_key(identifier)
+    got = mailbox.get_versioned(key)
+    if got is None:
+        return None
+    data, version = got
+    claim = parse_claim(data)
+    if claim is None or not expect(claim):
+        return None
+    owner = claim.get("learner") if isinstance(claim.get("learner"), str) else None
+    if after is not None:
+        start, start_position = after(claim), position(claim) if position is not None else None
+    else:
+        start, start_position = recorded_progress(mailbox, identifier, claim)
+    token = uuid.uuid4().hex
+    body = claim_fields(
+        learner_id,
+        token,
+        worker,
+        incarnation=incarnation,
+        state=ACTIVE,
+        step=start,
+        position=start_position,
+        taken_from=owner,
+    )
+    if not mailbox.replace_if(key, dumps(body), version):
+        return None
+    if not read_back(mailbox, key, token, action="replaced", what="takeovers"):
+        return None  # replaced again meanwhile, by someone else
+    mailbox.put(
+        work_key(learner_id, identifier), work_body(learner_id, token, incarnation, start, position=start_position)
+    )
+    if owner and owner != learner_id:
+        try:  # the previous owner's record: keeps its listing small; harmless if it stays
+            mailbox.delete(work_key(owner, identifier))
+        except Exception:
+            pass
+    return Assignment(identifier, token, start, owner, start_position)
+
+
+def recorded_step(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -> int | None:
+    """The last step consumed under ``claim``: its owner's work record if it matches, else the
+    step the claim was taken over or released at."""
+    return recorded_progress(mailbox, identifier, claim)[0]
+
+
+def recorded_progress(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """``(step, position)`` of the last batch consumed under ``claim``, from its owner's work
+    record if it matches, else from the claim (taken over or released there)."""
+    source: Mapping[str, Any] = claim
+    if claim.get("state") != RELEASED and isinstance(claim.get("learner"), str):
+        record = read_record(WORK, mailbox.get(work_key(claim["learner"], identifier)))
+        if record is not None and record.get("token") == claim.get("token"):
+            source = record
+    return step_value(source.get("step")), position_value(source.get("position"))
