@@ -12,14 +12,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gradientmail import LocalMailbox, MemoryMailbox
+
+# The shared helpers (node processes, servers, harness) are imported by name from every test folder,
+# and by the processes they start (spawn passes sys.path on).
+HELPERS = Path(__file__).resolve().parent / "helpers"
+sys.path.insert(0, str(HELPERS))
 
 AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -230,3 +237,21 @@ def mailbox_backend(request) -> str:
 def any_mailbox(mailbox_backend: str, mailbox_factory) -> Any:
     """A fresh, empty mailbox of each backend in turn."""
     return mailbox_factory(mailbox_backend)
+
+
+PROCESS_FIXTURES = {"seaweedfs_endpoint", "seaweedfs_bucket"}
+"""Fixtures that start a server process (moto runs in a thread of this one)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` what starts processes without saying so: DataLoader workers and SeaweedFS.
+
+    Everything else that starts processes or takes >= 0.3 s is marked where it is written.
+    """
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        workers = params.get("workers")
+        seaweedfs = any(isinstance(value, str) and "seaweedfs" in value for value in params.values())
+        fixtures = PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if (isinstance(workers, int) and workers > 0) or seaweedfs or fixtures:
+            item.add_marker(pytest.mark.slow)

@@ -1,0 +1,271 @@
+"""The mailbox conformance suite: every backend must behave the same through the five primitives.
+
+A backend joins by subclassing ``MailboxConformance`` (see ``test_conformance.py``) and naming
+itself in ``backend``; conftest's ``mailbox_factory`` opens the backends it knows, and a subclass
+for a new one overrides ``mailbox_factory`` (a fixture returning ``factory(backend, run)``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from gradientmail import InvalidKeyError, open_mailbox, verify_mailbox
+from gradientmail.mailbox.keys import MAX_KEY_BYTES
+
+# Valid on every backend, including a directory (no key is also a "directory" of another key).
+KEYS = ["b", "a-b", "a/b", "a/c/d", "a0", "Z", "a.b", "a_b", "é/x", "units/000003-1.json"]
+
+BAD_KEYS = [
+    "",
+    ".",
+    "..",
+    "a/../b",
+    "a/./b",
+    "../escape",
+    "/abs",
+    "a//b",
+    "a/",
+    "//",
+    ".hidden",
+    "a\x00b",
+    "a\nb",
+    "a\x7fb",
+    "a\\b",
+    "x" * (MAX_KEY_BYTES + 1),
+    5,
+    None,
+    b"bytes",
+]
+
+
+def _fill(mailbox, keys, value=lambda key: key.encode()) -> None:
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda key: mailbox.put(key, value(key)), keys))
+
+
+def _seaweedfs_lists_by_directory(request, backend) -> None:
+    """SeaweedFS (4.48) lists a filer directory walk, not whole keys in byte order: ``a/b``
+    comes before ``a-b``, and ``start_after="a-b"`` skips ``a/...``. Flat names (claims,
+    session versions) list in order; where names nest, a claimer only makes a claim attempt
+    that the store then refuses (412): exactly-once holds. Strict: passes if SeaweedFS changes."""
+    if backend == "s3-seaweedfs":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=_seaweedfs_lists_by_directory.__doc__))
+
+
+def _fill_many(mailbox, backend, keys) -> None:
+    """Create many keys; on moto straight into its in-process store (1,000 HTTP PUTs take ~10 s);
+    SeaweedFS takes real PUTs."""
+    if backend in ("s3", "fsspec-s3"):
+        if backend == "s3":
+            bucket, prefix = mailbox.bucket, mailbox.prefix
+        else:  # an s3fs root is "bucket/prefix"
+            bucket, _, prefix = mailbox.root.partition("/")
+            prefix = prefix + "/" if prefix else ""
+        try:
+            from moto.core import DEFAULT_ACCOUNT_ID
+            from moto.s3.models import s3_backends
+
+            store = s3_backends[DEFAULT_ACCOUNT_ID]["global"]
+            for key in keys:
+                store.put_object(bucket, prefix + key, b"v")
+            return
+        except (ImportError, AttributeError, KeyError, TypeError):
+            pass  # moto's internals moved: fall back to real requests
+    _fill(mailbox, keys, value=lambda key: b"v")
+
+
+def _count_list_requests(mailbox, backend):
+    if backend not in ("s3", "s3-seaweedfs"):
+        return None
+    calls: list[int] = []
+    mailbox.client.meta.events.register("before-send.s3.ListObjectsV2", lambda **kwargs: calls.append(1))
+    return calls
+
+
+class MailboxConformance:
+    """The suite; a subclass sets ``backend`` (and may override the ``mailbox_factory`` fixture)."""
+
+    backend: ClassVar[str]
+
+    @pytest.fixture
+    def mailbox_backend(self) -> str:
+        return self.backend
+
+    @pytest.fixture
+    def any_mailbox(self, mailbox_backend: str, mailbox_factory: Any) -> Any:
+        return mailbox_factory(mailbox_backend)
+
+    def test_put_if_absent_creates_once(self, any_mailbox):
+        assert any_mailbox.put_if_absent("units/1", b"first") is True
+        assert any_mailbox.put_if_absent("units/1", b"second") is False
+        assert any_mailbox.get("units/1") == b"first"
+
+    def test_get_missing_is_none(self, any_mailbox):
+        assert any_mailbox.get("missing") is None
+        assert any_mailbox.get("no/such/dir") is None
+        any_mailbox.put("a/b", b"x")
+        assert any_mailbox.get("a/b/c") is None  # below an existing key
+
+    def test_put_overwrites_and_blocks_create(self, any_mailbox):
+        any_mailbox.put("progress/n.json", b"1")
+        any_mailbox.put("progress/n.json", b"22")
+        assert any_mailbox.get("progress/n.json") == b"22"
+        assert any_mailbox.put_if_absent("progress/n.json", b"333") is False
+        assert any_mailbox.get("progress/n.json") == b"22"
+
+    def test_values_are_exact_bytes(self, any_mailbox):
+        payload = bytes(range(256)) * 4
+        assert any_mailbox.put_if_absent("bin", bytearray(payload))
+        any_mailbox.put("view", memoryview(payload))
+        assert any_mailbox.get("bin") == payload
+        assert any_mailbox.get("view") == payload
+        any_mailbox.put("empty", b"")
+        assert any_mailbox.get("empty") == b""
+        with pytest.raises(TypeError):
+            any_mailbox.put_if_absent("text", "not bytes")
+        with pytest.raises(TypeError):
+            any_mailbox.put("text", "not bytes")
+        assert any_mailbox.get("text") is None
+
+    def test_empty_value_create(self, any_mailbox, mailbox_backend):
+        if mailbox_backend == "fsspec-s3":
+            # s3fs would commit an empty "xb" file through touch(), without If-None-Match.
+            with pytest.raises(ValueError, match="touch"):
+                any_mailbox.put_if_absent("empty", b"")
+            assert any_mailbox.get("empty") is None
+        else:
+            assert any_mailbox.put_if_absent("empty", b"") is True
+            assert any_mailbox.put_if_absent("empty", b"x") is False
+            assert any_mailbox.get("empty") == b""
+
+    def test_delete(self, any_mailbox):
+        any_mailbox.put("a/b", b"x")
+        any_mailbox.delete("a/b")
+        assert any_mailbox.get("a/b") is None
+        any_mailbox.delete("a/b")  # missing is fine
+        any_mailbox.delete("never/there")
+        assert any_mailbox.put_if_absent("a/b", b"y") is True
+        assert any_mailbox.get("a/b") == b"y"
+        assert list(any_mailbox.list()) == ["a/b"]
+
+    def test_list_is_lexicographic(self, any_mailbox, mailbox_backend, request):
+        _seaweedfs_lists_by_directory(request, mailbox_backend)
+        _fill(any_mailbox, KEYS)
+        assert list(any_mailbox.list()) == sorted(KEYS)
+        # '-' (0x2d) sorts before '/' (0x2f): a flat sort of whole keys, not a directory walk.
+        keys = list(any_mailbox.list("a"))
+        assert keys == ["a-b", "a.b", "a/b", "a/c/d", "a0", "a_b"]
+
+    def test_list_prefixes(self, any_mailbox):
+        _fill(any_mailbox, KEYS)
+        assert list(any_mailbox.list("a/")) == ["a/b", "a/c/d"]
+        assert list(any_mailbox.list("a/c")) == ["a/c/d"]
+        assert list(any_mailbox.list("a/c/")) == ["a/c/d"]
+        assert list(any_mailbox.list("units/")) == ["units/000003-1.json"]
+        assert list(any_mailbox.list("units/0000")) == ["units/000003-1.json"]
+        assert list(any_mailbox.list("é/")) == ["é/x"]
+        assert list(any_mailbox.list("zzz")) == []
+        assert list(any_mailbox.list("nothing/here/")) == []
+
+    def test_list_start_after(self, any_mailbox, mailbox_backend, request):
+        _seaweedfs_lists_by_directory(request, mailbox_backend)
+        _fill(any_mailbox, KEYS)
+        ordered = sorted(KEYS)
+        assert list(any_mailbox.list(start_after="a-b")) == ordered[ordered.index("a-b") + 1 :]
+        assert list(any_mailbox.list(start_after="a/a")) == [k for k in ordered if k > "a/a"]
+        assert list(any_mailbox.list("a/", start_after="a/b")) == ["a/c/d"]
+        assert list(any_mailbox.list("a/", start_after="")) == ["a/b", "a/c/d"]
+        assert list(any_mailbox.list("a/", start_after="0")) == ["a/b", "a/c/d"]  # before the prefix
+        assert list(any_mailbox.list("a/", start_after="a/c/d")) == []
+        assert list(any_mailbox.list(start_after="é/x")) == []
+        assert list(any_mailbox.list(start_after="units/1")) == ["é/x"]
+
+    def test_list_paginates_past_1000_keys(self, any_mailbox, mailbox_backend):
+        keys = [f"page/{i:05d}" for i in range(1050)]
+        _fill_many(any_mailbox, mailbox_backend, keys + ["pagf", "pag"])
+        assert any_mailbox.get("page/01049") == b"v"
+        requests = _count_list_requests(any_mailbox, mailbox_backend)
+        assert list(any_mailbox.list("page/")) == keys
+        assert list(any_mailbox.list("page/", start_after="page/00999")) == keys[1000:]
+        assert list(any_mailbox.list(start_after="page/01049")) == ["pagf"]
+        assert len(list(any_mailbox.list())) == 1052
+        if requests is not None:  # S3: 2 + 1 + 1 + 2 pages of ListObjectsV2
+            assert len(requests) == 6
+        # Lazy: the first keys come without listing everything.
+        listing = any_mailbox.list("page/")
+        assert [next(listing) for _ in range(3)] == keys[:3]
+        listing.close()
+        if requests is not None:
+            assert len(requests) == 7
+
+    def test_run_prefixes_are_isolated(self, mailbox_backend, mailbox_factory):
+        first = mailbox_factory(mailbox_backend, "run")
+        second = mailbox_factory(mailbox_backend, "run-2")  # "run" is a string prefix of "run-2"
+        assert first.put_if_absent("units/1", b"first")
+        assert second.put_if_absent("units/1", b"second")
+        second.put("units/2", b"only second")
+        assert first.get("units/1") == b"first"
+        assert second.get("units/1") == b"second"
+        assert first.get("units/2") is None
+        assert list(first.list()) == ["units/1"]
+        assert list(second.list()) == ["units/1", "units/2"]
+        first.delete("units/1")
+        assert second.get("units/1") == b"second"
+        same = mailbox_factory(mailbox_backend, "run-2")
+        assert same.get("units/2") == b"only second"
+
+    def test_pickle_round_trip(self, any_mailbox):
+        any_mailbox.put("before", b"1")  # clients exist now and must not travel
+        copy = pickle.loads(pickle.dumps(any_mailbox))
+        assert type(copy) is type(any_mailbox)
+        assert copy.url == any_mailbox.url
+        assert copy.get("before") == b"1"
+        assert copy.put_if_absent("after", b"2") is True
+        assert any_mailbox.put_if_absent("after", b"3") is False
+        assert any_mailbox.get("after") == b"2"
+        assert list(copy.list()) == ["after", "before"]
+
+    def test_bad_keys_are_refused_before_writing(self, any_mailbox, mailbox_backend):
+        operations = [
+            lambda key: any_mailbox.put_if_absent(key, b"x"),
+            lambda key: any_mailbox.put(key, b"x"),
+            any_mailbox.get,
+            any_mailbox.delete,
+        ]
+        for key in BAD_KEYS:
+            for operation in operations:
+                with pytest.raises(InvalidKeyError) as caught:
+                    operation(key)
+                assert isinstance(caught.value, ValueError), key
+        assert list(any_mailbox.list()) == []
+        directory = {"local": "path", "fsspec-local": "root"}.get(mailbox_backend)
+        if directory:
+            assert list(Path(getattr(any_mailbox, directory)).rglob("*")) == []  # no temp file either
+
+    def test_bad_list_prefixes(self, any_mailbox):
+        for prefix in ["/a", "a//", "..", "a/../", "\x00", ".tmp", 3]:
+            with pytest.raises(InvalidKeyError):
+                list(any_mailbox.list(prefix))
+
+    def test_verify_passes(self, any_mailbox):
+        any_mailbox.verify()
+        verify_mailbox(any_mailbox)
+        assert list(any_mailbox.list()) == []  # the probe cleans up after itself
+
+    def test_open_mailbox_round_trips_url(self, any_mailbox, mailbox_backend, s3_endpoint_if_needed):
+        any_mailbox.put("k", b"v")
+        options = {"endpoint_url": s3_endpoint_if_needed} if s3_endpoint_if_needed else {}
+        reopened = open_mailbox(any_mailbox.url, **options)
+        assert reopened.get("k") == b"v"
+
+    @pytest.fixture
+    def s3_endpoint_if_needed(self, request, mailbox_backend):
+        from conftest import S3_BACKEND_SERVERS
+
+        server = S3_BACKEND_SERVERS.get(mailbox_backend)
+        return request.getfixturevalue(server) if server else None

@@ -1,0 +1,192 @@
+"""Every benchmark script runs in its quick mode and ends with its figures as one JSON line.
+
+These tests check that the benchmarks execute and report what they promise, never how fast
+anything is: CI machines are too noisy for speed bars, and the figures are judged in
+``benchmarks/RESULTS.md`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FIGURES = {
+    "balance": [
+        "shared_over_bound",
+        "fixed_over_bound",
+        "shared_over_bound_4",
+        "shared_over_bound_64",
+        "shared_over_bound_256",
+        "fixed_over_bound_256",
+        "shared_over_bound_slowdown",
+        "fixed_over_bound_slowdown",
+        "seed_makespan",
+        "seed_fixed_makespan",
+        "seed_units",
+    ],
+    "requests": [
+        "requests_per_claim",
+        "conflicts_per_claim",
+        "requests_per_claim_no_rotation",
+        "conflicts_per_claim_no_rotation",
+        "requests_per_claim_threads",
+        "conflicts_per_claim_threads",
+        "requests_per_claim_threads_no_rotation",
+        "conflicts_per_claim_threads_no_rotation",
+    ],
+    "throughput": [
+        "ratio_local",
+        "ratio_latency_20ms",
+        "ratio_latency_100ms",
+        "ratio_disk",
+        "ratio_local_small",
+        "ratio_local_large",
+        "batches_per_s_small_baseline",
+        "batches_per_s_large_baseline",
+    ],
+    "s3_latency": [
+        "ratio_s3_20ms",
+        "ratio_s3_20ms_small",
+        "ratio_s3_20ms_large",
+        "batches_per_s_small_baseline",
+        "batches_per_s_small_s3_20ms",
+        "requests_per_unit_small",
+        "store_cpu_ms_per_request_small",
+        "idle_request_ms",
+    ],
+    "stall": [
+        "stall_fraction",
+        "stall_fraction_20ms",
+        "stall_fraction_100ms",
+        "stall_fraction_dataloader",
+        "stall_fraction_workers0",
+        "handoff_ms",
+    ],
+    "session": ["step_overhead", "step_overhead_exchange", "step_overhead_merge"],
+    "session_figures": [
+        "drag",
+        "read_per_exchange",
+        "drag_every_1",
+        "drag_every_4",
+        "drag_every_16",
+        "read_per_exchange_4",
+        "read_per_exchange_16",
+        "read_per_exchange_64",
+    ],
+}
+SCALE = [
+    "shared_over_bound_1m",
+    "requests_per_claim_1m",
+    "conflicts_per_claim_1m",
+    "sim_wall_s_1m",
+    "sim_cpu_s_1m",
+    "rss_mb_per_node_1m",
+    "sim_cpu_s_ladder",
+    "sim_wall_s_1m_estimate",
+    "sim_wall_s_1m_estimate_flat",
+    "node_startup_s_1m",
+    "memory_mb_per_node_1m",
+    "claim_loop_us_1m",
+    "shared_over_bound_ladder",
+    "requests_per_claim_ladder",
+    "sim_wall_s_ladder",
+    "rss_mb_per_node_ladder",
+]
+"""``benchmarks.scale``: its quick mode simulates its (small) target directly, so every figure is a number."""
+SLOW = {"training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"], "scale": SCALE}
+"""Run by ``--full`` only; training's quick mode is tested in ``test_training_benchmark.py``."""
+
+
+def finite_numbers(value: object) -> bool:
+    values = value if isinstance(value, list) else [value]
+    return bool(values) and all(
+        isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item) for item in values
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(FIGURES))
+def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{script}", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.strip().splitlines()
+    assert len(lines) >= 3, completed.stdout  # a table before the JSON line
+    figures = json.loads(lines[-1])
+    assert isinstance(figures, dict)
+    missing = [name for name in FIGURES[script] if name not in figures]
+    assert not missing, f"{script} does not report {missing}: {figures}"
+    bad = {name: figures[name] for name in FIGURES[script] if not finite_numbers(figures[name])}
+    assert not bad, f"{script} reports figures that are not finite numbers: {bad}"
+
+
+@pytest.mark.slow
+def test_scale_quick_mode_measures_every_figure_directly() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.strip().splitlines()
+    assert len(lines) >= 3, completed.stdout
+    figures = json.loads(lines[-1])
+    bad = {name: figures.get(name) for name in SCALE if not finite_numbers(figures.get(name))}
+    assert not bad, f"scale reports figures that are missing or not numbers: {bad}"
+    # The ladder stays below the target size, and each node of it keeps some state.
+    assert figures["ladder_units"] < figures["target_units"], figures
+    assert figures["ladder_nodes"] < figures["target_nodes"], figures
+    assert figures["memory_mb_per_node_1m"] > 0, figures
+
+
+def test_scale_per_claim_extrapolation_is_linear_in_nodes_and_never_below_the_last_row() -> None:
+    from benchmarks.scale import NodeCost, Row, per_claim_at
+
+    def row(units: int, nodes: int, seconds: float) -> Row:
+        return Row(units, nodes, 1.0, 2.0, 0.0, seconds, 0.0)
+
+    startup = NodeCost(order_s=0.25, claimer_s=0.25, fingerprint_s=0.0, memory_bytes=1)  # 0.5 s a node
+    costs = {(1_000, 10): startup, (2_000, 20): startup}
+    # Claim loops of 1 s per 1,000 claims at 10 nodes and 3 s per 2,000 at 20 (wall less 10 x 0.5, 20 x 0.5).
+    rising = [row(1_000, 10, 6.0), row(2_000, 20, 13.0)]
+    assert per_claim_at(rising, costs, 40) == pytest.approx(0.0015 + 0.00005 * 20)
+    falling = [row(1_000, 10, 8.0), row(2_000, 20, 13.0)]
+    assert per_claim_at(falling, costs, 40) == pytest.approx(0.0015)
+
+
+def test_every_script_is_run_by_python_m_benchmarks() -> None:
+    from benchmarks.__main__ import FULL_SCRIPTS, SCRIPTS, SUMMARY
+
+    assert sorted(SCRIPTS) == sorted(FIGURES)
+    assert sorted(FULL_SCRIPTS) == sorted({**FIGURES, **SLOW})
+    for script, figure, _ in SUMMARY:
+        assert figure in {**FIGURES, **SLOW}[script], (script, figure)
+
+
+def test_results_table_marks_targets() -> None:
+    from benchmarks.__main__ import Outcome, render
+
+    outcomes = {
+        "balance": Outcome("balance", 0, 1.0, ["a table"], {"shared_over_bound": 1.01, "fixed_over_bound": 2.3}),
+        "stall": Outcome("stall", 0, 1.0, ["a table"], {"stall_fraction": 0.5}),
+        "session": Outcome("session", 1, 1.0, ["Traceback ..."], None),
+    }
+    text = render(outcomes, 3.0, quick=True)
+    assert "| `shared_over_bound` | 1.0100 | <= 1.02 | met |" in text
+    assert "| `stall_fraction` | 0.5000 | < 0.01 | **missed** |" in text
+    assert "| `step_overhead` | n/a | < 0.01 | not measured |" in text
+    assert "`python -m benchmarks.session` **failed (exit code 1)**" in text

@@ -1,0 +1,159 @@
+"""The package's shape (issue #15): small files, data flowing one way, privacy respected.
+
+Read from the source with ``ast``, so a regression names the file and line that caused it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "gradientmail"
+MAX_LINES = 400
+CALLERS = ("gradientmail", "benchmarks", "examples", "tests")
+FOREIGN_OWNERS = {"torch"}  # a third-party module's private API is its own business, not a crossing of ours
+PUBLIC_BY_CONVENTION = {
+    "_fields",  # namedtuple's public API (with the three below)
+    "_asdict",
+    "_replace",
+    "_make",
+    "_shutdown_workers",  # torch's DataLoader iterator: no public shutdown (queue/loader.py, one call)
+}
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return sorted(path for folder in folders for path in (ROOT / folder).rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(path): path for path in _python_files("gradientmail")}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _runtime_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement except those under ``if TYPE_CHECKING:`` (never run)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for statement in node.body for child in ast.walk(statement))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+            yield node
+
+
+def _edges(module: str) -> set[str]:
+    """The package modules ``module`` imports at run time (a name from a package counts as the
+    package itself unless the name is one of its submodules)."""
+    tree = ast.parse(MODULES[module].read_text())
+    targets: set[str] = set()
+    for node in _runtime_imports(tree):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+            continue
+        source = _resolve(module, node)
+        for alias in node.names:
+            submodule = f"{source}.{alias.name}"
+            targets.add(submodule if submodule in MODULES else source)
+    return {target for target in targets if target in MODULES and target != module}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_package_file_is_long(name: str) -> None:
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
+
+
+def _cycle() -> list[str] | None:
+    graph = {module: _edges(module) for module in MODULES}
+    # A package's __init__ re-exporting its submodules is not a circle with them: the
+    # submodules import each other directly, never through the package.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if _is_package(target) and module.startswith(target + "."):
+                continue  # a submodule importing its own package's public names: flagged below
+            if state.get(target) == 1:
+                return stack[stack.index(target) :] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle() -> None:
+    cycle = _cycle()
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_no_module_imports_from_its_own_package_init() -> None:
+    """``from gradientmail.mailbox import X`` inside ``gradientmail/mailbox/`` is a hidden circle."""
+    found = []
+    for module in MODULES:
+        for target in _edges(module):
+            if _is_package(target) and module.startswith(target + ".") and target != "gradientmail":
+                found.append(f"{module} imports {target}")
+    assert not found, found
+
+
+def _private_uses(path: Path) -> Iterator[str]:
+    """Imports of another module's ``_private`` names, and ``obj._private`` on anything but
+    ``self``/``cls`` (reading or writing another object's private state)."""
+    tree = ast.parse(path.read_text())
+    where = path.relative_to(ROOT)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in CALLERS + ("",):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield f"{where}:{node.lineno} imports {alias.name}"
+        private = (
+            node.attr.startswith("_") and not node.attr.startswith("__") if isinstance(node, ast.Attribute) else False
+        )
+        if private and node.attr not in PUBLIC_BY_CONVENTION:
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls", *FOREIGN_OWNERS):
+                continue
+            if isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super":
+                continue
+            yield f"{where}:{node.lineno} uses {ast.unparse(node)}"
+
+
+@pytest.mark.parametrize("folder", CALLERS)
+def test_no_private_name_crosses_a_module(folder: str) -> None:
+    found = [use for path in _python_files(folder) for use in _private_uses(path)]
+    assert not found, "\n".join(found)

@@ -1,0 +1,84 @@
+"""``python -m benchmarks.training --quick`` trains every method for real and reports its figures.
+
+It checks that the benchmark runs end to end (node processes, DDP over gloo, the shared queue,
+the Session, the monitor, consensus) and prints what it promises, never how good the figures
+are: the quick run trains a few batches, so its losses are far from converged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RATIOS = ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"]
+OUTERS = ["average", "delayed_nesterov"]
+KEYS = [
+    *RATIOS,
+    *(f"{name}_{suffix}" for name in RATIOS for suffix in ("min", "max")),
+    *(f"{name}_{outer}" for name in RATIOS for outer in OUTERS),
+    "val_loss_initial",
+    "val_loss_single",
+    "val_loss_ddp",
+    "val_loss_fixed_split",
+    "makespan_s_ddp",
+    "makespan_s_fixed_split",
+    *(f"val_loss_gradientmail_{outer}" for outer in OUTERS),
+    *(f"makespan_s_gradientmail_{outer}" for outer in OUTERS),
+    *(f"seconds_to_ddp_loss_{outer}" for outer in OUTERS),
+    "drag",
+    "read_per_exchange",
+    "repeats",
+]
+FINITE = [
+    "val_loss_initial",
+    "val_loss_single",
+    "val_loss_ddp",
+    "val_loss_fixed_split",
+    "val_loss_gradientmail_average",
+    "loss_over_ddp",
+    "loss_over_single",
+    "makespan_over_ddp",
+    "makespan_s_ddp",
+    "makespan_s_gradientmail_average",
+]
+
+
+def finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def test_quick_training_benchmark_prints_its_figures_as_json_last() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.training", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.strip().splitlines()
+    assert any(line.startswith("method") for line in lines), completed.stdout  # the table
+    figures = json.loads(lines[-1])
+    assert isinstance(figures, dict)
+    missing = [key for key in KEYS if key not in figures]
+    assert not missing, missing
+    not_finite = {key: figures[key] for key in FINITE if not finite(figures[key])}
+    assert not not_finite, not_finite
+    assert figures["val_loss_ddp"] < figures["val_loss_initial"]  # it trained
+    assert figures["val_loss_gradientmail_average"] < figures["val_loss_initial"]
+    from gradientmail import Session
+
+    if "outer" in inspect.signature(Session).parameters:
+        assert finite(figures["val_loss_gradientmail_delayed_nesterov"])
+    # Never reaching DDP's loss in the quick run is allowed (null), a negative time is not.
+    assert figures["time_to_ddp_loss"] is None or figures["time_to_ddp_loss"] > 0

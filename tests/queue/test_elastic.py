@@ -1,0 +1,310 @@
+"""The elastic queue's parts on their own: leases, takeovers, progress records, the claimer."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import queue
+
+import pytest
+from elastic_nodes import reclaim_racer
+
+from gradientmail import LocalMailbox, UnsafeStoreError
+from gradientmail.layout import claim_key, done_key, lease_key, work_key
+from gradientmail.patterns.elastic import (
+    ElasticClaimer,
+    ElasticOptions,
+    LeaseWatch,
+    ProgressTracker,
+    check_elastic,
+    take_over,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+# -- leases ----------------------------------------------------------------------------------
+def test_a_lease_expires_only_after_it_stopped_changing_on_our_clock():
+    clock = FakeClock()
+    watch = LeaseWatch(2.0, clock)
+    beat = _body(incarnation="a", beat=1, time=0.0, state="running")  # the writer's clock is off
+    assert not watch.expired("n", beat, "a")  # first sight starts our clock
+    clock.now += 1.9
+    assert not watch.expired("n", beat, "a")
+    clock.now += 0.2
+    assert watch.expired("n", beat, "a")
+    renewed = _body(incarnation="a", beat=2, time=0.0, state="running")
+    assert not watch.expired("n", renewed, "a")  # a change restarts it
+    clock.now += 5
+    assert watch.expired("n", renewed, "a")
+
+
+def test_a_missing_stopped_or_restarted_lease():
+    clock = FakeClock()
+    watch = LeaseWatch(1.0, clock)
+    assert not watch.expired("gone", None)
+    clock.now += 1.0
+    assert watch.expired("gone", None)  # never wrote one, or it vanished
+    assert watch.expired("s", _body(incarnation="a", beat=3, state="stopped"), "a")
+    assert watch.expired("r", _body(incarnation="b", beat=1, state="running"), "a")
+
+
+def test_options_are_checked_and_stores_without_cas_refused(tmp_path):
+    pytest.importorskip("fsspec")
+    from gradientmail.mailbox.filesystem import FsspecMailbox
+
+    box = FsspecMailbox.from_url((tmp_path / "fs").as_uri())
+    assert check_elastic(box, False, None) is None  # the seed's queue needs no CAS
+    with pytest.raises(UnsafeStoreError, match="lease=.*replace_if.*FsspecMailbox"):
+        check_elastic(box, False, 30)
+    with pytest.raises(UnsafeStoreError, match="resume=True"):
+        check_elastic(box, True, None)
+    with pytest.raises(TypeError, match="resume must be a bool"):
+        check_elastic(LocalMailbox(tmp_path / "l"), "yes", None)
+    with pytest.raises(ValueError, match="lease must be positive"):
+        check_elastic(LocalMailbox(tmp_path / "l"), False, 0)
+    with pytest.raises(TypeError, match="timedelta"):
+        check_elastic(LocalMailbox(tmp_path / "l"), False, "2m")
+
+
+# -- takeovers -------------------------------------------------------------------------------
+def _orphan(box, identifier: str, step: int | None = None) -> None:
+    """A unit claimed by a node "dead" that recorded ``step`` before it died."""
+    box.put_if_absent(
+        claim_key(identifier),
+        _body(learner="dead", token="t-" + identifier, incarnation="old", state="active", step=None),
+    )
+    box.put(work_key("dead", identifier), _body(learner="dead", token="t-" + identifier, incarnation="old", step=step))
+
+
+def test_take_over_continues_after_the_recorded_step(memory_mailbox):
+    _orphan(memory_mailbox, "u1", step=6)
+    got = take_over(memory_mailbox, "u1", "node-1", "inc-1")
+    assert got is not None and got.after == 6 and got.taken_from == "dead"
+    claim = json.loads(memory_mailbox.get(claim_key("u1")))
+    assert claim["learner"] == "node-1" and claim["token"] == got.token and claim["step"] == 6
+    assert memory_mailbox.get(work_key("dead", "u1")) is None  # the old record is cleaned up
+    record = json.loads(memory_mailbox.get(work_key("node-1", "u1")))
+    assert (record["token"], record["step"], record["incarnation"]) == (got.token, 6, "inc-1")
+    # Now node-1's: a second takeover of the *dead* node's claim finds it changed.
+    assert take_over(memory_mailbox, "u1", "node-2", "inc-2", expect=lambda claim: claim["learner"] == "dead") is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("store", ["local", "moto", "seaweedfs"])
+def test_two_processes_race_to_reclaim_the_same_orphans(tmp_path, store, request):
+    """Two nodes reclaim the same orphaned units at the same moment: one winner each. On S3
+    (moto, and SeaweedFS, whose If-Match is atomic) the racers are spawned: this process may
+    run moto's server thread."""
+    if store == "local":
+        box = LocalMailbox(tmp_path / "box")
+        target, context, count = str(box.path), multiprocessing.get_context("fork"), 40
+    else:
+        server = "s3" if store == "moto" else "s3-seaweedfs"
+        box = request.getfixturevalue("mailbox_factory")(server)
+        target, context, count = box, multiprocessing.get_context("spawn"), 20
+    identifiers = [f"{i:04d}" for i in range(count)]
+    for identifier in identifiers:
+        _orphan(box, identifier, step=3)
+    box.put("run.json", b"{}")  # read by the racers to connect before the barrier
+    barrier = context.Barrier(2)
+    results = context.Queue()
+    racers = [
+        context.Process(target=reclaim_racer, args=(target, name, identifiers, barrier, results))
+        for name in ("node-a", "node-b")
+    ]
+    for racer in racers:
+        racer.start()
+    try:
+        won = dict(results.get(timeout=50) for _ in racers)
+    except queue.Empty:
+        pytest.fail("a racer died or hung")
+    finally:
+        for racer in racers:
+            racer.join(timeout=30)
+    a, b = set(won["node-a"]), set(won["node-b"])
+    print(f"reclaim race ({store}): node-a won {len(a)}, node-b won {len(b)} of {len(identifiers)}")
+    assert not a & b, "a unit was reclaimed twice"
+    assert a | b == set(identifiers)
+    for identifier in identifiers:
+        claim = json.loads(box.get(claim_key(identifier)))
+        winner = "node-a" if identifier in a else "node-b"
+        assert claim["learner"] == winner and claim["step"] == 3
+        assert json.loads(box.get(work_key(winner, identifier)))["token"] == claim["token"]
+
+
+# -- progress records ------------------------------------------------------------------------
+def test_tracker_records_progress_done_and_releases_the_rest(memory_mailbox):
+    box = memory_mailbox
+    options = ElasticOptions(resume=True, lease_s=60.0)
+    claimer = ElasticClaimer(box, ["a", "b", "c"], "node-0", options)
+    a, b = claimer.claim_next(), claimer.claim_next()
+    assert (a.identifier, b.identifier) == ("a", "b") and a.after is None
+    tracker = ProgressTracker(box, "node-0", options)
+    tracker.start()
+    lease = json.loads(box.get(lease_key("node-0")))
+    assert lease["state"] == "running" and lease["incarnation"] == options.incarnation
+    for step in range(3):
+        tracker.consumed("a", a.token, step)
+    tracker.finished("a", a.token)
+    tracker.consumed("b", b.token, 10)
+    tracker.flush()
+    assert json.loads(box.get(work_key("node-0", "b")))["step"] == 10
+    tracker.close()
+    assert json.loads(box.get(done_key("a")))["token"] == a.token
+    assert box.get(work_key("node-0", "a")) is None and box.get(work_key("node-0", "b")) is None
+    claim_b = json.loads(box.get(claim_key("b")))
+    assert claim_b["state"] == "released" and claim_b["step"] == 10
+    assert json.loads(box.get(lease_key("node-0")))["state"] == "stopped"
+    tracker.check()
+
+    # Another node, with fewer or more peers, continues b after step 10, then takes c fresh.
+    other = ElasticClaimer(box, ["c", "b", "a"], "node-7", ElasticOptions(resume=True, lease_s=None))
+    got = other.claim_next()
+    assert (got.identifier, got.after, got.taken_from) == ("b", 10, "node-0")
+    assert other.claim_next().identifier == "c"
+    assert other.claim_next() is None
+
+
+def test_resume_takes_its_own_units_of_a_dead_incarnation_first(memory_mailbox):
+    box = memory_mailbox
+    first = ElasticClaimer(box, ["a", "b", "c", "d"], "node-0", ElasticOptions(resume=True, lease_s=None))
+    _, b = first.claim_next(), first.claim_next()
+    box.put(
+        work_key("node-0", "b"),
+        json.dumps(
+            {  # progress written before the crash
+                "learner": "node-0",
+                "token": b.token,
+                "incarnation": first.options.incarnation,
+                "step": 4,
+            }
+        ).encode(),
+    )
+    # node-0 dies (no release). Its next incarnation takes a and b back before anything new.
+    again = ElasticClaimer(box, ["d", "c", "b", "a"], "node-0", ElasticOptions(resume=True, lease_s=None))
+    got = [again.claim_next() for _ in range(4)]
+    assert [(g.identifier, g.after) for g in got] == [("b", 4), ("a", None), ("d", None), ("c", None)]
+    assert again.stats["takeovers"] == 2 and again.stats["claims"] == 2
+    assert again.claim_next() is None
+    # A peer without resume or leases never touches them.
+    peer = ElasticClaimer(box, ["a", "b"], "node-1", ElasticOptions(resume=False, lease_s=None))
+    assert peer.claim_next() is None
+
+
+def test_restore_from_a_state_dict_takes_back_exactly_those_units(memory_mailbox):
+    box = memory_mailbox
+    first = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None))
+    a = first.claim_next()
+    state = {"a": {"token": a.token, "step": 2}}
+    restored = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None), restore=state)
+    got = restored.claim_next()
+    assert (got.identifier, got.after) == ("a", 2)
+    twice = ElasticClaimer(box, ["a", "b"], "node-0", ElasticOptions(resume=False, lease_s=None), restore=state)
+    assert twice.claim_next().identifier == "b"  # the token changed: a is not taken twice
+
+
+def test_a_node_that_consumes_nothing_does_not_renew_its_lease(memory_mailbox):
+    options = ElasticOptions(resume=False, lease_s=0.4)
+    tracker = ProgressTracker(memory_mailbox, "node-0", options)
+    tracker.start()
+    first = memory_mailbox.get(lease_key("node-0"))
+    assert tracker.beat_due() is None  # nothing consumed: nothing to renew, however long
+    tracker.consumed("a", "t", 0)
+    assert tracker.beat_due() is not None
+    tracker.close(release=False)
+    assert json.loads(memory_mailbox.get(lease_key("node-0")))["state"] == "stopped"
+    assert json.loads(first)["beat"] == 1
+
+
+# -- status ----------------------------------------------------------------------------------
+def test_status_shows_done_in_progress_released_and_orphaned(memory_mailbox):
+    from gradientmail.status import read_run
+
+    box = memory_mailbox
+    for identifier, learner, state in (
+        ("a", "node-0", "active"),
+        ("b", "node-0", "active"),
+        ("c", "node-1", "released"),
+        ("d", "dead", "active"),
+    ):
+        box.put_if_absent(claim_key(identifier), _body(learner=learner, token=identifier, incarnation="i", state=state))
+    box.put_if_absent(done_key("a"), _body(learner="node-0", token="a"))
+    box.put(
+        lease_key("node-0"),
+        _body(learner="node-0", incarnation="i", beat=1, lease_s=60.0, time=__import__("time").time(), state="running"),
+    )
+    box.put(lease_key("dead"), _body(learner="dead", incarnation="i", beat=9, lease_s=1.0, time=0.0, state="running"))
+    run = read_run(box)
+    assert run.elastic and run.done == ["a"] and run.released == ["c"] and run.orphaned == ["d"]
+    assert run.units_in_progress == 1
+    doc = run.to_dict()
+    assert (
+        doc["units_done"],
+        doc["units_in_progress"],
+        doc["units_released"],
+        doc["units_orphaned"],
+        doc["orphaned"],
+    ) == (1, 1, 1, 1, ["d"])
+    rows = {row["learner"]: row for row in doc["learners"]}
+    assert rows["node-0"]["lease"] == "live" and rows["dead"]["lease"] == "expired"
+    assert (rows["node-0"]["done"], rows["node-0"]["in_progress"], rows["dead"]["orphaned"]) == (1, 1, 1)
+
+
+def test_status_of_a_seed_run_has_no_elastic_counts(memory_mailbox):
+    from gradientmail.status import read_run
+
+    memory_mailbox.put_if_absent(claim_key("a"), _body(learner="node-0", token="a"))
+    doc = read_run(memory_mailbox).to_dict()
+    assert doc["elastic"] is False and doc["units_done"] is None and doc["orphaned"] == []
+    assert doc["learners"][0]["done"] is None and doc["learners"][0]["lease"] is None
+
+
+@pytest.mark.slow
+def test_orphans_are_taken_once_the_lease_and_the_claim_stood_still(memory_mailbox):
+    """Judged on the claimer's own (here: fake) clock, which advances only while it waits."""
+    box = memory_mailbox
+    clock = FakeClock()
+    _orphan(box, "a", step=1)
+    box.put(lease_key("dead"), _body(learner="dead", incarnation="old", beat=5, state="running"))
+    waited = []
+
+    def stopping() -> bool:  # called while waiting for the next scan: time passes
+        clock.now += 0.25
+        waited.append(clock.now)
+        return False
+
+    claimer = ElasticClaimer(
+        box, ["a", "b"], "node-1", ElasticOptions(resume=False, lease_s=2.0), stopping=stopping, clock=clock
+    )
+    start = clock.now
+    assert claimer.claim_next().identifier == "b"  # "a" is not judged at first sight
+    got = claimer.claim_next()
+    assert (got.identifier, got.after, got.taken_from) == ("a", 1, "dead")
+    assert clock.now - start >= 2.0, "taken only after a whole lease without change"
+    assert claimer.claim_next() is None  # nothing left that is not done or ours
+
+
+def test_a_unit_just_taken_over_is_not_taken_again_at_once(memory_mailbox):
+    box = memory_mailbox
+    clock = FakeClock()
+    box.put(lease_key("slow"), _body(learner="slow", incarnation="s", beat=1, state="running"))
+    watcher = ElasticClaimer(box, ["a"], "node-9", ElasticOptions(resume=False, lease_s=1.0), clock=clock)
+    leases: dict = {}
+    watcher.takeable("x", {"learner": "slow", "token": "t0", "incarnation": "s"}, leases)
+    clock.now += 5  # the lease has stood still for long...
+    fresh = {"learner": "slow", "token": "t1", "incarnation": "s"}  # ...but this claim is new
+    assert not watcher.takeable("x", fresh, {})
+    clock.now += 1
+    assert watcher.takeable("x", fresh, {})
