@@ -3,6 +3,7 @@
 Nodes never talk to each other: they claim work units and exchange parameters through a
 ``Mailbox`` (a local directory, S3, or any fsspec store that can create atomically).
 Heavy pieces (torch, boto3, fsspec) are imported only when their names are first used.
+See README.md to start, and docs/ for each part.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """Import ``Session``, ``shared_queue``, ``S3Mailbox``, ... (torch, boto3) on first use."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gradientmail' has no attribute {name!r}")

@@ -2,6 +2,13 @@
 
 Catch ``GradientMailError`` for anything the library raises on purpose; catch the built-in
 (``ValueError``, ``OSError``, ...) when you do not care that it came from GradientMail.
+
+Example:
+    >>> try:
+    ...     raise InvalidKeyError("invalid mailbox key '../x'")
+    ... except ValueError as exc:
+    ...     isinstance(exc, GradientMailError)
+    True
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ class InvalidKeyError(GradientMailError, ValueError):
 
 
 class MailboxError(GradientMailError, OSError):
-    """A mailbox operation failed after retries.
+    """A mailbox operation failed after retries; a log line says what failed where.
 
-    Carries the operation, the key and a description of the store so that a log line says
-    what failed where without a traceback.
+    Attributes:
+        operation: the mailbox method (``"put_if_absent"``, ``"get"``, ...).
+        key: the key it was given.
+        store: a description of the store (its URL or directory).
     """
 
     def __init__(self, message: str, *, operation: str = "", key: str = "", store: str = "") -> None:
@@ -59,8 +68,11 @@ class MissingExtraError(GradientMailError, ImportError):
 
 
 class LoaderError(GradientMailError, TypeError):
-    """A unit loader yielded something other than ``(int, batch)`` pairs, a batch being a tensor
-    or tuples, lists and dicts of tensors; the message names the unit and the offending leaf."""
+    """A unit loader yielded something other than ``(int, batch)`` pairs.
+
+    A batch is a tensor, or tuples, lists and dicts of tensors; the message names the unit and the
+    offending leaf.
+    """
 
 
 class MailRejectedError(GradientMailError, ValueError):
@@ -82,9 +94,13 @@ class MailSkippedWarning(UserWarning):
 class DuplicateLearnerError(GradientMailError, ValueError):
     """Another live process already runs this ``learner_id`` in this run.
 
-    Two incarnations of one learner would take each other's units and mix their records; a
-    restart after a crash is not refused (its predecessor is dead). Carries the learner and the
-    host and PID of the live incarnation.
+    Two incarnations of one learner would take each other's units; a restart after a crash is
+    not refused (its predecessor is dead).
+
+    Attributes:
+        learner: the learner id.
+        host: the host of the live incarnation.
+        pid: its process id, when known.
     """
 
     def __init__(self, message: str, *, learner: str = "", host: str = "", pid: int | None = None) -> None:
@@ -102,8 +118,10 @@ def _rebuild_duplicate(message, learner, host, pid):
 
 
 class RecordError(GradientMailError, ValueError):
-    """A record read from the mailbox is too large, too deep, not a JSON object, or has a bad
-    field; the message names the key and the problem."""
+    """A record read from the mailbox is too large, too deep, not a JSON object, or has a bad field.
+
+    The message names the key and the problem.
+    """
 
 
 class RecordSkippedWarning(MailSkippedWarning):

@@ -1,15 +1,7 @@
 """The run record (``run.json``): written once per run, checked by every node that joins it.
 
-A prefix holds one run, and a run is one set of units: claims are keyed by unit identifier, so a
-node started with a different unit set in a used prefix would train only the identifiers nobody
-claimed yet, and ``gradientmail status`` would count claims of two sets against one total
-(``60/40 (150%)``). The record therefore carries the unit set's ``fingerprint``, and a node
-whose units differ is refused (``RunMismatchError``) before it claims anything.
-
-The fingerprint covers the identifiers only (sorted, so each node's preference order does not
-matter), not the unit values: those are whatever ``load`` accepts, may differ between machines
-(a path under each machine's own mount point) and need not have a stable ``repr``. Records
-written before fingerprints existed have none and are accepted as they are.
+A prefix holds one run of one unit set: the record carries the set's ``fingerprint``, and a node
+whose units differ is refused (``RunMismatchError``) before it claims anything. See docs/queue.md.
 """
 
 from __future__ import annotations
@@ -28,7 +20,16 @@ __all__ = ["RunMismatchError", "check_run_record", "run_record", "unit_fingerpri
 
 
 def unit_fingerprint(identifiers: Iterable[str]) -> str:
-    """``"sha256:<64 hex>"`` of the sorted unit identifiers: the same set, the same fingerprint."""
+    """``"sha256:<64 hex>"`` of the sorted unit identifiers: the same set, the same fingerprint.
+
+    Only identifiers count, not unit values (those may differ between machines).
+
+    Example:
+        >>> unit_fingerprint(["b", "a"]) == unit_fingerprint(["a", "b"])
+        True
+        >>> unit_fingerprint(["a"])[:7]
+        'sha256:'
+    """
     digest = hashlib.sha256()
     for identifier in sorted(identifiers):
         digest.update(identifier.encode("utf-8", "surrogatepass"))
@@ -45,10 +46,20 @@ def run_record(units: int, fingerprint: str | None) -> bytes:
 
 
 def check_run_record(data: bytes, units: int, fingerprint: str | None, store: str) -> dict[str, Any]:
-    """The existing run record, or ``RunMismatchError`` when it is not one or names other units.
+    """Check the existing ``run.json`` against this node's units.
 
-    ``fingerprint`` None (a caller that does not know its units) checks only that it is a run
-    record; so does a record without a fingerprint (written by an older version).
+    Args:
+        data: the body of the existing ``run.json``.
+        units: how many units this node has (for the message).
+        fingerprint: this node's ``unit_fingerprint``; None (units unknown) checks only that
+            ``data`` is a run record, as does a record without one (an older version's).
+        store: the store's description, for the message.
+
+    Returns:
+        The parsed record.
+
+    Raises:
+        RunMismatchError: ``data`` is no run record, or records another unit set.
     """
     try:
         record = parse(RUN, data, RUN_KEY)

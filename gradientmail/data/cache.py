@@ -1,8 +1,7 @@
-"""A bounded LRU cache of fixed-size blocks of one file.
+"""A bounded LRU cache of fixed-size blocks of one file, so a reader's memory stays bounded.
 
-Reads go to the store in whole blocks (consecutive missing blocks in one ranged request), and at
-most ``capacity`` bytes of blocks are kept, so a reader's memory is bounded whatever it is asked
-for: a request larger than the cache is still served, from blocks that are not all kept.
+Missing consecutive blocks are fetched in one ranged request; see docs/data.md ("Workers,
+caching and cost").
 """
 
 from __future__ import annotations
@@ -26,10 +25,19 @@ class CacheStats:
 
 
 class BlockCache:
-    """Blocks ``[k * block_size, (k + 1) * block_size)`` of a file of ``size`` bytes.
+    """Blocks ``[k * block_size, (k + 1) * block_size)`` of a file, at most ``capacity`` bytes held.
 
-    ``fetch(start, stop)`` reads bytes from the file. ``capacity`` bounds the bytes held
-    (below ``block_size``, e.g. ``0``: nothing is kept and each read fetches just its range).
+    A request larger than the cache is still served, from blocks that are not all kept.
+
+    Args:
+        fetch: ``fetch(start, stop)`` reads bytes ``[start, stop)`` of the file.
+        size: the file's size in bytes.
+        block_size: bytes per block (a positive int).
+        capacity: bytes of blocks kept; below ``block_size`` (e.g. ``0``) nothing is kept and
+            each read fetches just its range.
+
+    Raises:
+        ValueError: ``block_size`` or ``capacity`` is not a valid number of bytes.
     """
 
     def __init__(self, fetch: Callable[[int, int], bytes], size: int, block_size: int, capacity: int) -> None:

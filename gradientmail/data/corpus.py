@@ -1,9 +1,7 @@
 """The standard-library corpus: every ``.py`` file of the running Python, no download needed.
 
-Files are held out for validation by a hash of their path (not the tail of the file list,
-which would be one package), so the split is the same on every machine with the same Python.
-A build is reused when its manifest matches this Python and these options; several processes
-building the same directory at once each write whole files and rename them into place.
+Validation files are chosen by a hash of their path, so the split is the same on every machine
+with the same Python; a build whose manifest matches is reused. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -41,7 +39,14 @@ class Corpus:
 
 
 def stdlib_files(root: str | os.PathLike[str] | None = None) -> list[Path]:
-    """The ``.py`` files of the standard library (``root``: its directory), sorted."""
+    """The ``.py`` files of the standard library, sorted, without installed third-party packages.
+
+    Args:
+        root: the standard library's directory (default: this Python's).
+
+    Raises:
+        FileNotFoundError: there is no ``.py`` file under ``root``.
+    """
     base = Path(root or sysconfig.get_path("stdlib"))
     files = [path for path in text_files([base], suffixes=[".py"]) if path.relative_to(base).parts[0] not in EXCLUDED]
     if not files:
@@ -50,7 +55,7 @@ def stdlib_files(root: str | os.PathLike[str] | None = None) -> list[Path]:
 
 
 def is_validation(relative: str, fraction: float) -> bool:
-    """Whether the file at ``relative`` (a POSIX path) is held out."""
+    """Whether the file at ``relative`` (a POSIX path) is held out, for a ``fraction`` of files."""
     return zlib.crc32(relative.encode()) % 10_000 < round(fraction * 10_000)
 
 
@@ -64,11 +69,24 @@ def build_stdlib_corpus(
     root: str | os.PathLike[str] | None = None,
     rebuild: bool = False,
 ) -> Corpus:
-    """Write ``train.bin`` and ``val.bin`` (``validation`` of the files) under ``out_dir``.
+    """Write ``train.bin`` and ``val.bin`` under ``out_dir`` from the standard library's files.
 
-    Bytes are tokens unless ``tokenizer`` is given (files are then decoded as UTF-8 with
-    replacement: a few standard-library test files are in other encodings). A bytes build whose
-    manifest matches is reused unless ``rebuild``.
+    Args:
+        out_dir: the directory to write (created if needed).
+        validation: the fraction of files held out for ``val.bin``.
+        tokenizer: text to token ids; without one, bytes are tokens. Files are then decoded as
+            UTF-8 with replacement (a few standard-library test files are in other encodings).
+        dtype: ``"uint16"`` or ``"uint32"``.
+        eot: a token id appended after every file, if given.
+        root: the standard library's directory (default: this Python's).
+        rebuild: write again even when a matching bytes build is there.
+
+    Returns:
+        The ``Corpus``: both paths, their token counts, the file count and the vocabulary size.
+
+    Raises:
+        ValueError: ``validation`` is not a fraction, or it leaves a split empty.
+        TokenFileError: an unsupported ``dtype``, ``eot`` or token id.
     """
     if not (isinstance(validation, float | int) and 0 < validation < 1):
         raise ValueError(f"validation must be a fraction between 0 and 1, not {validation!r}")

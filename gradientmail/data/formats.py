@@ -1,9 +1,7 @@
 """Where the tokens of a file are: a raw ``.bin`` (nanoGPT-style) or a ``.npy`` array.
 
-A raw file is nothing but little-endian tokens, so its dtype cannot be read from it: ``uint16``
-unless told otherwise (nanoGPT's convention). A ``.npy`` file says its dtype and length in a
-header, which is parsed here without numpy (it is a Python literal; ``ast.literal_eval`` of at
-most ``MAX_NPY_HEADER`` bytes, then every field is checked), because numpy is not a dependency.
+A raw file cannot say its dtype (``uint16`` unless told); a ``.npy`` header is parsed without
+numpy (a bounded ``ast.literal_eval``, every field checked), since numpy is no dependency.
 """
 
 from __future__ import annotations
@@ -46,7 +44,15 @@ class TokenLayout:
 
 
 def dtype_name(dtype: object) -> str:
-    """``"uint16"`` or ``"uint32"`` from a name, a numpy dtype or a torch dtype."""
+    """``"uint16"`` or ``"uint32"`` from a name, a numpy dtype or a torch dtype.
+
+    Raises:
+        TokenFileError: any other dtype.
+
+    Example:
+        >>> dtype_name("<u4")
+        'uint32'
+    """
     name = str(dtype).removeprefix("torch.").lower()
     name = {"u2": "uint16", "<u2": "uint16", "u4": "uint32", "<u4": "uint32"}.get(name, name)
     if name not in DTYPES:
@@ -55,6 +61,11 @@ def dtype_name(dtype: object) -> str:
 
 
 def resolve_format(name: str, format: FileFormat) -> Literal["bin", "npy"]:
+    """``format``, or for ``"auto"`` the one the file ``name`` suggests (``.npy``, else raw).
+
+    Raises:
+        TokenFileError: ``format`` is none of ``"auto"``, ``"bin"``, ``"npy"``.
+    """
     if format == "auto":
         return "npy" if name.lower().endswith(".npy") else "bin"
     if format not in ("bin", "npy"):
@@ -70,7 +81,18 @@ def read_layout(
     format: FileFormat = "auto",
     dtype: object | None = None,
 ) -> TokenLayout:
-    """The layout of the file ``name`` of ``size`` bytes; ``read(start, stop)`` reads its bytes."""
+    """Where the tokens of one file are, from its size and (for ``.npy``) its header.
+
+    Args:
+        name: the file's name or URL, for its format and for messages.
+        size: the file's size in bytes.
+        read: ``read(start, stop)`` reads bytes ``[start, stop)`` of the file.
+        format: ``"auto"`` (by the name's suffix), ``"bin"`` or ``"npy"``.
+        dtype: the token dtype asked for, or None (a raw file is then ``uint16``).
+
+    Raises:
+        TokenFileError: the file is not a usable token file of that format and dtype.
+    """
     kind = resolve_format(name, format)
     wanted = dtype_name(dtype) if dtype is not None else None
     if kind == "npy":

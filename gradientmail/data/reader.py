@@ -1,9 +1,7 @@
 """``TokenReader``: the seed's ``sequences(start, count)`` over a flat file of tokens.
 
-Packing: sequence ``i`` is the ``seq_len + 1`` tokens from token ``i * seq_len`` on, so
-consecutive sequences share one token and ``row[:-1]`` / ``row[1:]`` are the inputs and targets
-of next-token prediction; every token but the first is a target exactly once per pass. A file of
-``T`` tokens holds ``(T - 1) // seq_len`` sequences.
+Sequence ``i`` is the ``seq_len + 1`` tokens from token ``i * seq_len`` on, so ``row[:-1]`` and
+``row[1:]`` are inputs and targets. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -30,7 +28,8 @@ DEFAULT_CACHE_BYTES = 64 << 20
 _SIGNED = {"uint16": (torch.int16, 0xFFFF), "uint32": (torch.int32, 0xFFFFFFFF)}
 
 
-def _count(name: str, value: object, minimum: int, error: type[Exception] = ValueError) -> int:
+def _int_at_least(name: str, value: object, minimum: int, error: type[Exception] = ValueError) -> int:
+    """``value`` as an int (numpy and 0-d torch integers too); ``error`` when below ``minimum``."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, not {value!r}")
     value = operator.index(value)  # numpy and 0-d torch integers too
@@ -44,7 +43,7 @@ class TokenReader:
 
     Args:
         url: a local path, ``file://`` URL or any fsspec URL (``s3://bucket/key`` needs s3fs).
-        seq_len: tokens a model sees per sequence; rows are ``seq_len + 1`` long (see above).
+        seq_len: tokens a model sees per sequence; rows are ``seq_len + 1`` long.
         dtype: ``"uint16"`` or ``"uint32"``; a raw ``.bin`` is ``uint16`` unless told, a
             ``.npy`` says its own (passing another one is an error).
         format: ``"auto"`` (``.npy`` by the name's suffix, else raw), ``"bin"`` or ``"npy"``.
@@ -56,6 +55,25 @@ class TokenReader:
 
     The file is opened and checked here; a pickled copy (a DataLoader worker) reopens it on
     first use, with an empty cache, and refuses a file whose size changed meanwhile.
+
+    Raises:
+        TokenFileError: the file is not a usable token file, or holds less than one sequence.
+        FileNotFoundError: there is no file at ``url``.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from gradientmail.data import TokenReader, write_tokens
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     text = Path(tmp, "hello.txt")
+        ...     _ = text.write_text("hello world")  # 11 bytes: 11 tokens
+        ...     info = write_tokens(Path(tmp, "train.bin"), [text])
+        ...     with TokenReader(info.path, seq_len=4, vocab_size=256) as reader:
+        ...         batch = reader.sequences(0, len(reader))
+        >>> batch.shape  # (11 - 1) // 4 sequences of 4 + 1 tokens
+        torch.Size([2, 5])
+        >>> [bytes(row.tolist()) for row in batch]
+        [b'hello', b'o wor']
     """
 
     def __init__(
@@ -72,8 +90,8 @@ class TokenReader:
     ) -> None:
         if sys.byteorder != "little":  # pragma: no cover
             raise TokenFileError("token files are little-endian; this machine is big-endian")
-        self.seq_len = _count("seq_len", seq_len, 1)
-        self.vocab_size = None if vocab_size is None else _count("vocab_size", vocab_size, 1)
+        self.seq_len = _int_at_least("seq_len", seq_len, 1)
+        self.vocab_size = None if vocab_size is None else _int_at_least("vocab_size", vocab_size, 1)
         self._source: ByteSource = open_source(url, storage_options)
         self.url = self._source.name
         self._size = self._source.size()
@@ -107,9 +125,14 @@ class TokenReader:
 
     # -- reading ----------------------------------------------------------------------------
     def sequences(self, start: int, count: int) -> torch.Tensor:
-        """``count`` sequences from sequence ``start``: ``int64`` of shape ``(count, seq_len + 1)``."""
-        start = _count("start", start, 0, SequenceRangeError)
-        count = _count("count", count, 0, SequenceRangeError)
+        """``count`` sequences from sequence ``start``: ``int64`` of shape ``(count, seq_len + 1)``.
+
+        Raises:
+            SequenceRangeError: ``start`` or ``count`` is negative or reads past the end.
+            TokenFileError: a token is not below ``vocab_size``, or the file changed.
+        """
+        start = _int_at_least("start", start, 0, SequenceRangeError)
+        count = _int_at_least("count", count, 0, SequenceRangeError)
         if start + count > len(self):
             raise SequenceRangeError(
                 f"sequences(start={start:,}, count={count:,}) reads past the end of {self.url}: "
@@ -122,9 +145,14 @@ class TokenReader:
         return flat.unfold(0, self.seq_len + 1, self.seq_len).contiguous()
 
     def tokens(self, start: int, count: int) -> torch.Tensor:
-        """``count`` tokens from token ``start`` as a flat ``int64`` tensor."""
-        start = _count("start", start, 0, SequenceRangeError)
-        count = _count("count", count, 0, SequenceRangeError)
+        """``count`` tokens from token ``start`` as a flat ``int64`` tensor.
+
+        Raises:
+            SequenceRangeError: ``start`` or ``count`` is negative or reads past the end.
+            TokenFileError: a token is not below ``vocab_size``, or the file changed.
+        """
+        start = _int_at_least("start", start, 0, SequenceRangeError)
+        count = _int_at_least("count", count, 0, SequenceRangeError)
         if start + count > self.num_tokens:
             raise SequenceRangeError(
                 f"tokens(start={start:,}, count={count:,}) reads past the end of {self.url} "

@@ -1,8 +1,7 @@
 """Ranged reads of one file, on local disk or any fsspec URL, safe to pickle into workers.
 
-A source holds only its address; the open file (or fsspec filesystem, whose clients and event
-loops do not survive a fork) is created on first use in each process, so a reader pickled into
-DataLoader workers, forked or spawned, reads through handles of its own.
+A source holds only its address and opens the file (or fsspec filesystem, which does not survive
+a fork) on first use in each process, so each DataLoader worker reads through its own handles.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from gradientmail.errors import MissingExtraError
 
 
 class ByteSource(Protocol):
+    """What a ``TokenReader`` reads through: a file's size and ranges of its bytes."""
+
     name: str
 
     def size(self) -> int: ...
@@ -28,7 +29,11 @@ class ByteSource(Protocol):
 
 
 def open_source(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> ByteSource:
-    """A local path or ``file://`` URL → ``LocalFile``; any other URL → ``FsspecFile``."""
+    """A local path or ``file://`` URL → ``LocalFile``; any other URL → ``FsspecFile``.
+
+    Raises:
+        TypeError: ``url`` is not a non-empty path, or ``storage_options`` came with a local file.
+    """
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
@@ -41,7 +46,8 @@ def open_source(url: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     return FsspecFile(url, dict(storage_options or {}))
 
 
-def _checked(name: str, data: bytes, start: int, stop: int) -> bytes:
+def _whole_range(name: str, data: bytes, start: int, stop: int) -> bytes:
+    """``data`` when it is all of bytes ``[start, stop)``; a ``TokenFileError`` when it is short."""
     if len(data) != stop - start:
         raise TokenFileError(
             f"{name}: asked for bytes {start:,}-{stop:,}, got {len(data):,}: the file changed "
@@ -82,10 +88,10 @@ class LocalFile:
                     break
                 chunks.append(chunk)
                 at += len(chunk)
-            return _checked(self.name, b"".join(chunks), start, stop)
+            return _whole_range(self.name, b"".join(chunks), start, stop)
         with self._lock:  # pragma: no cover - platforms without pread share one file position
             os.lseek(fd, start, os.SEEK_SET)
-            return _checked(self.name, os.read(fd, stop - start), start, stop)
+            return _whole_range(self.name, os.read(fd, stop - start), start, stop)
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -140,7 +146,7 @@ class FsspecFile:
 
     def read(self, start: int, stop: int) -> bytes:
         fs, path = self._filesystem()
-        return _checked(self.name, fs.cat_file(path, start=start, end=stop), start, stop)
+        return _whole_range(self.name, fs.cat_file(path, start=start, end=stop), start, stop)
 
     def close(self) -> None:
         self._fs = None

@@ -1,9 +1,7 @@
 """Write a token file from text files: raw bytes as tokens (vocabulary 256) or your tokenizer.
 
-The output is what ``TokenReader`` reads: ``*.npy`` gets a numpy header (it records the dtype),
-any other name is a raw nanoGPT-style ``.bin``. It is written to a temporary file beside the
-target and renamed into place, so a reader (or another process building the same file) never
-sees half a file.
+``*.npy`` gets a numpy header, any other name is a raw ``.bin``; the file is written beside the
+target and renamed into place, so no reader sees half a file. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -41,7 +39,12 @@ class TokenFileInfo:
 def text_files(sources: Iterable[str | os.PathLike[str]], *, suffixes: Sequence[str] = ()) -> list[Path]:
     """Files named by ``sources``: files as given, directories walked (sorted, no hidden entries).
 
-    ``suffixes`` (e.g. ``[".py"]``) filters the files found in directories.
+    Args:
+        sources: files and directories.
+        suffixes: if given (e.g. ``[".py"]``), keep only files found in directories that end so.
+
+    Raises:
+        FileNotFoundError: a source is neither a file nor a directory.
     """
     found: list[Path] = []
     for source in sources:
@@ -71,12 +74,34 @@ def write_tokens(
     encoding: str = "utf-8",
     errors: str = "strict",
 ) -> TokenFileInfo:
-    """Tokenize ``files`` in order into the token file ``out``.
+    """Tokenize ``files`` in order into the token file ``out`` (``.npy`` by its name, else raw).
 
-    Without ``tokenizer`` each byte of a file is a token (vocabulary 256, no decoding); with
-    one, each file is decoded (``encoding``, ``errors``) and passed to it whole. ``eot``, if
-    given, is appended after every file (a document separator; outside 0-255 for bytes).
-    Token ids must fit ``dtype`` (``uint16``: below 65,536; else pass ``dtype="uint32"``).
+    Args:
+        out: the file to write; its directory is created if needed.
+        files: the documents, in order.
+        tokenizer: text of one file to its token ids; without one each byte is a token
+            (vocabulary 256, no decoding).
+        dtype: ``"uint16"`` (ids below 65,536) or ``"uint32"``.
+        eot: a token id appended after every file (a document separator; for bytes, 256 or more).
+        encoding, errors: how files are decoded for ``tokenizer``.
+
+    Returns:
+        A ``TokenFileInfo``: the path, the token and document counts and the dtype.
+
+    Raises:
+        TokenFileError: no files, a bad ``dtype`` or ``eot``, undecodable text, or an id that
+            does not fit ``dtype``.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from gradientmail.data import write_tokens
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     doc = Path(tmp, "doc.txt")
+        ...     _ = doc.write_text("abc")
+        ...     info = write_tokens(Path(tmp, "tokens.npy"), [doc, doc], eot=256)
+        ...     (info.tokens, info.documents, info.dtype, info.path.name)
+        (8, 2, 'uint16', 'tokens.npy')
     """
     dtype = dtype_name(dtype)
     limit = 1 << (8 * DTYPES[dtype])
@@ -111,6 +136,7 @@ def write_tokens(
 def _write_document(
     stream: BinaryIO, path: Path, tokenizer: Tokenizer | None, dtype: str, eot: int | None, encoding: str, errors: str
 ) -> int:
+    """Append the tokens of the file ``path`` (and ``eot``) to ``stream``; how many were written."""
     data = path.read_bytes()
     if tokenizer is None:
         width = DTYPES[dtype]

@@ -1,8 +1,8 @@
 """Key validation shared by every backend.
 
-Keys are relative, ``/``-separated paths such as ``units/000003-1.json``. Validation happens
-before anything is written so that no key can escape the mailbox root or run prefix, and so that
-a key means the same thing on a filesystem as in an object store.
+Keys are relative, ``/``-separated paths such as ``units/000003-1.json``, checked before anything
+is written so that no key escapes the mailbox root or run prefix, and a key means the same on a
+filesystem as in an object store. The rules are listed in docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ MAX_KEY_BYTES = 512
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # control characters, DEL included
 
 
-def _problem(text: str, *, allow_trailing_slash: bool) -> str | None:
+def _key_problem(text: str, *, allow_trailing_slash: bool) -> str | None:
+    """What is wrong with the key (or prefix) ``text``, as "it ...", or None when it is valid."""
     if not isinstance(text, str):
         return f"must be a str, not {type(text).__name__}"
     if len(text.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
@@ -56,7 +57,7 @@ def validate_key(key: str) -> str:
         ...
         gradientmail.errors.InvalidKeyError: invalid mailbox key '../escape': it has a segment starting with '.' ('..')
     """
-    problem = _problem(key, allow_trailing_slash=False)
+    problem = _key_problem(key, allow_trailing_slash=False)
     if problem:
         raise InvalidKeyError(f"invalid mailbox key {key!r}: it {problem}")
     return key
@@ -64,12 +65,16 @@ def validate_key(key: str) -> str:
 
 def is_valid_key(key: object) -> bool:
     """Whether ``key`` would pass ``validate_key``; backends use it to skip foreign objects."""
-    return _problem(key, allow_trailing_slash=False) is None  # type: ignore[arg-type]
+    return _key_problem(key, allow_trailing_slash=False) is None  # type: ignore[arg-type]
 
 
 def validate_prefix(prefix: str) -> str:
-    """Like ``validate_key`` but allows ``""`` and a trailing ``/`` (``list`` prefixes)."""
-    problem = _problem(prefix, allow_trailing_slash=True)
+    """Like ``validate_key`` but allows ``""`` and a trailing ``/`` (``list`` prefixes).
+
+    Raises:
+        InvalidKeyError: ``prefix`` is not a valid prefix.
+    """
+    problem = _key_problem(prefix, allow_trailing_slash=True)
     if problem:
         raise InvalidKeyError(f"invalid mailbox prefix {prefix!r}: it {problem}")
     return prefix

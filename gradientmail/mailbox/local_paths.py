@@ -1,12 +1,7 @@
 """Walking a ``LocalMailbox`` without ever following a symbolic link.
 
-Anyone who can write the mailbox directory can plant a symlink (``progress/a -> /etc``);
-following it would make nodes read, overwrite or delete files outside the mailbox. So every
-component below the root is opened relative to its parent's file descriptor with
-``O_NOFOLLOW``, and the leaf is checked with ``lstat`` and then used through the same directory
-descriptor: a symlink swapped in after a check still fails the open, and ``rename``, ``link``
-and ``unlink`` never follow a final symlink. The root itself is the user's choice and may be
-reached through symlinks.
+Anyone who can write the mailbox could plant a symlink to files outside it, so every directory
+below the root is opened relative to its parent with ``O_NOFOLLOW``. See docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ _MISSING_RETRIES = 3  # a directory removed between our mkdir and open (a racing
 
 
 def describe_entry(dir_fd: int, name: str, relative: str) -> str:
-    """What a non-regular, non-directory entry is, for an error message."""
+    """What the non-regular, non-directory entry ``name`` of ``dir_fd`` is, for an error message."""
     try:
         mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     except OSError:
@@ -87,9 +82,15 @@ def open_root(root: Path, *, create: bool) -> int | None:
 def open_directory(root: Path, segments: list[str], *, create: bool) -> int | None:
     """A descriptor of the directory ``root/segments...``, never through a symlink.
 
-    With ``create`` missing directories are made; otherwise a missing one, or one that is a
-    regular file, gives None. Raises ``UnsafeEntry`` for a symlink or special file on the way,
-    ``ParentIsKey`` (``create`` only) when a component is a regular file.
+    Args:
+        root: the mailbox root (which may itself be reached through symlinks).
+        segments: the directory names below it.
+        create: make missing directories; without it a missing one, or one that is a regular
+            file, gives None.
+
+    Raises:
+        UnsafeEntry: a component is a symlink or special file.
+        ParentIsKey: (``create`` only) a component is a regular file, i.e. a key.
     """
     fd = open_root(root, create=create)
     if fd is None:
@@ -109,6 +110,7 @@ def open_directory(root: Path, segments: list[str], *, create: bool) -> int | No
 
 
 def _open_child(fd: int, name: str, relative: str, *, create: bool) -> int | None:
+    """A descriptor of the directory ``name`` in ``fd``, as ``open_directory`` for one step."""
     for _ in range(_MISSING_RETRIES):
         if create:
             try:

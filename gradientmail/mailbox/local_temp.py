@@ -1,13 +1,7 @@
 """``LocalMailbox``'s temporary files: written whole, removed on failure, swept when stale.
 
-A value is written to a hidden temporary file next to its key and then published. A write that
-fails (disk full) must not leave its temporary file behind, since it keeps the space and the
-next claim would fail too; a writer killed mid-write (SIGKILL) cannot clean up at all. So a
-temporary file's name carries its writer: a token for this host (hostname, boot and PID
-namespace, so that a PID means the same process) and the PID. ``list`` removes temporary files
-whose writer is a dead process of this host, and any older than ``STALE_TEMP_SECONDS`` (a writer
-on another host, or one from before names carried writers), since a live writer finishes in
-far less time.
+A temporary file's name carries its writer (this host's token and the PID), so ``list`` can sweep
+those of dead writers at once, and any other after ``STALE_TEMP_SECONDS``. See docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -30,7 +24,8 @@ _TEMP = re.compile(r"\.(?P<leaf>.*)\.(?P<host>[0-9a-f]{12})\.(?P<pid>[0-9]{1,10}
 _OLD_TEMP = re.compile(r"\.(?P<leaf>.+)\.[0-9a-f]{32}\.tmp")  # before names carried writers
 
 
-def _read(path: str) -> str:
+def _read_or_empty(path: str) -> str:
+    """The stripped text of a small file (``/proc``), or "" when it cannot be read."""
     try:
         with open(path, encoding="ascii", errors="replace") as handle:
             return handle.read().strip()
@@ -45,7 +40,7 @@ def host_token() -> str:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
-    identity = "\0".join((socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), namespace))
+    identity = "\0".join((socket.gethostname(), _read_or_empty("/proc/sys/kernel/random/boot_id"), namespace))
     return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
@@ -56,9 +51,10 @@ def temp_name(leaf: str) -> str:
 
 
 def write_temp(dir_fd: int, leaf: str, data: bytes) -> str:
-    """Write ``data`` whole to a new temporary file in ``dir_fd``; its name.
+    """Write ``data`` whole to a new temporary file in ``dir_fd`` and return its name.
 
-    On any failure (``ENOSPC``, ``EFBIG``, an interrupt) the file is removed before raising.
+    On any failure (``ENOSPC``, ``EFBIG``, an interrupt) the file is removed before raising: a
+    leftover would keep the space, and the next claim would fail too.
     """
     name = temp_name(leaf)
     fd = os.open(name, _WRITE_FLAGS, 0o666, dir_fd=dir_fd)
@@ -83,7 +79,8 @@ def remove(dir_fd: int, name: str) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def _may_be_running(pid: int) -> bool:
+    """False only when process ``pid`` of this host surely no longer exists."""
     if pid <= 0:
         return True  # never signal a process group; leave it to the age bound
     try:
@@ -105,7 +102,7 @@ def is_temp(name: str) -> bool:
 def is_stale(name: str, mtime: float, now: float | None = None) -> bool:
     """Whether the temporary file ``name`` (modified at ``mtime``) belongs to no live writer."""
     match = _TEMP.fullmatch(name)
-    if match and match["host"] == host_token() and not _alive(int(match["pid"])):
+    if match and match["host"] == host_token() and not _may_be_running(int(match["pid"])):
         return True
     if not (match or _OLD_TEMP.fullmatch(name)):
         return False

@@ -1,10 +1,8 @@
 """How long ``S3Mailbox`` keeps retrying, and reading a response body so that it can retry.
 
-A run must outlive a short outage of its store (a restart, a network blip): an operation keeps
-retrying transient faults until ``retry_window`` has passed since its first failure, with capped,
-fully jittered exponential backoff, so that nodes neither give up early nor retry in lockstep.
-An endpoint that has *never* answered is a configuration mistake (a wrong port, a store that is
-not running), not an outage: it gets ``FIRST_CONTACT_ATTEMPTS`` rounds and then a clear error.
+Transient faults are retried until ``retry_window`` has passed since the first failure, with
+capped, fully jittered backoff (nodes neither give up early nor retry in lockstep); an endpoint
+that never answered gets ``FIRST_CONTACT_ATTEMPTS`` rounds. See docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ MAX_BACKOFF = 5.0
 """Cap of one backoff sleep in seconds: retries keep probing at least this often."""
 
 WARN_AFTER_FAILURES = 2
-"""Failures of one operation from which its retries are logged as a WARNING (an outage being
-ridden out); a single retry (a throttled or dropped request) is routine: DEBUG."""
+"""Failures of one operation from which its retries are a WARNING; a single retry is routine: DEBUG."""
 
 WARN_EVERY_S = 30.0
 """While an outage lasts, one WARNING per operation at most this often."""
@@ -57,7 +54,16 @@ CONNECT_ERRORS = (
 
 
 def check_retry_window(window: Any) -> datetime.timedelta:
-    """``window`` if it is a non-negative ``timedelta``; a clear error otherwise."""
+    """``window`` if it is a non-negative ``timedelta``.
+
+    Raises:
+        TypeError: ``window`` is not a ``timedelta``.
+        ValueError: it is negative.
+
+    Example:
+        >>> check_retry_window(datetime.timedelta(minutes=2))
+        datetime.timedelta(seconds=120)
+    """
     if not isinstance(window, datetime.timedelta):
         raise TypeError(
             f"retry_window must be a datetime.timedelta (e.g. timedelta(minutes=2)), "
@@ -71,9 +77,11 @@ def check_retry_window(window: Any) -> datetime.timedelta:
 class RetryBudget:
     """The retries left to one operation; ``spend()`` after each transient failure.
 
-    Retrying stops when ``window`` seconds have passed since the first failure, after
-    ``max_rounds`` failures when that is set, or after ``FIRST_CONTACT_ATTEMPTS`` failures to
-    connect to an endpoint that never answered.
+    Args:
+        window: seconds after the first failure during which failures are retried.
+        backoff: the first backoff bound in seconds, doubled per failure up to ``MAX_BACKOFF``.
+        max_rounds: if set, retrying also stops after this many failures (and after
+            ``FIRST_CONTACT_ATTEMPTS`` for an endpoint that never answered).
     """
 
     def __init__(self, window: float, backoff: float, max_rounds: int | None = None) -> None:
@@ -111,8 +119,15 @@ class RetryBudget:
 
 
 def log_retry(log: logging.Logger, store: str, exc: BaseException, budget: RetryBudget, limits: str) -> None:
-    """Log a retry that is about to be made: DEBUG for the first, then a WARNING (at most every
-    ``WARN_EVERY_S``) saying that an outage is being ridden out and for how long it may be."""
+    """Log a retry about to be made: DEBUG at first, then a WARNING at most every ``WARN_EVERY_S``.
+
+    Args:
+        log: the logger.
+        store: the store's description.
+        exc: the failure being retried.
+        budget: the operation's ``RetryBudget`` (its failures and when it last warned).
+        limits: how long retrying may go on, for the message.
+    """
     reason = root_cause(exc) or f"{type(exc).__name__}: {exc}"[:200]
     now = time.monotonic()
     loud = budget.failures >= WARN_AFTER_FAILURES and (
@@ -144,13 +159,14 @@ def log_recovery(log: logging.Logger, store: str, operation: str, budget: RetryB
 
 
 def read_body(response: dict[str, Any]) -> bytes:
-    """The whole body of a ``GetObject`` answer; a broken body raises a botocore error.
+    """The whole body of a ``GetObject`` answer; a broken body raises a botocore error (retried).
 
-    ``StreamingBody.read`` turns a connection dropped mid-body into ``ResponseStreamingError``,
-    a stalled one into ``ReadTimeoutError`` and a short one into ``IncompleteReadError``, all of
-    which the mailbox retries. (``with body as stream`` would yield the raw urllib3 stream,
-    whose errors are not botocore's.)
+    Raises:
+        botocore.exceptions.BotoCoreError: the body was cut off, stalled or short.
     """
+    # StreamingBody.read turns a dropped, stalled or short body into botocore's
+    # ResponseStreamingError, ReadTimeoutError or IncompleteReadError; `with body as stream`
+    # would yield the raw urllib3 stream, whose errors are not botocore's.
     body = response["Body"]
     try:
         return body.read()

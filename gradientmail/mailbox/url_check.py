@@ -1,11 +1,7 @@
 """Telling a local path from a URL, and refusing mistyped URLs before they become directories.
 
-Without this, ``s3:/bucket/run`` (one slash, or a URL passed through ``pathlib``, which
-collapses ``//``) would open and create a local directory named ``s3:``, and
-``file://host/run`` would drop the host and create ``/run``: nodes would then train alone
-against a mailbox nobody else sees. Schemes are case-insensitive (RFC 3986): ``S3://`` is
-``s3://``. A relative path whose first segment merely contains a colon (``run:7``) is still a
-path; an absolute path always is.
+``s3:/bucket/run`` must not silently create a local directory ``s3:`` that no other node sees.
+Which forms are refused, and why, is in docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -49,11 +45,23 @@ def _refuse(url: str, problem: str, meant: str | None, *, path_like: bool | None
 def is_local_path(url: str, *, path_like: bool = False) -> bool:
     """True when ``url`` names a local directory, False for a URL ``open_mailbox`` may serve.
 
-    Raises ``ValueError`` naming the problem and the likely intended URL for anything that
-    looks like a URL but is not one it serves: a known scheme without ``//`` (``s3:/b/run``,
-    ``s3//b/run``), ``file://`` with a host other than ``localhost``, ``s3:///b`` (no bucket),
-    or a scheme neither ``open_mailbox`` nor fsspec knows. ``path_like``: ``url`` came from an
-    ``os.PathLike`` (a ``Path`` turns ``s3://b`` into ``s3:/b``).
+    Args:
+        url: what the user passed (schemes are case-insensitive).
+        path_like: ``url`` came from an ``os.PathLike`` (a ``Path`` turns ``s3://b`` into
+            ``s3:/b``), which the message then mentions.
+
+    Raises:
+        ValueError: ``url`` looks like a URL but is not one ``open_mailbox`` serves (a known
+            scheme without ``//``, ``file://`` with a host, ``s3:///b``, an unknown scheme); the
+            message names the likely intended URL.
+
+    Example:
+        >>> is_local_path("runs/exp-7"), is_local_path("run:7"), is_local_path("S3://bucket/run")
+        (True, True, False)
+        >>> is_local_path("s3:/bucket/run")
+        Traceback (most recent call last):
+        ...
+        ValueError: mailbox URL 's3:/bucket/run' is missing the '//' after 's3:': did you mean 's3://bucket/run'? ...
     """
     if url.startswith("/"):
         return True
@@ -91,6 +99,7 @@ def is_local_path(url: str, *, path_like: bool = False) -> bool:
 
 
 def _check_url(url: str, scheme: str, rest: str) -> None:
+    """Refuse a ``scheme://rest`` URL that names no usable place (see ``is_local_path``)."""
     if scheme == "file":
         host, slash, path = rest.partition("/")
         if host.lower() not in ("", "localhost"):

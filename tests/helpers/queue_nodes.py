@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,3 +180,49 @@ def claims(mailbox: Any) -> dict[str, dict[str, Any]]:
     for key in mailbox.list(CLAIMS_PREFIX):
         found[key[len(CLAIMS_PREFIX) :]] = json.loads(mailbox.get(key))
     return found
+
+
+# -- checks on what the node processes recorded -----------------------------------------------
+def consumed_by_learner(out: Path) -> dict[str, list[tuple[str, int]]]:
+    """Learner → the (identifier, step) pairs its training loop received, in order."""
+    result = {}
+    for name, lines in read_lines(out, "consumed-*.txt").items():
+        learner = name[len("consumed-") : -len(".txt")]
+        result[learner] = [(ident, int(step)) for ident, step in (line.split() for line in lines)]
+    return result
+
+
+def loads_per_unit(out: Path) -> Counter[str]:
+    """How many times each unit's loader was started, over every process and worker."""
+    loads: Counter[str] = Counter()
+    for names in read_lines(out, "loaded-*.txt").values():
+        loads.update(names)
+    return loads
+
+
+def node_report(out: Path, learner: str) -> dict:
+    return json.loads((out / f"node-{learner}.json").read_text())
+
+
+def check_exactly_once(mailbox, out: Path, units: dict, steps_of) -> dict[str, list[str]]:
+    """Every step of every unit consumed once in all, only by its claim's owner; returns units per learner."""
+    owners = {ident: claim["learner"] for ident, claim in claims(mailbox).items()}
+    assert set(owners) == set(units), "every unit is claimed, and only units of the mapping"
+    consumed = consumed_by_learner(out)
+    seen: Counter[tuple[str, int]] = Counter()
+    for learner, pairs in consumed.items():
+        for ident, _ in pairs:
+            assert owners[ident] == learner, f"{learner} consumed {ident}, claimed by {owners[ident]}"
+        seen.update(pairs)
+    expected = {(ident, step) for ident in units for step in steps_of(units[ident])}
+    assert set(seen) == expected
+    assert max(seen.values()) == 1, [pair for pair, n in seen.items() if n > 1][:5]
+    loaded = loads_per_unit(out)
+    assert set(loaded) == set(units) and max(loaded.values()) == 1, "a unit was loaded twice"
+    by_learner: dict[str, list[str]] = {}
+    for ident, learner in owners.items():
+        by_learner.setdefault(learner, []).append(ident)
+    for learner in consumed:
+        # units_claimed_by counts the claims of the node's DataLoader worker processes too.
+        assert node_report(out, learner)["units_claimed"] == len(by_learner.get(learner, []))
+    return by_learner

@@ -147,7 +147,7 @@ def test_cut_listing_pages_and_error_bodies(proxy, s3_bucket):
 def test_claims_survive_cut_bodies_across_node_processes(tmp_path, proxy, s3_bucket):
     """Every third body a node reads (claim read-backs, run.json) is cut off mid-way; two node
     processes still train every unit exactly once."""
-    from test_shared_queue_nodes import _check_exactly_once
+    from queue_nodes import check_exactly_once
 
     from gradientmail.patterns.units import unit_grid
 
@@ -162,7 +162,7 @@ def test_claims_survive_cut_bodies_across_node_processes(tmp_path, proxy, s3_buc
         for rank in range(2)
     ]
     run_nodes(specs, isolated=True, timeout=100)
-    _check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
+    check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
     assert proxy.faults > 0
 
 

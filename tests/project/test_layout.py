@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gradientmail"
 MAX_LINES = 400
 CALLERS = ("gradientmail", "benchmarks", "examples", "tests")
+OURS = {*CALLERS, "", *(path.stem for path in (ROOT / "tests").rglob("*.py"))}
+"""Our modules: the packages, relative imports, and the test modules and helpers imported by name."""
 FOREIGN_OWNERS = {"torch"}  # a third-party module's private API is its own business, not a crossing of ours
 PUBLIC_BY_CONVENTION = {
     "_fields",  # namedtuple's public API (with the three below)
@@ -137,7 +139,7 @@ def _private_uses(path: Path) -> Iterator[str]:
     tree = ast.parse(path.read_text())
     where = path.relative_to(ROOT)
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in CALLERS + ("",):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in OURS:
             for alias in node.names:
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
                     yield f"{where}:{node.lineno} imports {alias.name}"

@@ -49,7 +49,7 @@ def _claimed(mailbox) -> list[str]:
     return [key[len(CLAIMS_PREFIX) :] for key in mailbox.list(CLAIMS_PREFIX)]
 
 
-def _wait_until(condition, timeout: float = 20.0) -> None:
+def wait_until(condition, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -57,7 +57,7 @@ def _wait_until(condition, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def _leftovers(threads_before: set[threading.Thread]) -> tuple[list, list]:
+def leftovers(threads_before: set[threading.Thread]) -> tuple[list, list]:
     return multiprocessing.active_children(), [t for t in threading.enumerate() if t not in threads_before]
 
 
@@ -209,7 +209,7 @@ def test_prefetch_bounds_batches_in_flight_and_claims(local_mailbox, workers, pr
     ) as batches:
         for _ in range(3):
             # The buffer fills to exactly `prefetch`...
-            _wait_until(lambda done=consumed: load.produced.value >= done + bound)
+            wait_until(lambda done=consumed: load.produced.value >= done + bound)
             claimed = len(_claimed(local_mailbox))
             # ...and then nothing more is produced or claimed while the loop stalls (a
             # must-not-happen check: an implementation that overran would be caught here).
@@ -353,7 +353,7 @@ def test_early_exit_leaves_nothing_behind(local_mailbox, workers, how):
                     if how == "break":
                         break
                     raise Stop
-    children, threads = _leftovers(threads_before)
+    children, threads = leftovers(threads_before)
     assert children == [] and threads == []
     claimed = _claimed(local_mailbox)
     assert 3 <= len(claimed) < len(units)
@@ -367,7 +367,7 @@ def test_exit_without_iterating(local_mailbox):
     threads_before = set(threading.enumerate())
     with shared_queue(named_units(50), mailbox=local_mailbox, learner_id="idle", load=load_item, workers=2, prefetch=2):
         pass
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
     assert len(_claimed(local_mailbox)) <= 2
 
 
@@ -385,7 +385,7 @@ def test_slow_operation_in_flight_is_allowed_to_finish(tmp_path):
         assert load.started(), "the slow load is in flight when the block is left"
     assert (tmp_path / "finished").exists(), "the in-flight load was interrupted"
     assert (tmp_path / "closed").exists(), "the loader's own cleanup ran"
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
 
 
 def test_shutdown_timeout_bounds_the_wait(memory_mailbox):
@@ -402,7 +402,7 @@ def test_shutdown_timeout_bounds_the_wait(memory_mailbox):
         ) as batches:
             next(batches)
     release.set()  # the abandoned operation finishes in the background
-    _wait_until(lambda: not any(t.name.startswith("gradientmail-shared-queue-t") for t in threading.enumerate()))
+    wait_until(lambda: not any(t.name.startswith("gradientmail-shared-queue-t") for t in threading.enumerate()))
 
 
 class SlowSecondBatch:

@@ -2,62 +2,22 @@
 
 from __future__ import annotations
 
-import json
-from collections import Counter
-from pathlib import Path
-
 import pytest
-from queue_nodes import NodeSpec, claims, named_units, read_lines, run_nodes
+from queue_nodes import (
+    NodeSpec,
+    check_exactly_once,
+    claims,
+    consumed_by_learner,
+    loads_per_unit,
+    named_units,
+    node_report,
+    run_nodes,
+)
 
 from gradientmail import LocalMailbox
 from gradientmail.patterns.units import rotated_order, unit_grid
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # every test here starts processes
-
-
-def _consumed(out: Path) -> dict[str, list[tuple[str, int]]]:
-    """Learner → the (identifier, step) pairs its training loop received, in order."""
-    result = {}
-    for name, lines in read_lines(out, "consumed-*.txt").items():
-        learner = name[len("consumed-") : -len(".txt")]
-        result[learner] = [(ident, int(step)) for ident, step in (line.split() for line in lines)]
-    return result
-
-
-def _loaded(out: Path) -> Counter[str]:
-    """How many times each unit's loader was started, over every process and worker."""
-    loads: Counter[str] = Counter()
-    for names in read_lines(out, "loaded-*.txt").values():
-        loads.update(names)
-    return loads
-
-
-def _node_report(out: Path, learner: str) -> dict:
-    return json.loads((out / f"node-{learner}.json").read_text())
-
-
-def _check_exactly_once(mailbox, out: Path, units: dict, steps_of) -> dict[str, list[str]]:
-    """Every step of every unit consumed once in all, only by its claim's owner; returns units per learner."""
-    owners = {ident: claim["learner"] for ident, claim in claims(mailbox).items()}
-    assert set(owners) == set(units), "every unit is claimed, and only units of the mapping"
-    consumed = _consumed(out)
-    seen: Counter[tuple[str, int]] = Counter()
-    for learner, pairs in consumed.items():
-        for ident, _ in pairs:
-            assert owners[ident] == learner, f"{learner} consumed {ident}, claimed by {owners[ident]}"
-        seen.update(pairs)
-    expected = {(ident, step) for ident in units for step in steps_of(units[ident])}
-    assert set(seen) == expected
-    assert max(seen.values()) == 1, [pair for pair, n in seen.items() if n > 1][:5]
-    loaded = _loaded(out)
-    assert set(loaded) == set(units) and max(loaded.values()) == 1, "a unit was loaded twice"
-    by_learner: dict[str, list[str]] = {}
-    for ident, learner in owners.items():
-        by_learner.setdefault(learner, []).append(ident)
-    for learner in consumed:
-        # units_claimed_by counts the claims of the node's DataLoader worker processes too.
-        assert _node_report(out, learner)["units_claimed"] == len(by_learner.get(learner, []))
-    return by_learner
 
 
 @pytest.mark.timeout(120)
@@ -82,9 +42,9 @@ def test_seed_schedule_four_processes(tmp_path):
         for rank, time_per_unit in enumerate((1, 2, 2, 4))
     ]
     run_nodes(specs)
-    by_learner = _check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
+    by_learner = check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
     counts = {learner: len(by_learner.get(learner, [])) for learner in ("node-0", "node-1", "node-2", "node-3")}
-    reports = {learner: _node_report(tmp_path, learner) for learner in counts}
+    reports = {learner: node_report(tmp_path, learner) for learner in counts}
     makespan = max(r["end"] for r in reports.values()) - min(r["start"] for r in reports.values())
     print(f"seed schedule: units {counts}, makespan {makespan / tick:.2f} time units (ideal 12, fixed split 24)")
     # The seed: A 11, B and C 5, D 3. Which of A, B, C wins the last unit at t = 10 is a race.
@@ -110,10 +70,10 @@ def test_exactly_once_six_processes_two_workers_each(tmp_path):
         for rank in range(6)
     ]
     run_nodes(specs)
-    by_learner = _check_exactly_once(mailbox, tmp_path, units, lambda item: range(item.steps))
+    by_learner = check_exactly_once(mailbox, tmp_path, units, lambda item: range(item.steps))
     assert len(by_learner) >= 2, "the test should make nodes compete"
     # Within a node, each unit's steps arrive in order even though two workers interleave.
-    for pairs in _consumed(tmp_path).values():
+    for pairs in consumed_by_learner(tmp_path).values():
         last: dict[str, int] = {}
         for ident, step in pairs:
             assert step == last.get(ident, -1) + 1
@@ -146,7 +106,7 @@ def test_exactly_once_on_s3(tmp_path, s3_target):
     # Exactly once is the point here. Which node got which lane depends on who started first,
     # which a loaded machine decides (lane preference is tested on the virtual clock instead:
     # test_shared_queue_claims.py, test_claim_conflicts.py).
-    _check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
+    check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
 
 
 @pytest.mark.timeout(120)
@@ -161,9 +121,9 @@ def test_restarted_node_does_not_load_units_claimed_before(tmp_path):
     before = set(claims(mailbox))
     assert 3 <= len(before) < len(units)
     run_nodes([NodeSpec(mailbox, "node-0", units, str(second), workers=2, prefetch=4)])
-    loaded_again = set(_loaded(second))
+    loaded_again = set(loads_per_unit(second))
     assert not loaded_again & before, "the restarted node loaded units its earlier run had claimed"
     assert loaded_again | before == set(units)
     assert all(claim["learner"] == "node-0" for claim in claims(mailbox).values())
-    consumed = {ident for ident, _ in _consumed(second)["node-0"]}
+    consumed = {ident for ident, _ in consumed_by_learner(second)["node-0"]}
     assert consumed == loaded_again

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from queue_nodes import Item, named_units
-from test_shared_queue import FailingLoad, ProducedCounter, _leftovers, _wait_until, load_item
+from test_shared_queue import FailingLoad, ProducedCounter, leftovers, load_item, wait_until
 from torch.utils.data import _utils
 
 from gradientmail.layout import CLAIMS_PREFIX
@@ -51,7 +51,7 @@ class BlockingLoad:
         self.out = out_dir
 
     def blocked(self) -> bool:
-        _wait_until(lambda: (self.out / "blocked").exists())
+        wait_until(lambda: (self.out / "blocked").exists())
         return True
 
     def release(self) -> None:
@@ -86,7 +86,7 @@ def test_handoff_thread_runs_while_iterating_and_is_gone_after(local_mailbox, wo
     assert got == [(i, s) for i in range(12) for s in range(2)]
     with pytest.raises(StopIteration):
         next(batches)  # the end was delivered once; the iterator stays finished
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
 
 
 @pytest.mark.parametrize(("workers", "prefetch"), [(1, 1), (2, 2), (2, 3)])
@@ -104,7 +104,7 @@ def test_a_worker_with_one_place_keeps_the_direct_path(local_mailbox, workers, p
         assert batches.handoff is None and _handoff_threads("d") == []
         got = sorted((int(t[0]), step) for step, t in batches)
     assert got == [(i, s) for i in range(10) for s in range(2)]
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
 
 
 # -- the bound -----------------------------------------------------------------------------------
@@ -122,8 +122,8 @@ def test_at_most_prefetch_batches_buffered_in_all(local_mailbox, workers, prefet
             # The loop stalls. The buffer fills, and then the hand-off has every place taken,
             # so it is outside next() and DataLoader sends the workers no further request:
             # nothing more can be produced until a batch is taken.
-            _wait_until(lambda done=consumed: load.produced.value >= done + fill)
-            _wait_until(lambda: _handoff_full(batches, slots=workers))  # a place per worker
+            wait_until(lambda done=consumed: load.produced.value >= done + fill)
+            wait_until(lambda: _handoff_full(batches, slots=workers))  # a place per worker
             assert load.produced.value - consumed == fill <= prefetch
             for _ in range(prefetch + 1):  # more than a buffer's worth, so the workers refill it
                 next(batches)
@@ -171,11 +171,11 @@ def test_leaving_while_the_handoff_waits_for_room(local_mailbox, how):
             named_units(100, steps=2), mailbox=local_mailbox, learner_id="r", load=load, prefetch=4, workers=1
         ) as batches:
             next(batches)
-            _wait_until(lambda: load.produced.value >= 1 + 4)
-            _wait_until(lambda: _handoff_full(batches, slots=1))
+            wait_until(lambda: load.produced.value >= 1 + 4)
+            wait_until(lambda: _handoff_full(batches, slots=1))
             if error is not None:
                 raise error
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
     assert list(batches) == []
     claimed = len(list(local_mailbox.list(CLAIMS_PREFIX)))
     assert claimed <= 3, "a unit is claimed only when its first batch has room"
@@ -201,7 +201,7 @@ def test_leaving_waits_for_a_blocked_worker(local_mailbox, tmp_path):
             releaser.start()
     releaser.join(5)
     assert load.finished(), "the load in flight was allowed to finish"
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
 
 
 @pytest.mark.slow
@@ -225,7 +225,7 @@ def test_shutdown_timeout_gives_up_on_a_blocked_worker(local_mailbox, tmp_path):
     assert len(caught) == 1, [str(w.message) for w in caught]  # the hand-off itself was freed
     load.release()
     assert not load.finished(), "the blocked worker was terminated, not waited for"
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
 
 
 def test_pin_memory(local_mailbox):
@@ -243,7 +243,7 @@ def test_pin_memory(local_mailbox):
         ) as batches:
             got = sorted((int(t[0]), step) for step, t in batches)
     assert got == [(i, s) for i in range(8) for s in range(2)]
-    assert _leftovers(threads_before) == ([], [])
+    assert leftovers(threads_before) == ([], [])
 
 
 # -- the hand-off on its own ---------------------------------------------------------------------
@@ -293,7 +293,7 @@ def test_handoff_that_cannot_be_woken_runs_the_cleanup_itself(monkeypatch):
     assert not cleaned.is_set()
     release.set()
     assert cleaned.wait(20), "the thread shut the iterator down when it returned"
-    _wait_until(lambda: _handoff_threads("stuck") == [])
+    wait_until(lambda: _handoff_threads("stuck") == [])
 
 
 def test_handoff_delivers_end_and_errors_in_order():
@@ -311,7 +311,7 @@ def test_handoff_delivers_end_and_errors_in_order():
     assert [pump.take(), pump.take()] == ["a", "b"]
     with pytest.raises(KeyboardInterrupt, match="from the loader"):
         pump.take()
-    _wait_until(lambda: _handoff_threads("order") == [])
+    wait_until(lambda: _handoff_threads("order") == [])
 
     ended = queue.Queue()
     ended.put((0, "a"))
@@ -320,4 +320,4 @@ def test_handoff_delivers_end_and_errors_in_order():
     assert pump.take() == "a"
     with pytest.raises(StopIteration):
         pump.take()
-    _wait_until(lambda: _handoff_threads("end") == [])
+    wait_until(lambda: _handoff_threads("end") == [])
