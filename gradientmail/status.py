@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gradientmail.claim_record import STOPPED, ClaimRecord, Sightings, judge_lease
 from gradientmail.errors import RunNotFoundError
 from gradientmail.layout import (
     CLAIMS_PREFIX,
@@ -24,7 +25,7 @@ from gradientmail.layout import (
     RUN_KEY,
 )
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.records import CLAIM, LEASE, PROGRESS, RUN, RecordError, RecordKind
+from gradientmail.records import LEASE, PROGRESS, RUN, RecordError, RecordKind
 from gradientmail.records import parse as parse_record
 
 DEFAULT_THREADS = 16
@@ -55,6 +56,20 @@ class Claim:
     state: str | None = None
     """``"active"`` or ``"released"`` for claims of elastic runs, None for the seed's claims."""
     incarnation: str | None = None
+
+    @classmethod
+    def from_record(cls, identifier: str, record: ClaimRecord) -> Claim:
+        """The claim on ``identifier`` as ``record`` (``ClaimRecord.from_bytes``) holds it."""
+        return cls(
+            identifier=identifier,
+            learner=record.learner or UNKNOWN_LEARNER,
+            claimed_at=record.claimed_at,
+            host=record.host,
+            pid=record.pid,
+            worker=record.worker,
+            state=record.state,
+            incarnation=record.incarnation,
+        )
 
     @property
     def stream(self) -> tuple[str, str | None, int | None, Any]:
@@ -173,22 +188,13 @@ def _checked(kind: RecordKind, key: str, data: bytes) -> tuple[dict[str, Any] | 
 
 def _claim(identifier: str, data: bytes) -> tuple[Claim, str | None]:
     """The claim (``learner="?"`` if unusable) and what is wrong with it (None: nothing)."""
-    body, problem = _checked(CLAIM, CLAIMS_PREFIX + identifier, data)
-    if body is None:
+    try:
+        return Claim.from_record(identifier, ClaimRecord.from_bytes(data, CLAIMS_PREFIX + identifier)), None
+    except RecordError as exc:
         text = data.decode("utf-8", "replace").strip() if len(data) <= 200 else ""
         if _PLAIN_LEARNER.fullmatch(text):
             return Claim(identifier, text), None
-        return Claim(identifier, UNKNOWN_LEARNER), problem
-    return Claim(
-        identifier=identifier,
-        learner=body["learner"],
-        claimed_at=_number(body.get("claimed_at")),
-        host=body.get("host") if isinstance(body.get("host"), str) else None,
-        pid=_number(body.get("pid"), int),
-        worker=body.get("worker"),
-        state=body.get("state") if isinstance(body.get("state"), str) else None,
-        incarnation=body.get("incarnation") if isinstance(body.get("incarnation"), str) else None,
-    ), None
+        return Claim(identifier, UNKNOWN_LEARNER), str(exc)
 
 
 def parse_claim(identifier: str, data: bytes | None) -> Claim | None:
@@ -237,14 +243,17 @@ def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | No
 class RunReader:
     """Reads a run repeatedly (``status --watch``), fetching each permanent claim body once."""
 
-    def __init__(self, mailbox: Mailbox, *, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(
+        self, mailbox: Mailbox, *, threads: int = DEFAULT_THREADS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``clock`` times how long each lease record stood still (a test passes a fake one)."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, not {threads}")
         self.mailbox = mailbox
         self.threads = threads
         self._claims: dict[str, Claim] = {}
         self._done: set[str] = set()
-        self._leases_seen: dict[str, tuple[bytes | None, float]] = {}
+        self._lease_sightings = Sightings(clock)  # how long each lease stood still, on our clock
         self._unreadable_claims: dict[str, str] = {}  # claims are read once: their problems kept
 
     def _get_all(self, keys: Iterable[str]) -> list[tuple[str, bytes | None]]:
@@ -350,20 +359,11 @@ class RunReader:
         body = _checked(LEASE, LEASES_PREFIX + learner + ".json", data)[0]
         if body is None:
             return None
-        if body.get("state") == "stopped":
-            return "stopped"
         lease_s = _number(body.get("lease_s"))
-        if lease_s is None:
-            return None
-        written = _number(body.get("time"))
-        if written is not None and now - written > lease_s:
-            return "expired"  # by the writer's clock against ours: fine for a display
-        mono = time.monotonic()
-        seen = self._leases_seen.get(learner)
-        if seen is None or seen[0] != data:
-            self._leases_seen[learner] = (data, mono)
-            return "live"
-        return "expired" if mono - seen[1] >= lease_s else "live"
+        if lease_s is None:  # no time to judge by: only a stop shows
+            return STOPPED if judge_lease(body, math.inf) == STOPPED else None
+        # The writer's clock against ours (fine for a display), then the record standing still.
+        return judge_lease(body, lease_s, now=now, unchanged_s=lambda: self._lease_sightings.unchanged_s(learner, data))
 
 
 def read_run(mailbox: Mailbox, *, threads: int = DEFAULT_THREADS) -> RunStatus:

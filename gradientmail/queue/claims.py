@@ -9,7 +9,6 @@ the same way (``read_back``). Details: docs/queue.md.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import socket
@@ -18,18 +17,21 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from gradientmail.claim_record import ClaimRecord
 from gradientmail.errors import InvalidKeyError, KeyTypeError, UnsafeStoreError
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
-from gradientmail.records import CLAIM, RecordError
-from gradientmail.records import parse as parse_record
+from gradientmail.records import RecordError
 
 __all__ = [
     "KeyTypeError",
+    "ClaimRecord",
     "claim_body",
     "claim_fields",
+    "claim_record",
     "host_name",
+    "load_claim",
     "parse_claim",
     "read_back",
     "read_claim",
@@ -126,13 +128,35 @@ def claim_fields(learner_id: str, token: str, worker: int | None, **extra: Any) 
     }
 
 
+def claim_record(learner_id: str, token: str, worker: int | None = None, **extra: Any) -> ClaimRecord:
+    """A new claim: the seed's fields plus ``extra`` (see ``gradientmail.layout``)."""
+    return ClaimRecord(claim_fields(learner_id, token, worker, **extra))
+
+
 def claim_body(learner_id: str, token: str, worker: int | None = None, **extra: Any) -> bytes:
     """The JSON body of a claim (fields documented in ``gradientmail.layout``)."""
-    return json.dumps(claim_fields(learner_id, token, worker, **extra), separators=(",", ":")).encode()
+    return claim_record(learner_id, token, worker, **extra).to_bytes()
+
+
+def load_claim(data: bytes | None) -> ClaimRecord | None:
+    """A claim body as a ``ClaimRecord``, or None when missing or invalid (bounded).
+
+    Example:
+        >>> load_claim(claim_body("node-0", "t0")).token
+        't0'
+        >>> load_claim(b"not json") is None
+        True
+    """
+    if data is None:
+        return None
+    try:
+        return ClaimRecord.from_bytes(data)
+    except RecordError:
+        return None
 
 
 def parse_claim(data: bytes | None) -> dict[str, Any] | None:
-    """A claim body as a dict, or None when missing or invalid (bounded: ``records.CLAIM``).
+    """A claim body as a dict, or None when missing or invalid (``load_claim`` as a dict).
 
     Example:
         >>> parse_claim(claim_body("node-0", "t0"))["token"]
@@ -140,12 +164,8 @@ def parse_claim(data: bytes | None) -> dict[str, Any] | None:
         >>> parse_claim(b"not json") is None
         True
     """
-    if data is None:
-        return None
-    try:
-        return parse_record(CLAIM, data)
-    except RecordError:
-        return None
+    record = load_claim(data)
+    return None if record is None else record.to_dict()
 
 
 def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:
@@ -176,8 +196,8 @@ def read_back(mailbox: Mailbox, key: str, token: str, *, action: str = "created"
             key=key,
             store=store,
         )
-    claim = parse_claim(data)
-    return claim is not None and claim.get("token") == token
+    claim = load_claim(data)
+    return claim is not None and claim.token == token
 
 
 def try_claim(

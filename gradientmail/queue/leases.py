@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from gradientmail.claim_record import LIVE, STOPPED, Sightings, judge_lease
 from gradientmail.records import LEASE, RecordError, RecordKind
 from gradientmail.records import parse as parse_record
 
@@ -28,13 +29,14 @@ __all__ = [
     "position_value",
     "read_record",
     "step_value",
+    "judge_lease",
     "work_body",
 ]
 
 ACTIVE, RELEASED = "active", "released"
 """A claim's ``state``: being worked on, or handed back for anyone to take."""
-RUNNING, STOPPED = "running", "stopped"
-"""A lease's ``state``."""
+RUNNING = "running"
+"""A lease's ``state`` while its node runs (``STOPPED`` once it stopped)."""
 
 POLL_S = 0.05
 """Granularity of waits that must notice a stop request."""
@@ -105,7 +107,7 @@ def work_body(
 
 
 class LeaseWatch:
-    """Judges peers' leases on this process's own monotonic clock.
+    """Judges peers' leases on this process's own monotonic clock (``judge_lease``).
 
     A lease is expired when its record has not changed for ``lease_s`` since this watch first
     saw that exact content, whatever the writer's clock says; a missing record counts as a
@@ -116,21 +118,17 @@ class LeaseWatch:
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s = lease_s
         self.clock = clock
-        self._seen: dict[str, tuple[bytes | None, float]] = {}
+        self._sightings = Sightings(clock)
 
     def expired(self, learner: str, record: bytes | None, incarnation: str | None = None) -> bool:
         body = read_record(LEASE, record)  # unusable: judged like a record that never changes
-        if body is not None:
-            if body.get("state") == STOPPED:
-                return True
-            if incarnation is not None and body.get("incarnation") != incarnation:
-                return True
-        now = self.clock()
-        seen = self._seen.get(learner)
-        if seen is None or seen[0] != record:
-            self._seen[learner] = (record, now)
-            return False
-        return now - seen[1] >= self.lease_s
+        state = judge_lease(
+            body,
+            self.lease_s,
+            unchanged_s=lambda: self._sightings.unchanged_s(learner, record),
+            incarnation=incarnation,
+        )
+        return state != LIVE
 
 
 def lease_body(learner_id: str, incarnation: str, beat: int, consumed: int, lease_s: float, state: str) -> bytes:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
-from gradientmail.queue.claims import parse_claim
+from gradientmail.queue.claims import load_claim
 from gradientmail.queue.leases import (
     RELEASED,
     RUNNING,
@@ -114,15 +114,15 @@ class ProgressTracker:
                 continue
             identifier = key[len(prefix) :]
             got = self.mailbox.get_versioned(claim_key(identifier))
-            claim = parse_claim(got[0]) if got is not None else None
-            if claim is not None and claim.get("token") == record.get("token"):
-                claim.update(
+            claim = load_claim(got[0]) if got is not None else None
+            if claim is not None and claim.token == record.get("token"):
+                claim = claim.replace(
                     state=RELEASED,
                     step=step_value(record.get("step")),
                     position=position_value(record.get("position")),
                     released_at=time.time(),
                 )
-                if self.mailbox.replace_if(claim_key(identifier), dumps(claim), got[1]):
+                if self.mailbox.replace_if(claim_key(identifier), claim.to_bytes(), got[1]):
                     released += 1
             self.mailbox.delete(key)
         self.writes["released"] += released
@@ -175,8 +175,8 @@ class ProgressTracker:
             )
             self.writes["progress"] += 1
         for identifier, token in finished:
-            claim = parse_claim(self.mailbox.get(claim_key(identifier)))
-            if claim is not None and claim.get("token") == token:
+            claim = load_claim(self.mailbox.get(claim_key(identifier)))
+            if claim is not None and claim.token == token:
                 # Another node that took the unit over (this one was judged dead) finishes it.
                 record = {"learner": self.learner_id, "token": token, "at": time.time()}
                 self.mailbox.put_if_absent(done_key(identifier), dumps(record))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from gradientmail.claim_record import LIVE, ClaimRecord
 from gradientmail.layout import (
     CLAIMS_PREFIX,
     DONE_PREFIX,
@@ -30,8 +31,8 @@ from gradientmail.queue.leases import (
     ACTIVE,
     POLL_S,
     RELEASED,
-    STOPPED,
     LeaseWatch,
+    judge_lease,
     lease_seconds,
     position_value,
     read_record,
@@ -235,9 +236,10 @@ class ElasticClaimer:
         return sorted((i for i in found if i in rank), key=rank.__getitem__)
 
     def _own_earlier(self, claim: dict[str, Any]) -> bool:
+        record = ClaimRecord.of(claim)
         return (
-            claim.get("learner") == self.learner_id and claim.get("incarnation") != self.options.incarnation
-        ) or claim.get("state") == RELEASED
+            record.learner == self.learner_id and record.incarnation != self.options.incarnation
+        ) or record.state == RELEASED
 
     def _take_candidate(self) -> Assignment | None:
         while self._candidates:
@@ -278,41 +280,44 @@ class ElasticClaimer:
             if identifier not in claimed or identifier in done:
                 continue
             key = claim_key(identifier)
-            claim = self.skipped.parse(CLAIM, self.mailbox.get(key), key)
-            if claim is None or claim.get("incarnation") == self.options.incarnation:
+            body = self.skipped.parse(CLAIM, self.mailbox.get(key), key)
+            claim = None if body is None else ClaimRecord(body)
+            if claim is None or claim.incarnation == self.options.incarnation:
                 continue  # unusable (warned; nobody can take it over), or being worked on by this node
             if self.takeable(identifier, claim, leases):
-                self._candidates.append((identifier, claim.get("token")))
+                self._candidates.append((identifier, claim.token))
             else:
                 self._pending = True
 
-    def takeable(self, identifier: str, claim: dict[str, Any], leases: dict[str, bytes | None] | None = None) -> bool:
+    def takeable(
+        self, identifier: str, claim: Mapping[str, Any] | ClaimRecord, leases: dict[str, bytes | None] | None = None
+    ) -> bool:
         """Whether ``claim`` on ``identifier`` may be taken over now: released, this learner's
         own of an earlier incarnation (with resume), or its owner's lease expired and the claim
         itself stood still for a whole lease. ``leases`` caches lease reads within one scan."""
         if leases is None:
             leases = {}
-        if claim.get("state") == RELEASED:
+        record = ClaimRecord.of(claim)
+        if record.state == RELEASED:
             return True
-        owner = claim.get("learner")
+        owner = record.learner
         if self.options.resume and owner == self.learner_id:
             return True  # our own unit of an earlier incarnation
-        if self._watch is None or not isinstance(owner, str):
+        if self._watch is None or owner is None:
             return False
         # The claim itself must also have stayed the same for a whole lease: a node that has
         # just taken a unit over renews its lease only once it consumes from it.
         now = self.clock()
-        first_seen = self._claims_seen.setdefault((identifier, claim.get("token")), now)
+        first_seen = self._claims_seen.setdefault((identifier, record.fields.get("token")), now)
         if owner not in leases:  # one read per owner and scan
             leases[owner] = self.mailbox.get(lease_key(owner))
             self.skipped.parse(LEASE, leases[owner], lease_key(owner), owner)  # counted and warned
-        incarnation = claim.get("incarnation") if isinstance(claim.get("incarnation"), str) else None
+        incarnation = record.incarnation
         if not self._watch.expired(owner, leases[owner], incarnation):
             return False
-        record = read_record(LEASE, leases[owner])
-        gone = record is not None and (
-            record.get("state") == STOPPED or (incarnation is not None and record.get("incarnation") != incarnation)
-        )
+        # Stopped or restarted (judged from the record alone) frees the unit at once.
+        lease = read_record(LEASE, leases[owner])
+        gone = lease is not None and judge_lease(lease, self._watch.lease_s, incarnation=incarnation) != LIVE
         return gone or now - first_seen >= self._watch.lease_s
 
 

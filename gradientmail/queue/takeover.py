@@ -12,10 +12,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gradientmail.claim_record import ClaimRecord
 from gradientmail.layout import claim_key, work_key
 from gradientmail.mailbox.base import Mailbox
-from gradientmail.queue.claims import claim_fields, parse_claim, read_back
-from gradientmail.queue.leases import ACTIVE, RELEASED, dumps, position_value, read_record, step_value, work_body
+from gradientmail.queue.claims import claim_record, load_claim, read_back
+from gradientmail.queue.leases import ACTIVE, RELEASED, position_value, read_record, step_value, work_body
 from gradientmail.records import WORK
 
 __all__ = ["Assignment", "recorded_progress", "recorded_step", "take_over"]
@@ -74,16 +75,19 @@ def take_over(
     if got is None:
         return None
     data, version = got
-    claim = parse_claim(data)
-    if claim is None or not expect(claim):
+    record = load_claim(data)
+    if record is None:
         return None
-    owner = claim.get("learner") if isinstance(claim.get("learner"), str) else None
+    claim = record.to_dict()  # what the callbacks are documented to get
+    if not expect(claim):
+        return None
+    owner = record.learner
     if after is not None:
         start, start_position = after(claim), position(claim) if position is not None else None
     else:
-        start, start_position = recorded_progress(mailbox, identifier, claim)
+        start, start_position = recorded_progress(mailbox, identifier, record)
     token = uuid.uuid4().hex
-    body = claim_fields(
+    body = claim_record(
         learner_id,
         token,
         worker,
@@ -93,7 +97,7 @@ def take_over(
         position=start_position,
         taken_from=owner,
     )
-    if not mailbox.replace_if(key, dumps(body), version):
+    if not mailbox.replace_if(key, body.to_bytes(), version):
         return None
     if not read_back(mailbox, key, token, action="replaced", what="takeovers"):
         return None  # replaced again meanwhile, by someone else
@@ -108,18 +112,20 @@ def take_over(
     return Assignment(identifier, token, start, owner, start_position)
 
 
-def recorded_step(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -> int | None:
+def recorded_step(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any] | ClaimRecord) -> int | None:
     """The last step consumed under ``claim``: its owner's work record if it matches, else the
     step the claim was taken over or released at."""
     return recorded_progress(mailbox, identifier, claim)[0]
 
 
-def recorded_progress(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any]) -> tuple[int | None, int | None]:
+def recorded_progress(
+    mailbox: Mailbox, identifier: str, claim: Mapping[str, Any] | ClaimRecord
+) -> tuple[int | None, int | None]:
     """``(step, position)`` of the last batch consumed under ``claim``, from its owner's work
     record if it matches, else from the claim (taken over or released there)."""
-    source: Mapping[str, Any] = claim
-    if claim.get("state") != RELEASED and isinstance(claim.get("learner"), str):
-        record = read_record(WORK, mailbox.get(work_key(claim["learner"], identifier)))
-        if record is not None and record.get("token") == claim.get("token"):
-            source = record
-    return step_value(source.get("step")), position_value(source.get("position"))
+    record = ClaimRecord.of(claim)
+    if record.state != RELEASED and record.learner is not None:
+        work = read_record(WORK, mailbox.get(work_key(record.learner, identifier)))
+        if work is not None and work.get("token") == record.fields.get("token"):
+            return step_value(work.get("step")), position_value(work.get("position"))
+    return record.step, record.position
