@@ -17,6 +17,7 @@ EXIT_INTERRUPTED = 130
 
 LOCAL_SCHEMES = ("file",)
 S3_SCHEMES = ("s3", "s3a")
+"""Kept for imports; which backend serves a scheme is ``gradientmail.mailbox.registry``'s table."""
 
 S3_READ_OPTIONS: dict[str, Any] = {
     "max_attempts": 2,
@@ -29,14 +30,6 @@ USER_ERRORS = (GradientMailError, OSError, ValueError, LookupError, ImportError,
 
 
 # -- mailboxes ------------------------------------------------------------------------------
-def _known_fsspec_protocol(scheme: str) -> bool:
-    try:
-        from fsspec.registry import known_implementations, registry
-    except ImportError:
-        return False
-    return scheme in known_implementations or scheme in registry
-
-
 def open_cli_mailbox(
     url: str, *, endpoint_url: str | None = None, create: bool = False, s3_options: dict[str, Any] | None = None
 ):
