@@ -1,4 +1,4 @@
-"""Node processes for ``test_session_processes.py``: ``python tests/session_nodes.py KIND JSON``.
+"""Node processes for ``test_session_processes.py``: ``python tests/helpers/session_nodes.py KIND JSON``.
 
 ``seed``: the seed's complete training example (``shared_queue`` + ``Session``), its loop
 verbatim, with a tiny language model on the CPU and small constants.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+from seed_loop import run_seed_loop  # tests/helpers/ is on sys.path (tests/conftest.py)
 from torch import Tensor
 
 from gradientmail import LocalMailbox, Session
@@ -103,41 +104,19 @@ def seed_node(config: dict) -> dict:
     session = Session(model, mailbox=box, learner_id=f"node-{rank}", every_steps=2)
     start_line(box, rank, nodes)
 
-    # ---- the seed's loop, verbatim -------------------------------------------------------------
-    from gradientmail.patterns.shared_queue import shared_queue
-
-    micro_batch = 8
-    share = BATCH // nodes
-    accumulation = share // micro_batch
-
-    with (
-        session,
-        shared_queue(
-            units,
-            mailbox=box,
-            learner_id=f"node-{rank}",
-            load=load_unit,
-            prefetch=8,
-        ) as batches,
-    ):
-        for step, batch in batches:
-            batch = batch.to(device)
-
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step)
-
-            for chunk in batch.split(micro_batch):
-                with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-                    loss = model(chunk[:, :-1], chunk[:, 1:]) / accumulation
-                loss.backward()
-
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            session.step(samples=share * 2048)
-    # ---- end of the seed's loop -------------------------------------------------------------
-
-    last_loss = locals().get("loss")  # None when this node got no unit at all
+    last_loss = run_seed_loop(
+        units=units,
+        box=box,
+        rank=rank,
+        nodes=nodes,
+        BATCH=BATCH,
+        load_unit=load_unit,
+        model=model,
+        optimizer=optimizer,
+        session=session,
+        learning_rate=learning_rate,
+        device=device,
+    )
     return {
         "rank": rank,
         "loss": None if last_loss is None else float(last_loss),

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from seed_loop import run_seed_loop  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import LocalMailbox
 from gradientmail.patterns.units import Unit as LibraryUnit
@@ -116,12 +117,6 @@ def test_library_grid_matches_the_seed_grid():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_seed_training_loop_runs_as_written(tmp_path):
-    # -- seed ------------------------------------------------------------------------------
-    import torch
-
-    from gradientmail.patterns.shared_queue import shared_queue
-    # -- end of seed -----------------------------------------------------------------------
-
     box = LocalMailbox(tmp_path / "run")
     rank = 0
     device = torch.device("cpu")
@@ -137,38 +132,20 @@ def test_seed_training_loop_runs_as_written(tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*device_type of 'cuda'.*")
-        # -- seed --------------------------------------------------------------------------
-        micro_batch = 8
-        share = BATCH // nodes
-        accumulation = share // micro_batch
-
-        with (
-            session,
-            shared_queue(
-                units,
-                mailbox=box,
-                learner_id=f"node-{rank}",
-                load=load_unit,
-                prefetch=8,
-            ) as batches,
-        ):
-            for step, batch in batches:
-                batch = batch.to(device)
-
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(step)
-
-                for chunk in batch.split(micro_batch):
-                    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-                        loss = model(chunk[:, :-1], chunk[:, 1:]) / accumulation
-                    loss.backward()
-
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                session.step(samples=share * 2048)
-        # -- end of seed -------------------------------------------------------------------
+        run_seed_loop(
+            units=units,
+            box=box,
+            rank=rank,
+            nodes=nodes,
+            BATCH=BATCH,
+            load_unit=load_unit,
+            model=model,
+            optimizer=optimizer,
+            session=session,
+            learning_rate=learning_rate,
+            device=device,
+        )
 
     assert session.entered and session.exited
     assert sorted(seen_steps) == sorted(list(range(steps)) * nodes), "every lane of every step once"
-    assert session.samples == steps * nodes * share * 2048
+    assert session.samples == steps * nodes * (BATCH // nodes) * 2048
