@@ -31,7 +31,7 @@ START_DELAY = 0.3
 """Seconds between ``go`` and the common start time, so every node starts at the same time."""
 
 
-def _context(url: str):
+def _forkserver_context(url: str):
     """Node processes fork from a server that imported torch once (see ``demo_node``)."""
     import multiprocessing
 
@@ -237,7 +237,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    context = _context(url)
+    context = _forkserver_context(url)
     nodes, start = _run_nodes(plan, _node_configs(plan, args, url, logs), context, screen, deadline)
     measured = [
         Span(span.learner, span.unit, span.start - start, span.end - start) for node in nodes for span in node.spans

@@ -156,7 +156,7 @@ def shared_queue(
     )
     context = None
     if workers > 0:
-        context = _context(multiprocessing_context)
+        context = _start_context(multiprocessing_context)
         check_for_workers(dataset, context)
     if not dataset.units:
         yield iter(())
@@ -242,7 +242,7 @@ def shared_queue(
         presence.close()
 
 
-def _context(value: Any) -> multiprocessing.context.BaseContext:
+def _start_context(value: Any) -> multiprocessing.context.BaseContext:
     if value is None or isinstance(value, str):
         return multiprocessing.get_context(value)
     if isinstance(value, multiprocessing.context.BaseContext):
