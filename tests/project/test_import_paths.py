@@ -69,6 +69,12 @@ SESSION_MOVES = [
     ("gradientmail.session", "gradientmail.session.merge", ["consensus"]),
     ("gradientmail.session", "gradientmail.session.outer", ["Average", "DelayedNesterov", "OuterOptimizer"]),
     ("gradientmail.session.merge", "gradientmail.session.mail", ["accumulation_dtype"]),
+    (
+        "gradientmail.session.core",
+        "gradientmail.session.options",
+        ["DEFAULT_EVERY", "DEFAULT_MAX_STALENESS", "DEFAULT_TIMEOUT", "ENV_EVERY", "ENV_EVERY_STEPS"],
+    ),
+    ("gradientmail.session.core", "gradientmail.session.options", ["ENV_MAX_STALENESS", "ENV_TIMEOUT", "ENV_OUTER"]),
 ]
 
 
