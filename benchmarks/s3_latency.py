@@ -27,9 +27,7 @@ the last line is one JSON object.
 
 from __future__ import annotations
 
-import functools
 import math
-import multiprocessing
 import time
 from dataclasses import dataclass, field
 
@@ -43,14 +41,11 @@ from benchmarks.throughput import (
     UNIT_STEPS,
     UNITS,
     Run,
-    TimedMailbox,
-    consume,
-    load,
+    measure_shared,
     run_baseline,
 )
 from gradientmail.mailbox.s3 import S3Mailbox
 from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, TIED_S
-from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.patterns.units import Unit, unit_grid
 
 SPARSE = {"small"}
@@ -86,25 +81,10 @@ def run_shared_s3(
     units: dict[str, Unit], shape: tuple[int, int], endpoint: S3Endpoint, prefix: str, seconds: float
 ) -> S3Run:
     """One shared-queue run on a fresh prefix; the rate as ``throughput.run_shared`` measures it."""
-    totals = multiprocessing.RawArray("d", 2)  # seconds in requests, requests; shared by fork
     inner = S3Mailbox(endpoint.bucket, prefix, endpoint_url=endpoint.url)
-    timed = TimedMailbox(inner, totals)
-    with shared_queue(
-        units,
-        mailbox=timed,
-        learner_id="bench",
-        load=functools.partial(load, shape=shape),
-        prefetch=PREFETCH,
-        workers=1,
-        multiprocessing_context="fork",
-    ) as batches:
-        totals[0] = totals[1] = 0.0  # start-up requests ran in this process; not claims
-        cpu_before, requests_before = endpoint.usage()
-        rate, count, first, warmup = consume(batches, seconds)
-        cpu_after, requests_after = endpoint.usage()
-    claimed = sum(1 for _ in inner.list("units/"))
+    run, (before, after) = measure_shared(units, shape, inner, seconds, around=endpoint.usage)
+    (cpu_before, requests_before), (cpu_after, requests_after) = before, after
     requests = requests_after - requests_before
-    run = Run(rate, count, first, warmup, totals[0] / max(1, claimed), totals[1] / max(1, claimed))
     return S3Run(run, (cpu_after - cpu_before) / max(1, requests), requests)
 
 

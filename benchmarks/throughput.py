@@ -39,8 +39,9 @@ import multiprocessing
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -175,28 +176,45 @@ def run_baseline(units: dict[str, Unit], shape: tuple[int, int], seconds: float)
     return Run(rate, count, first, warmup)
 
 
+def measure_shared(
+    units: dict[str, Unit],
+    shape: tuple[int, int],
+    box: Any,
+    seconds: float,
+    around: Callable[[], Any] | None = None,
+    claims_on: Any = None,
+) -> tuple[Run, tuple[Any, Any]]:
+    """One ``shared_queue`` run over ``box`` (timed per request); ``around`` is called just before
+    and just after the measured loop (its two results are returned beside the run); claims are
+    counted afterwards on ``claims_on`` (default ``box``: pass the store under a delay)."""
+    totals = multiprocessing.RawArray("d", 2)  # seconds in requests, requests; shared by fork
+    timed = TimedMailbox(box, totals)
+    with shared_queue(
+        units,
+        mailbox=timed,
+        learner_id="bench",
+        load=functools.partial(load, shape=shape),
+        prefetch=PREFETCH,
+        workers=1,
+        multiprocessing_context="fork",
+    ) as batches:
+        # Start-up requests (store check, run.json) ran here, in this process; reset.
+        totals[0] = totals[1] = 0.0
+        before = around() if around else None
+        rate, count, first, warmup = consume(batches, seconds)
+        after = around() if around else None
+    claimed = sum(1 for _ in (claims_on or box).list("units/"))
+    run = Run(rate, count, first, warmup, totals[0] / max(1, claimed), totals[1] / max(1, claimed))
+    return run, (before, after)
+
+
 def run_shared(
     units: dict[str, Unit], shape: tuple[int, int], latency: float, seconds: float, directory: str | None = MEMORY_DIR
 ) -> Run:
-    totals = multiprocessing.RawArray("d", 2)  # seconds in requests, requests; shared by fork
     with tempfile.TemporaryDirectory(prefix="gm-bench-", dir=directory) as directory:
         inner = LocalMailbox(directory)
         box = DelayedMailbox(inner, latency) if latency else inner
-        timed = TimedMailbox(box, totals)
-        with shared_queue(
-            units,
-            mailbox=timed,
-            learner_id="bench",
-            load=functools.partial(load, shape=shape),
-            prefetch=PREFETCH,
-            workers=1,
-            multiprocessing_context="fork",
-        ) as batches:
-            # Start-up requests (store check, run.json) ran here, in this process; reset.
-            totals[0] = totals[1] = 0.0
-            rate, count, first, warmup = consume(batches, seconds)
-        claimed = sum(1 for _ in inner.list("units/"))
-    return Run(rate, count, first, warmup, totals[0] / max(1, claimed), totals[1] / max(1, claimed))
+        return measure_shared(units, shape, box, seconds, claims_on=inner)[0]
 
 
 @dataclass
