@@ -94,9 +94,12 @@ def exchange_step_seconds(calls: int) -> tuple[float, float]:
     """
     box = MemoryMailbox(f"bench-{uuid.uuid4().hex}")
     trainer = Trainer()
-    peer = Session(small_model(), mailbox=box, learner_id="peer", every=None, every_steps=1, catch_up=False)
+    # One fragment: the timed step snapshots the whole model (the most a step ever copies; with
+    # the default cut each exchange copies one fragment of it).
+    options = {"every": None, "catch_up": False, "fragments": 1}
+    peer = Session(small_model(), mailbox=box, learner_id="peer", every_steps=1, **options)
     # Three steps per round, the second one due: every_steps=3, and one step before the rounds.
-    session = Session(trainer.model, mailbox=box, learner_id="bench", every=None, every_steps=3, catch_up=False)
+    session = Session(trainer.model, mailbox=box, learner_id="bench", every_steps=3, **options)
     starts, merges = [], []
     with peer, session:
         session.step(samples=64)

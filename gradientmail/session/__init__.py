@@ -5,8 +5,9 @@ one: each folds its progress (``/ N``) into the run's state in the mailbox, in t
 The rule, costs, failure handling and trust model: ``docs/session.md``.
 
 Modules: ``core`` (``Session``, the training-thread side), ``exchange`` (its background thread),
-``chain`` (the versions on the store), ``mail`` (one version's bytes), ``outer`` (how progress
-becomes a contribution), ``merge`` (``consensus``).
+``fragments`` (how the state is cut), ``chain`` (one fragment on the store: versions and pending
+contributions), ``mail`` (the bytes and keys), ``outer`` (how progress becomes a contribution),
+``merge`` (``consensus``).
 
 Example:
     >>> import torch
@@ -27,10 +28,10 @@ from gradientmail.session.core import (
     DEFAULT_TIMEOUT,
     ENV_EVERY,
     ENV_EVERY_STEPS,
+    ENV_FRAGMENTS,
     ENV_MAX_STALENESS,
     ENV_OUTER,
     ENV_TIMEOUT,
-    KEEP_MAIL,
     Session,
 )
 from gradientmail.session.merge import consensus
@@ -42,10 +43,10 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "ENV_EVERY",
     "ENV_EVERY_STEPS",
+    "ENV_FRAGMENTS",
     "ENV_MAX_STALENESS",
     "ENV_OUTER",
     "ENV_TIMEOUT",
-    "KEEP_MAIL",
     "Average",
     "DelayedNesterov",
     "OuterOptimizer",

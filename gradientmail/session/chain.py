@@ -1,334 +1,460 @@
-"""The run's state as a chain of versions on the store, advanced by ``put_if_absent``.
+"""One fragment of the run's state on the store: a chain of versions plus pending contributions.
 
-A learner folds its progress by reading the newest version ``v`` and creating ``v + 1``: exactly
-one writer wins each version (compare-and-swap from the one primitive every mailbox has), and a
-loser folds again onto the winner's. Old versions are tombstoned, never recreated; unusable
-versions are skipped with a ``MailSkippedWarning``. Details: ``docs/session.md``.
+A learner folds its contribution into fragment ``f`` by reading the newest version ``v`` and the
+contributions pending beside it, and creating ``v + 1`` = ``v`` + every pending contribution +
+its own with ``put_if_absent`` (group commit: one create absorbs many contributions). A learner
+that loses the race does not fold again: it leaves its contribution pending (a create of its own
+key, which nobody contends for), and the next writer of the fragment absorbs it. So the folds a
+fragment takes per second grow with the number of learners instead of being one whole-model
+compare-and-swap at a time, and losing never stops anybody's training.
+
+The fragment's *logical state* is its newest version plus the contributions still pending; that
+is what learners and ``consensus`` read. Each contribution carries its learner's sequence number,
+a version's header records the newest one absorbed per learner, and contributions are absorbed in
+order, once each: exactly once whoever absorbs it, whenever. Old versions are tombstoned, never
+recreated; unusable versions and contributions are skipped with a ``MailSkippedWarning``.
+Details: ``docs/session.md``.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import random
+import threading
 import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
-from gradientmail.errors import MailRejectedError, MailSkippedWarning, SessionError, UnusableStateError
+from gradientmail.errors import MailRejectedError, SessionError, UnusableStateError
 from gradientmail.layout import SESSION_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.session.fragments import to_wire, widen
 from gradientmail.session.mail import (
-    MEMBERS_PREFIX,
-    STATE_PREFIX,
     Contribution,
+    Pending,
+    PendingHeader,
     Spec,
     State,
     StateHeader,
     decode,
+    decode_pending,
     encode,
-    format_refusal,
-    is_old_mail_key,
-    parse_member_key,
+    metadata_of,
+    parse_pending_key,
     parse_state_key,
-    read_format,
+    pending_key,
+    pending_prefix,
+    skipped,
     state_key,
+    versions_prefix,
 )
 
 KEEP = 4
 """Versions kept behind the newest: a reader that listed an older one can usually still read it."""
 RETIRE = 10_000
 """Tombstones kept behind the newest (a few bytes each), so that no version is created twice."""
-MAX_BASE_AGE_S = 30.0
-"""A writer whose base was read longer ago than this re-lists before writing."""
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
 MAX_WALK_BACK = 64
 """Unusable versions a reader skips before giving up: a bound on the reads one bad writer costs."""
-MAX_CLOCK_SKEW_S = 300.0
-"""How far in the future (by this node's clock) a peer's time may lie and still count as a sign
-of life. Beyond it the time is not trusted: a member dated in the year 3000 stops counting."""
+PARALLEL_REQUESTS = 8
+"""Requests one learner keeps in flight at once while reading or cleaning up a fragment."""
+ABSORB = 2
+"""Other learners' pending contributions a writer reads and absorbs per fold (or a quarter of the
+backlog, if more): a learner reads at most about ``1 + ABSORB`` fragment sizes per fold, and a
+fragment absorbs up to ``2 + ABSORB`` contributions per version it gains."""
+BACKLOG_SHARE = 4
+READ_ATTEMPTS = 20
+"""Listings a reader makes before concluding that something deletes the run's state."""
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
+def parallel(function: Callable[[T], R], items: Iterable[T], *, lanes: int = PARALLEL_REQUESTS) -> list[R]:
+    """``[function(item) for item in items]``, overlapped on up to ``lanes`` threads.
+
+    Requests to an object store overlap (S3 serves them in parallel), so a fold's listings and
+    reads cost about one round trip, not one per object. The threads are daemons, as the
+    session's own: a store that never answers must not keep the interpreter alive at exit.
+    The first error is raised once every request has finished.
+    """
+    items = list(items)
+    if len(items) <= 1:
+        return [function(item) for item in items]
+    results: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
+
+    def run(indices: range) -> None:
+        for i in indices:
+            try:
+                results[i] = function(items[i])
+            except BaseException as exc:  # raised below, on the calling thread
+                errors.append(exc)
+
+    groups = [range(k, len(items), lanes) for k in range(min(lanes, len(items)))]
+    threads = [threading.Thread(target=run, args=(group,), daemon=True) for group in groups[1:]]
+    for thread in threads:
+        thread.start()
+    run(groups[0])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def run_fragments(mailbox: Mailbox) -> int | None:
+    """How many fragments the run's state is cut into, from fragment 0's newest version header
+    (None: the run has no state yet)."""
+    versions = FragmentChain(mailbox, 0, 1, {}).list_versions()
+    for version in reversed(versions[-MAX_WALK_BACK - 1 :]):
+        key = state_key(version, 0)
+        data = mailbox.get(key)
+        if data is None or data == TOMBSTONE:
+            continue
+        try:
+            return StateHeader.from_metadata(metadata_of(data, key), key=key).fragments
+        except UnusableStateError:
+            continue  # reported by the reader that walks the same versions
+    # No readable header: one fragment, whose reader then says what is wrong with the versions.
+    return 1 if versions else None
+
+
+# -- one fragment -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Listing:
-    """One listing of ``session/``: the versions present and who is a member."""
+class View:
+    """A fragment's logical state as one reader saw it: a version plus the pending contributions.
 
-    versions: list[int]
-    members: dict[str, float]  # learner -> joined (its newest member key)
-    member_keys: dict[str, list[str]]  # learner -> all its member keys
-    after: int | None = None  # versions up to this one were not listed (the node holds it)
+    Attributes:
+        base: the newest usable version found.
+        absorbed: the pending contributions that follow it (in each learner's order), checked.
+        empty: keys of pending contributions that were unusable: absorbed as nothing.
+        garbage: keys of pending contributions ``base`` had already absorbed (left by a writer
+            that stopped before deleting them).
+        newest: the newest version number listed (``base``'s, unless newer ones were unusable).
+    """
+
+    base: State
+    absorbed: list[Pending]
+    empty: list[tuple[str, str, int]]  # (key, learner, seq)
+    garbage: list[str]
+    newest: int
 
     @property
-    def newest(self) -> int | None:
-        return self.versions[-1] if self.versions else self.after
+    def learners(self) -> dict[str, Contribution]:
+        """Each learner's newest contribution in this logical state."""
+        table = dict(self.base.header.learners)
+        for pending in self.absorbed:
+            table[pending.header.learner] = pending.header.contribution
+        for _, learner, seq in self.empty:
+            old = table.get(learner)
+            table[learner] = replace(old, seq=seq) if old is not None else Contribution(seq, 0, 0, 0.0)
+        return table
 
-
-def list_session(mailbox: Mailbox, after: int | None = None) -> Listing:
-    """List ``session/``: the versions (after ``after`` only, if given) and the members.
-
-    A full listing (``after=None``) also refuses mail of the first Session format with a clear
-    error; a listing after a known version reads the member keys and the newer versions only.
-    """
-    versions: list[int] = []
-    members: dict[str, float] = {}
-    member_keys: dict[str, list[str]] = {}
-    if after is None:
-        keys = mailbox.list(SESSION_PREFIX)
-    else:
-        keys = itertools.chain(mailbox.list(MEMBERS_PREFIX), mailbox.list(STATE_PREFIX, start_after=state_key(after)))
-    for key in keys:
-        version = parse_state_key(key)
-        if version is not None:
-            versions.append(version)
-            continue
-        member = parse_member_key(key)
-        if member is not None:
-            learner, joined = member
-            members[learner] = max(joined, members.get(learner, joined))
-            member_keys.setdefault(learner, []).append(key)
-            continue
-        if is_old_mail_key(key):
-            data = mailbox.get(key)
-            found = read_format(data) if data is not None else "gradientmail.session/1"
-            if found is None:  # not safetensors with a format at all: junk, not another format
-                skipped(
-                    UnusableStateError(f"{key!r} under {SESSION_PREFIX!r} is not readable mail of any format; ignored")
-                )
-                continue
-            raise MailRejectedError(format_refusal(key, found))
-    versions.sort()
-    return Listing(versions=versions, members=members, member_keys=member_keys, after=after)
-
-
-def skipped(error: UnusableStateError) -> None:
-    """Report a version (or file) that was skipped: a warning (and a log line), the run goes on."""
-    logging.getLogger("gradientmail.session").warning("skipped: %s", error)
-    warnings.warn(str(error), MailSkippedWarning, stacklevel=3)
-
-
-def read_state(mailbox: Mailbox, version: int, spec: Spec) -> State | None:
-    """One checked version, or None when it was retired (it is no longer among the newest).
-
-    Raises:
-        UnusableStateError: a corrupt or non-finite version (to be skipped).
-        MailRejectedError: a state of another model or format (a configuration error).
-    """
-    key = state_key(version)
-    data = mailbox.get(key)
-    if data is None or data == TOMBSTONE:
-        return None
-    state = decode(data, key=key, spec=spec)
-    if state.header.version != version:
-        raise UnusableStateError(f"state {key!r} says it is version {state.header.version}")
-    return state
-
-
-class _Unreachable(Exception):
-    """The newest version was retired between the listing and the read: list again."""
-
-
-def read_usable(mailbox: Mailbox, newest: int, spec: Spec, known: State | None = None) -> State:
-    """The newest usable version at or below ``newest``, skipping unusable ones with a warning.
-
-    ``known`` (a version this node already holds, checked) ends the walk without a download.
-
-    Raises:
-        _Unreachable: ``newest`` itself is retired (newer versions exist): list again.
-        MailRejectedError: every version still kept is unusable.
-    """
-    version = newest
-    while version >= max(0, newest - MAX_WALK_BACK):
-        if known is not None and known.header.version == version:
-            return known
-        try:
-            state = read_state(mailbox, version, spec)
-        except UnusableStateError as error:
-            skipped(error)
-            version -= 1
-            continue
-        if state is not None:
-            return state
-        if version == newest:
-            raise _Unreachable
-        break  # retired: nothing older is kept either
-    raise MailRejectedError(
-        f"{describe(mailbox)}: no usable version of the run's state at or below {state_key(newest)!r} "
-        f"(the newest ones are corrupt or not finite, at most {MAX_WALK_BACK} are skipped, and older "
-        "ones are retired); the run cannot "
-        "continue from this prefix"
-    )
-
-
-def read_newest(mailbox: Mailbox, spec: Spec, *, attempts: int = 20) -> tuple[State | None, Listing]:
-    """The newest usable version (None when the run has none yet) and the listing that found it."""
-    for _ in range(attempts):
-        listing = list_session(mailbox)
-        if listing.newest is None:
-            return None, listing
-        try:
-            return read_usable(mailbox, listing.newest, spec), listing
-        except _Unreachable:
-            continue  # retired between listing and reading: KEEP newer versions exist
-    raise SessionError(
-        f"{describe(mailbox)}: the newest state kept vanishing while being read "
-        f"({attempts} listings); is something deleting {SESSION_PREFIX!r}?"
-    )
-
-
-def active_learners(
-    listing: Listing, header: StateHeader | None, me: str, now: float, max_staleness: float
-) -> set[str]:
-    """Who counts in ``N``: this learner, and every member that joined or folded recently.
-
-    A member whose last sign of life (joining, or its newest fold by its own clock) is older than
-    ``max_staleness`` has stopped counting: a crashed node leaves its member key behind. A time
-    more than ``MAX_CLOCK_SKEW_S`` ahead of ``now`` is no sign of life (a broken clock or a
-    forged date would otherwise count forever).
-    """
-    learners = header.learners if header is not None else {}
-    active = {me}
-    for learner, joined in listing.members.items():
-        entry = learners.get(learner)
-        if entry is not None and entry.final and entry.time >= joined:
-            continue
-        signs = [joined] if entry is None else [joined, entry.time]
-        trusted = [t for t in signs if t <= now + MAX_CLOCK_SKEW_S]
-        if len(trusted) < len(signs):
-            _warn_clock(learner, max(signs) - now)
-        if trusted and now - max(trusted) <= max_staleness:
-            active.add(learner)
-    return active
-
-
-_CLOCKS_WARNED: set[str] = set()
-
-
-def _warn_clock(learner: str, ahead: float) -> None:
-    if learner in _CLOCKS_WARNED:
-        return
-    _CLOCKS_WARNED.add(learner)
-    warnings.warn(
-        f"learner {learner!r} dates its mail {ahead:.0f} s in the future (more than "
-        f"{MAX_CLOCK_SKEW_S:.0f} s of clock skew): its times are not trusted as signs of life, so it "
-        "does not count in N; fix that machine's clock (NTP)",
-        MailSkippedWarning,
-        stacklevel=4,
-    )
+    def seq_of(self, learner: str) -> int:
+        """``learner``'s newest sequence number in this logical state (-1: none)."""
+        entry = self.learners.get(learner)
+        return -1 if entry is None else entry.seq
 
 
 @dataclass(frozen=True)
-class Fold:
-    """A contribution that landed: the version it created and that version's content."""
+class Folded:
+    """What one fold did: the logical state it leaves this learner with.
 
-    state: State  # the new version, as written (tensors in wire dtype)
-    previous: StateHeader | None  # the header of the version it was folded onto
-    conflicts: int  # versions lost to other writers before this one won
-    active: int  # N: learners counted in the scale of this contribution
+    Attributes:
+        tensors: the fragment's values after this fold (as summed, float32/float64).
+        learners: each learner's newest contribution in them.
+        version: the version written (None: this contribution was left pending).
+        base: the newest version read.
+        conflicts: 1 when another writer created the version first, else 0.
+    """
+
+    tensors: dict[str, Tensor]
+    learners: dict[str, Contribution]
+    version: int | None
+    base: State
+    conflicts: int
 
 
-def fold(
-    mailbox: Mailbox,
-    spec: Spec,
-    *,
-    me: str,
-    known: State | None,
-    increment_for: Callable[[int], Mapping[str, Tensor]],
-    entry: Callable[[StateHeader], Contribution],
-    add: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], dict[str, Tensor]],
-    max_staleness: float,
-    deadline: float,
-) -> Fold:
-    """Fold this learner's contribution into the newest version, exactly once.
-
-    Losing a version to another writer costs one read of the winner's version and one more
-    attempt (after a randomized backoff), never a lost or doubled contribution.
+class FragmentChain:
+    """Fragment ``index`` of ``count`` on ``mailbox``: read its logical state, fold into it.
 
     Args:
         mailbox: the run's store.
-        spec: what a state of this model holds.
-        me: this learner.
-        known: the version this learner holds; not downloaded again while it is the newest.
-        increment_for: the increment for ``N`` active learners.
-        entry: this learner's header line, given the header of the version folded onto.
-        add: the next version's tensors, as stored, from a base and an increment.
-        max_staleness: seconds after which a silent member stops counting in ``N``.
-        deadline: ``time.monotonic()`` past which losing again raises.
-
-    Returns:
-        The version written, what it was folded onto, the conflicts and ``N``.
-
-    Raises:
-        SessionError: past ``deadline``, or when the run's state is gone.
+        index: which fragment.
+        count: how many fragments the run's state is cut into (checked in every header).
+        spec: what its versions and contributions hold (dtype None: any floating dtype).
+        wire_dtype: the dtype written versions and contributions are stored in (None: as summed).
     """
-    listing = list_session(mailbox, after=None if known is None else known.header.version)
-    newest = listing.newest
-    listed = time.monotonic()
-    conflicts = 0
-    increment: Mapping[str, Tensor] | None = None
-    active = 1
-    while True:
-        if newest is None:
-            raise SessionError(
-                f"learner {me!r}: the run's state under {STATE_PREFIX!r} on "
-                f"{describe(mailbox)} is gone (was the prefix deleted mid-run?)"
-            )
-        attempt_started = time.monotonic()
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        index: int,
+        count: int,
+        spec: Spec,
+        *,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.mailbox = mailbox
+        self.index = index
+        self.count = count
+        self.spec = spec
+        self.wire_dtype = wire_dtype
+
+    def __repr__(self) -> str:
+        return f"FragmentChain({self.index}/{self.count} on {describe(self.mailbox)})"
+
+    # -- listing and reading -----------------------------------------------------------------
+    def list_versions(self, after: int | None = None) -> list[int]:
+        """The version numbers present (after ``after`` only, if given), ascending."""
+        prefix = versions_prefix(self.index)
+        start = None if after is None else state_key(after, self.index)
+        found = (parse_state_key(key, self.index) for key in self.mailbox.list(prefix, start_after=start))
+        return sorted(v for v in found if v is not None)
+
+    def list_pending(self) -> dict[str, dict[int, str]]:
+        """``{learner: {seq: key}}`` of the contributions waiting beside the versions."""
+        pending: dict[str, dict[int, str]] = {}
+        for key in self.mailbox.list(pending_prefix(self.index)):
+            parsed = parse_pending_key(key, self.index)
+            if parsed is not None:
+                pending.setdefault(parsed[0], {})[parsed[1]] = key
+        return pending
+
+    def read_version(self, version: int) -> State | None:
+        """One checked version, or None when it was retired (or never written).
+
+        Raises:
+            UnusableStateError: a corrupt or non-finite version (to be skipped).
+            MailRejectedError: a version of another model, cut or format (a configuration error).
+        """
+        key = state_key(version, self.index)
+        data = self.mailbox.get(key)
+        if data is None or data == TOMBSTONE:
+            return None
+        state = decode(data, key=key, spec=self.spec, fragment=(self.index, self.count))
+        if state.header.version != version:
+            raise UnusableStateError(f"state {key!r} says it is version {state.header.version}")
+        return state
+
+    def read_usable(self, newest: int, known: State | None = None) -> State | None:
+        """The newest usable version at or below ``newest``, skipping unusable ones with a warning.
+
+        ``known`` (a version this node already holds, checked) ends the walk without a download.
+        Returns None when ``newest`` itself is retired (newer versions exist: list again).
+
+        Raises:
+            MailRejectedError: every version still kept is unusable.
+        """
+        version = newest
+        while version >= max(0, newest - MAX_WALK_BACK):
+            if known is not None and known.header.version == version:
+                return known
+            try:
+                state = self.read_version(version)
+            except UnusableStateError as error:
+                skipped(error)
+                version -= 1
+                continue
+            if state is not None:
+                return state
+            if version == newest:
+                return None
+            break  # retired: nothing older is kept either
+        raise MailRejectedError(
+            f"{describe(self.mailbox)}: no usable version of the run's state at or below "
+            f"{state_key(newest, self.index)!r} (the newest ones are corrupt or not finite, at most "
+            f"{MAX_WALK_BACK} are skipped, and older ones are retired); the run cannot continue from this prefix"
+        )
+
+    def _read_pending(self, key: str) -> Pending | UnusableStateError | None:
+        data = self.mailbox.get(key)
+        if data is None:
+            return None
         try:
-            base = read_usable(mailbox, newest, spec, known)
-        except _Unreachable:  # retired since the listing: newer versions exist
-            listing, listed = list_session(mailbox), time.monotonic()
-            newest = listing.newest
-            continue
-        if increment is None:
-            active_set = active_learners(listing, base.header, me, time.time(), max_staleness)
-            active = len(active_set)
-            increment = increment_for(active)
-        # After the newest listed version, even when that one was skipped as unusable.
-        header = replace(base.header.followed_by(me, entry(base.header), time.time()), version=newest + 1)
-        tensors = add(base.tensors, increment)
-        data = encode(tensors, header)
-        if time.monotonic() - listed > MAX_BASE_AGE_S:  # stalled: the base may be long retired
-            listing, listed = list_session(mailbox), time.monotonic()
-            newest = listing.newest
-            continue
-        if mailbox.put_if_absent(state_key(header.version), data):
-            _retire(mailbox, header.version)
-            written = State(key=state_key(header.version), header=header, tensors=tensors)
-            return Fold(state=written, previous=base.header, conflicts=conflicts, active=active)
-        conflicts += 1
-        if time.monotonic() > deadline:
-            raise SessionError(
-                f"learner {me!r}: lost {conflicts} versions in a row to other writers on "
-                f"{describe(mailbox)}; too many learners exchange too often for this store "
-                "(raise `every`)"
+            return decode_pending(data, key=key, spec=self.spec, fragment=(self.index, self.count))
+        except UnusableStateError as error:
+            return error
+
+    def view(
+        self, known: State | None = None, *, exact: bool = False, absorb: int | None = None, me: str | None = None
+    ) -> View | None:
+        """The fragment's logical state (None when the run has no version of it yet).
+
+        ``known`` is a version this node holds (not downloaded again while it is the newest).
+        A pending contribution that vanishes between listing and reading was absorbed by a newer
+        version: an ``exact`` reader (``consensus``) then reads again; a learner's view may lag.
+        ``absorb`` bounds the other learners' pending contributions read (``me``'s are always
+        read): a writer takes that many, chosen at random, or a quarter of the backlog when that
+        is more; the rest wait for the next writer. None reads every one.
+
+        Raises:
+            SessionError: the state kept vanishing for ``READ_ATTEMPTS`` listings.
+            MailRejectedError: as ``read_usable``.
+        """
+        for _ in range(READ_ATTEMPTS):
+            after = None if known is None else known.header.version
+            versions, pending = parallel(
+                lambda read: read(), [lambda after=after: self.list_versions(after), self.list_pending]
             )
-        newest = header.version  # somebody else wrote it: fold onto theirs
-        listed = time.monotonic()
-        # Exponential backoff in units of one attempt's duration: colliding writers spread out
-        # until about one at a time tries, so a busy chain costs a few reads, not one per rival.
-        window = max(time.monotonic() - attempt_started, 0.001)
-        time.sleep(random.uniform(0, window * 2 ** min(conflicts, 6)))
+            newest = versions[-1] if versions else after
+            if newest is None:
+                return None
+            view = self._assemble(newest, known, pending, exact=exact, absorb=absorb, me=me)
+            if view is not None:
+                return view
+            known = None  # retired or absorbed under us: list again from the start
+        raise SessionError(
+            f"{describe(self.mailbox)}: the newest state of fragment {self.index} kept vanishing while "
+            f"being read ({READ_ATTEMPTS} listings); is something deleting {SESSION_PREFIX!r}?"
+        )
 
+    def _assemble(
+        self,
+        newest: int,
+        known: State | None,
+        pending: Mapping[str, Mapping[int, str]],
+        *,
+        exact: bool,
+        absorb: int | None,
+        me: str | None,
+    ) -> View | None:
+        # The base and the contributions it may not have absorbed yet, read in parallel: those
+        # ``known`` already absorbed are not fetched (a newer base may have absorbed more).
+        floor = known.header if known is not None else None
+        candidates = {
+            learner: [seqs[seq] for seq in sorted(seqs) if floor is None or seq > floor.absorbed(learner)]
+            for learner, seqs in pending.items()
+        }
+        wanted = candidates.pop(me, []) if me is not None else []
+        others = [learner for learner, keys in candidates.items() if keys]
+        if absorb is None:
+            wanted += [key for learner in others for key in candidates[learner]]
+        else:  # a bounded share, at random: every pending contribution is soon some writer's pick
+            budget = max(absorb, math.ceil(sum(len(candidates[learner]) for learner in others) / BACKLOG_SHARE))
+            random.shuffle(others)
+            for learner in others:
+                if budget <= 0:
+                    break
+                wanted += candidates[learner][:budget]
+                budget -= len(candidates[learner][:budget])
+        jobs: list[Callable[[], Any]] = [lambda: self.read_usable(newest, known)]
+        jobs += [lambda key=key: self._read_pending(key) for key in wanted]
+        results = parallel(lambda job: job(), jobs)
+        base, contents = results[0], dict(zip(wanted, results[1:]))
+        if base is None:
+            return None
+        absorbed: list[Pending] = []
+        empty: list[tuple[str, str, int]] = []
+        garbage: list[str] = []
+        for learner, seqs in pending.items():
+            seq = base.header.absorbed(learner)
+            garbage += [key for s, key in seqs.items() if s <= seq]
+            while (key := seqs.get(seq + 1)) is not None and key in contents:
+                content = contents[key]
+                if content is None:  # absorbed by a newer version since the listing
+                    if exact:
+                        return None
+                    break
+                if isinstance(content, UnusableStateError):
+                    skipped(content)
+                    empty.append((key, learner, seq + 1))
+                elif content.header.learner != learner or content.header.contribution.seq != seq + 1:
+                    skipped(UnusableStateError(f"pending contribution {key!r} says it is another learner's or seq"))
+                    empty.append((key, learner, seq + 1))
+                else:
+                    absorbed.append(content)
+                seq += 1
+        return View(base=base, absorbed=absorbed, empty=empty, garbage=garbage, newest=newest)
 
-def create_base(mailbox: Mailbox, spec: Spec, tensors: Mapping[str, Tensor], me: str) -> State:
-    """Version 0, the run's starting point: this learner's tensors if it is first, else the
-    winner's (so every node starts from one base whatever its own initialisation)."""
-    header = StateHeader(version=0, learner=me, time=time.time())
-    stored = {name: tensor.to(spec[name][1]) for name, tensor in tensors.items()}
-    if mailbox.put_if_absent(state_key(0), encode(stored, header)):
-        return State(key=state_key(0), header=header, tensors=stored)
-    state, _ = read_newest(mailbox, spec)
-    if state is None:
-        raise SessionError(f"{describe(mailbox)}: version 0 of the run's state exists but cannot be read")
-    return state
+    # -- writing ---------------------------------------------------------------------------------
+    def create_base(self, tensors: Mapping[str, Tensor], me: str) -> State:
+        """Version 0: this learner's tensors if it is first, else the winner's."""
+        header = StateHeader(version=0, learner=me, time=time.time(), fragment=self.index, fragments=self.count)
+        key = state_key(0, self.index)
+        stored = {name: tensor.to(self.spec[name][1] or tensor.dtype) for name, tensor in tensors.items()}
+        if self.mailbox.put_if_absent(key, encode(stored, header)):
+            return State(key=key, header=header, tensors=stored)
+        view = self.view()
+        if view is None:
+            raise SessionError(
+                f"{describe(self.mailbox)}: version 0 of fragment {self.index} exists but cannot be read"
+            )
+        return view.base
 
+    def fold(self, view: View, me: str, contribution: Mapping[str, Tensor], entry: Contribution) -> Folded:
+        """Fold ``contribution`` (this learner's, ``entry.seq``) into the fragment, exactly once.
 
-def _retire(mailbox: Mailbox, version: int) -> None:
-    """After writing ``version``: tombstone the one ``KEEP`` back, delete the one ``RETIRE`` back."""
-    if version >= KEEP:
-        mailbox.put(state_key(version - KEEP), TOMBSTONE)
-    if version >= RETIRE:
-        mailbox.delete(state_key(version - RETIRE))
+        Creates the version after ``view.newest`` holding the base, every contribution in
+        ``view`` and this one. If another writer created it first, the contribution is left
+        pending instead, for the next writer to absorb: never folded again, never lost.
+
+        Args:
+            view: the logical state just read (``view()``).
+            me: this learner.
+            contribution: what to add, in the summing dtype (float32 or float64).
+            entry: this learner's line once it is absorbed.
+
+        Raises:
+            SessionError: this learner's contribution ``entry.seq`` exists already (two
+                processes under one learner id).
+        """
+        summed = widen(view.base.tensors)
+        for increment in [p.tensors for p in view.absorbed] + [contribution]:
+            for name, value in increment.items():
+                summed[name] += value.to(summed[name].dtype)
+        learners = view.learners
+        learners[me] = entry
+        header = StateHeader(
+            version=view.newest + 1,
+            learner=me,
+            time=time.time(),
+            learners=learners,
+            fragment=self.index,
+            fragments=self.count,
+        )
+        key = state_key(header.version, self.index)
+        stored = {name: to_wire(value, self.wire_dtype) for name, value in summed.items()}
+        if self.mailbox.put_if_absent(key, encode(stored, header)):
+            written = State(key=key, header=header, tensors=stored)
+            done = [p.key for p in view.absorbed] + [k for k, _, _ in view.empty] + view.garbage
+            self._clean_up(done, header.version)
+            return Folded(widen(stored), learners, header.version, written, 0)
+        # Lost the race: leave this contribution pending (nobody contends for its key).
+        pending = PendingHeader(learner=me, contribution=entry, fragment=self.index, fragments=self.count)
+        own = pending_key(self.index, me, entry.seq)
+        wire = {name: to_wire(value, self.wire_dtype) for name, value in contribution.items()}
+        if not self.mailbox.put_if_absent(own, encode(wire, pending)):
+            raise SessionError(
+                f"learner {me!r}: its contribution {own!r} already exists; two processes run under "
+                "one learner id (give each process its own)"
+            )
+        return Folded(summed, learners, None, view.base, 1)
+
+    def _clean_up(self, absorbed: list[str], version: int) -> None:
+        """After writing ``version``: delete what it absorbed, tombstone the version ``KEEP``
+        back and delete the one ``RETIRE`` back.
+
+        Best effort: the fold has landed, and whatever is left (absorbed contributions, an old
+        version still readable) is harmless and cleaned up by a later writer.
+        """
+        jobs: list[Callable[[], None]] = [lambda key=key: self.mailbox.delete(key) for key in absorbed]
+        if version >= KEEP:
+            jobs.append(lambda: self.mailbox.put(state_key(version - KEEP, self.index), TOMBSTONE))
+        if version >= RETIRE:
+            jobs.append(lambda: self.mailbox.delete(state_key(version - RETIRE, self.index)))
+        try:
+            parallel(lambda job: job(), jobs)
+        except Exception as exc:  # the contribution is in; a later writer cleans up
+            logging.getLogger("gradientmail.session").warning(
+                "fragment %d: cleaning up after version %d failed (left for a later writer): %r",
+                self.index,
+                version,
+                exc,
+            )

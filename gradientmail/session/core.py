@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,16 +22,16 @@ from gradientmail.errors import SessionError
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
-from gradientmail.session.chain import KEEP
-from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, snapshot_into, surface
-from gradientmail.session.mail import accumulation_dtype, float_state, member_key, spec_of
-from gradientmail.session.merge import load_into
+from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
+from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
+from gradientmail.session.mail import member_key
 from gradientmail.session.options import (
     DEFAULT_EVERY,
     DEFAULT_MAX_STALENESS,
     DEFAULT_TIMEOUT,
     ENV_EVERY,
     ENV_EVERY_STEPS,
+    ENV_FRAGMENTS,
     ENV_MAX_STALENESS,
     ENV_OUTER,
     ENV_TIMEOUT,
@@ -43,15 +44,14 @@ from gradientmail.session.outer import OuterOptimizer, resolve_outer
 log = logging.getLogger("gradientmail.session")
 """Joining and leaving at INFO, every exchange at DEBUG; the library never configures handlers."""
 
-KEEP_MAIL = KEEP
-"""Versions of the run's state kept behind the newest (the old name, kept for imports)."""
-
 
 class Session:
     """Keeps nodes that train on different data one model, without making any of them wait.
 
     Each exchange folds this node's progress (``/ N``) into the run's state in the mailbox, in
-    the background; ``step()`` applies the result. Details: ``docs/session.md``.
+    the background; ``step()`` applies the result. The state is cut into fragments, each
+    exchanged once per interval on its own staggered schedule, starting at a random phase.
+    Details: ``docs/session.md``.
 
     Args:
         model: the module being trained; its floating-point ``state_dict`` entries are exchanged.
@@ -65,6 +65,8 @@ class Session:
         catch_up: on enter, load the run's state (the first node's model becomes the base).
         outer: ``"delayed_nesterov"`` (default), ``"average"`` or an ``OuterOptimizer``.
         wire_dtype: ``None`` (float32 state) or ``torch.bfloat16`` (half the bytes).
+        fragments: how many fragments the state is cut into (``None``: one per 64 KiB of
+            float32 state, at most 16); every node of a run must use the same.
 
     The ``ENV_*`` environment variables override the matching arguments when set.
 
@@ -79,8 +81,8 @@ class Session:
         >>> with Session(model, mailbox=box, learner_id="node-0", every_steps=1) as session:
         ...     session.step(samples=32)
         ...     session.wait()
-        >>> session.steps, session.exchanges
-        (1, 2)
+        >>> session.steps, session.exchanges, session.fragments
+        (1, 2, 1)
         >>> consensus(box, torch.nn.Linear(2, 1))
         {'node-0': 32}
     """
@@ -98,6 +100,7 @@ class Session:
         catch_up: bool = True,
         outer: str | OuterOptimizer = "delayed_nesterov",
         wire_dtype: torch.dtype | None = None,
+        fragments: int | None = None,
     ) -> None:
         if not callable(getattr(model, "state_dict", None)):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -114,6 +117,11 @@ class Session:
         every_steps = env_override(ENV_EVERY_STEPS, every_steps, int, "a step count")
         max_staleness = env_override(ENV_MAX_STALENESS, max_staleness, seconds, "a number of seconds")
         timeout = env_override(ENV_TIMEOUT, timeout, seconds, "a number of seconds")
+        fragments = env_override(ENV_FRAGMENTS, fragments, int, "a fragment count")
+        if fragments is not None and (
+            isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= MAX_FRAGMENTS
+        ):
+            raise ValueError(f"fragments must be None or an int in [1, {MAX_FRAGMENTS}], not {fragments!r}")
         if every_steps is not None and (
             isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
         ):
@@ -132,6 +140,8 @@ class Session:
         self.catch_up = catch_up
         self.outer = resolve_outer(os.environ.get(ENV_OUTER, "").strip() or outer)
         self.wire_dtype = wire_dtype
+        self._fragments_asked = fragments
+        self._plan: FragmentPlan | None = None
         self._every_s = positive_seconds("every", every, optional=True)
         self._every_steps = math.inf if every_steps is None else every_steps
         self._max_staleness_s = positive_seconds("max_staleness", max_staleness)
@@ -140,15 +150,15 @@ class Session:
         self._state = "new"  # new -> active -> closed
         self._steps = 0
         self._samples = 0
-        self._seq = 0
         self._exchanges = 0
         self._merges = 0
         self._job: Job | None = None
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
+        self._next_fragment = 0
         self._last_weights: dict[str, int] = {}
-        self._buffers: dict[str, Tensor] = {}  # the snapshot, reused from exchange to exchange
+        self._buffers: list[dict[str, Tensor]] = []  # per fragment, the snapshot, reused
         self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
             mailbox,
             learner_id,
@@ -156,7 +166,6 @@ class Session:
             wire_dtype=wire_dtype,
             catch_up=catch_up,
             max_staleness_s=self._max_staleness_s,
-            timeout_s=self._timeout_s,
         )
 
     # -- read-only state -------------------------------------------------------------------
@@ -172,8 +181,16 @@ class Session:
 
     @property
     def exchanges(self) -> int:
-        """Exchanges completed (progress folded into the run's state) since enter."""
+        """Fragment exchanges completed (progress folded into the run's state) since enter.
+
+        Each interval exchanges every fragment once: ``exchanges / fragments`` whole exchanges.
+        """
         return self._exchanges
+
+    @property
+    def fragments(self) -> int | None:
+        """How many fragments the state is cut into (known once entered)."""
+        return None if self._plan is None else len(self._plan)
 
     @property
     def merges(self) -> int:
@@ -187,9 +204,9 @@ class Session:
 
     @property
     def version(self) -> int | None:
-        """The version of the run's state this node last read or wrote."""
+        """The version of fragment 0 of the run's state this node last read or wrote."""
         known = self._exchanger.known
-        return None if known is None else known.header.version
+        return None if not known or known[0] is None else known[0].header.version
 
     @property
     def last_weights(self) -> dict[str, int]:
@@ -212,20 +229,21 @@ class Session:
         if self._state != "new":
             raise SessionError(f"Session {self.learner_id!r} was already entered; create a new one")
         entries = float_state(self.model)
-        spec = spec_of(entries, self.wire_dtype)
-        if not spec:
+        if not entries:
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
+        plan = self._plan = FragmentPlan.of(self.model, self._fragments_asked)
+        self._buffers = [{} for _ in plan.fragments]
         initial = {name: t.detach().to("cpu", accumulation_dtype(t.dtype), copy=True) for name, t in entries.items()}
         exchanger = self._exchanger
         self._worker = Worker(f"gradientmail-session-{self.learner_id}")
         self._started_wall = time.time()
         self._started = time.monotonic()
         try:
-            state, own = self._wait(self._worker.submit(lambda: exchanger.enter(spec, initial)), "joining the run")
+            values, own = self._wait(self._worker.submit(lambda: exchanger.enter(plan, initial)), "joining the run")
             if self.catch_up:
-                load_into(self.model, state.tensors)
-            if own is not None:  # a restarted learner continues its sequence and its totals
-                self._seq = own.seq + 1
+                for fragment, value in zip(plan.fragments, values):
+                    fragment.load_into(self.model, value)
+            if own is not None:  # a restarted learner continues its totals
                 self._steps = own.step
                 self._samples = own.samples
             self._samples_at_enter = self._samples
@@ -235,11 +253,15 @@ class Session:
         except BaseException:
             self._worker.close(0)
             raise
-        self._schedule()
+        # A random phase: learners that joined together do not exchange (and collide) together.
+        self._next_fragment = random.randrange(len(plan))
+        self._due_step = self._steps + self._every_steps / len(plan)
+        slot_s = self._every_s / len(plan)
+        self._due_time = time.monotonic() + (random.uniform(0, slot_s) if math.isfinite(slot_s) else math.inf)
         self._state = "active"
         how = "caught up" if self.catch_up else "own parameters"
-        what = "%s joined the run on %s at version %s (%s, outer %s)"
-        log.info(what, self.learner_id, describe(self.mailbox), self.version, how, self.outer.name)
+        what = "%s joined the run on %s at version %s (%s, %d fragments, outer %s)"
+        log.info(what, self.learner_id, describe(self.mailbox), self.version, how, len(plan), self.outer.name)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -251,7 +273,7 @@ class Session:
             if exc is None:
                 if job is not None:
                     self._finish(self._wait(job, "the last exchange"))
-                final = self._worker.submit(self._exchange_job_for_now(final=True))
+                final = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=True))
                 self._finish(self._wait(final, "folding the final progress"))
                 what = "%s left the run at version %s after %d steps, %d exchanges, %d conflicts"
                 log.info(what, self.learner_id, self.version, self._steps, self._exchanges, self.conflicts)
@@ -302,8 +324,7 @@ class Session:
             self._job = None
             self._finish(self._result(job, "a background exchange"))
         if self._steps >= self._due_step or time.monotonic() >= self._due_time:
-            self._job = self._worker.submit(self._exchange_job_for_now(final=False))
-            self._schedule()
+            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
     def wait(self, timeout: timedelta | None = None, *, apply: bool = True) -> None:
         """Wait for the exchange in flight, if any, and apply it now (before an evaluation).
@@ -327,9 +348,23 @@ class Session:
                 self._job = None
                 self._finish(self._result(job, "the exchange in flight"))
 
-    def _schedule(self) -> None:
-        self._due_step = self._steps + self._every_steps
-        self._due_time = time.monotonic() + self._every_s
+    def _due_fragments(self) -> list[int]:
+        """The fragments to exchange now, and the schedule moved past them.
+
+        By time: one fragment per slot of ``every / fragments``; slots missed while the store
+        was slow are dropped (exchanges get rarer and carry more progress). By steps: every
+        fragment whose slot has come, so that ``every_steps`` exchanges the whole model.
+        """
+        count = len(self._plan)
+        slot_steps, slot_s = self._every_steps / count, self._every_s / count
+        due = 1
+        if self._steps >= self._due_step:
+            due = min(count, 1 + int((self._steps - self._due_step) / slot_steps))
+        self._due_step += due * slot_steps
+        now = time.monotonic()
+        self._due_time = max(self._due_time + slot_s, now) if self._due_time <= now else self._due_time
+        first, self._next_fragment = self._next_fragment, (self._next_fragment + due) % count
+        return [(first + i) % count for i in range(due)]
 
     def _progress(self, *, finished: bool) -> dict[str, Any]:
         elapsed, done = time.monotonic() - self._started, self._samples - self._samples_at_enter
@@ -344,23 +379,37 @@ class Session:
             "finished": finished,
         }
 
-    def _exchange_job_for_now(self, *, final: bool) -> Callable[[], Merge]:
-        snapshot = snapshot_into(self._buffers, self.model)
-        totals = (self._seq, self._steps, self._samples)
-        self._seq += 1
-        progress = self._progress(finished=final)
-        exchanger = self._exchanger
-        return lambda: exchanger.exchange(snapshot, totals, progress, final)
+    def _exchange_job_for_now(self, indices: range | list[int], *, final: bool) -> Callable[[], list[Merge]]:
+        plan, model, exchanger = self._plan, self.model, self._exchanger
+        snapshots = [(i, plan.fragments[i].snapshot_into(self._buffers[i], model)) for i in indices]
+        taken = time.time()
+        totals = (self._steps, self._samples)
+        # Progress is written once per round (and on leaving), not once per fragment.
+        progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None
 
-    def _finish(self, merge: Merge) -> None:
-        """Apply a finished exchange as a delta: local progress made meanwhile stays."""
-        self._exchanges += 1
-        merge.apply_to(self.model)
-        if any(learner != self.learner_id for learner in merge.weights):
-            self._merges += 1
-        self._last_weights = merge.weights
+        def job() -> list[Merge]:
+            merges = [exchanger.exchange(i, snapshot, totals, final, taken) for i, snapshot in snapshots]
+            if final:
+                exchanger.leave()
+            if progress is not None:
+                exchanger.put_progress(progress)
+            return merges
+
+        return job
+
+    def _finish(self, merges: list[Merge]) -> None:
+        """Apply finished fragment exchanges as deltas: local progress made meanwhile stays."""
+        weights: dict[str, int] = {}
+        for merge in merges:
+            self._exchanges += 1
+            merge.apply_to(self.model)
+            if any(learner != self.learner_id for learner in merge.weights):
+                self._merges += 1
+            for learner, gained in merge.weights.items():
+                weights[learner] = max(weights.get(learner, 0), gained)
+        self._last_weights = weights
         what = "%s exchange %d: version %s, %d conflicts so far, samples folded %s"
-        log.debug(what, self.learner_id, self._exchanges, self.version, self.conflicts, merge.weights)
+        log.debug(what, self.learner_id, self._exchanges, self.version, self.conflicts, weights)
 
     def _result(self, job: Job, what: str) -> Any:
         if job.error is not None:

@@ -21,9 +21,11 @@ from torch import Tensor
 from gradientmail.errors import GradientMailError, SessionError
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.session.chain import active_learners, create_base, fold, read_newest
-from gradientmail.session.mail import Contribution, Spec, State, accumulation_dtype, float_state, member_key
-from gradientmail.session.outer import OuterOptimizer
+from gradientmail.session.chain import ABSORB, FragmentChain, View, parallel
+from gradientmail.session.fragments import Fragment, FragmentPlan, Piece, widen
+from gradientmail.session.mail import Contribution, State, member_key
+from gradientmail.session.members import active_learners, check_prefix, list_members
+from gradientmail.session.outer import OuterOptimizer, OuterState
 
 
 class Job:
@@ -100,40 +102,24 @@ def surface(error: BaseException, what: str) -> BaseException:
     return wrapped
 
 
-def snapshot_into(buffers: dict[str, Tensor], model: torch.nn.Module) -> dict[str, Tensor]:
-    """The model's floating-point entries copied to the CPU, into ``buffers`` (reused).
-
-    Called with no exchange in flight, so the previous snapshot is free to overwrite; reusing it
-    avoids fresh (page-faulting) allocations, which cost more than the copy.
-    """
-    for name, tensor in float_state(model).items():
-        buffer = buffers.get(name)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"  # page-locked: a faster copy from the GPU
-            buffer = buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-        buffer.copy_(tensor.detach())
-    return buffers
-
-
 @dataclass(frozen=True)
 class Merge:
-    """A finished exchange, to apply on the training thread.
+    """A finished exchange of one fragment, to apply on the training thread.
 
     Attributes:
-        delta: the run's state after this fold minus the snapshot, per entry.
-        weights: ``{learner: samples}`` newly folded into the run, this learner included.
+        fragment: which part of the model it changes.
+        delta: the fragment's logical state after this fold minus the snapshot, per piece.
+        weights: ``{learner: samples}`` newly folded into the fragment as this learner sees it,
+            this learner included.
     """
 
+    fragment: Fragment
     delta: dict[str, Tensor]
     weights: dict[str, int]
 
     def apply_to(self, model: torch.nn.Module) -> None:
         """Add ``delta`` to the live model: local progress made meanwhile stays."""
-        live = float_state(model)
-        with torch.no_grad():
-            for name, delta in self.delta.items():
-                target = live[name]
-                target.add_(delta.to(device=target.device, dtype=target.dtype))
+        self.fragment.add_into(model, self.delta)
 
 
 class Exchanger:
@@ -142,11 +128,10 @@ class Exchanger:
     Args:
         mailbox: the run's store.
         learner_id: this learner's name (one key segment).
-        outer: how progress becomes a contribution (one state per session: momentum).
+        outer: how progress becomes a contribution (one state per fragment: momentum).
         wire_dtype: the dtype the state is stored in (``None``: float32/float64).
         catch_up: measure progress from the run's state (True) or this model's own (False).
         max_staleness_s: seconds after which a silent member stops counting in ``N``.
-        timeout_s: the longest a fold may keep losing versions to other writers.
     """
 
     def __init__(
@@ -158,49 +143,78 @@ class Exchanger:
         wire_dtype: torch.dtype | None,
         catch_up: bool,
         max_staleness_s: float,
-        timeout_s: float,
     ) -> None:
         self.mailbox = mailbox
         self.learner_id = learner_id
-        self.spec: Spec = {}
-        """What a state of this model holds (``mail.spec_of``), set on enter."""
+        self.outer = outer
         self.wire_dtype = wire_dtype
         self.catch_up = catch_up
         self.max_staleness_s = max_staleness_s
-        self.timeout_s = timeout_s
-        self.known: State | None = None
-        """The newest version of the run's state this learner holds."""
+        self.chains: list[FragmentChain] = []
+        self.known: list[State | None] = []
+        """Per fragment, the newest version this learner read or wrote."""
         self.conflicts = 0
-        """Versions lost to other writers so far."""
-        self._outer_state = outer.start()
-        self._anchor: dict[str, Tensor] = {}  # where this learner's local progress is measured from
+        """Versions lost to other writers so far (each left a contribution pending)."""
+        self._plan: FragmentPlan | None = None
+        self._outer_states: list[OuterState] = []
+        self._anchors: list[dict[str, Tensor]] = []  # where this learner's progress is measured from
+        self._tables: list[dict[str, Contribution]] = []  # each learner's line, as last seen
+        self._seqs: list[int] = []  # the sequence number of this learner's next contribution
+        self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
+        self._since: list[float] = []  # per fragment, when the progress not yet folded began
         self._member: str | None = None
-        self._active = 1  # N when the previous fold (or joining) happened
+        self._active: list[int] = []  # per fragment, the largest N seen since its previous fold
 
-    def enter(self, spec: Spec, initial: dict[str, Tensor]) -> tuple[State, Contribution | None]:
-        """Join the run: its newest state (creating the base if none) and this learner's line in it."""
+    def enter(
+        self, plan: FragmentPlan, initial: Mapping[str, Tensor]
+    ) -> tuple[list[dict[str, Tensor]], Contribution | None]:
+        """Join the run: each fragment's logical state (creating the base if none) and this
+        learner's newest line in the run (a restarted learner continues from it)."""
         mailbox, me = self.mailbox, self.learner_id
-        self.spec = spec
-        state, listing = read_newest(mailbox, self.spec)
-        if state is None:
-            state = create_base(mailbox, self.spec, initial, me)
+        self._plan = plan
+        count = len(plan)
+        self.chains = [
+            FragmentChain(mailbox, i, count, plan.stored_spec(i, self.wire_dtype), wire_dtype=self.wire_dtype)
+            for i in range(count)
+        ]
+        members = check_prefix(mailbox)
+        views = parallel(lambda chain: chain.view(), self.chains, lanes=4)
+        states = []
+        for chain, view, fragment in zip(self.chains, views, plan.fragments):
+            if view is None:
+                base = chain.create_base({p.name: _slice(initial[p.name], p) for p in fragment.pieces}, me)
+                view = chain.view(base)
+            states.append(view)
         self._member = member_key(me, time.time())
         mailbox.put(self._member, json.dumps({"learner": me, "joined": time.time()}).encode())
-        for key in listing.member_keys.get(me, []):  # an earlier incarnation's, if any
+        for key in members.keys.get(me, []):  # an earlier incarnation's, if any
             if key != self._member:
                 mailbox.delete(key)
-        self.known = state
-        self._anchor = widen(state.tensors) if self.catch_up else initial
-        self._active = len(active_learners(listing, state.header, me, time.time(), self.max_staleness_s))
-        return state, state.header.learners.get(me)
+        self.known = [view.base for view in states]
+        self._tables = [view.learners for view in states]
+        values = [logical(view) for view in states]
+        if self.catch_up:
+            self._anchors = [dict(v) for v in values]
+        else:
+            self._anchors = [
+                {p.name: _slice(initial[p.name], p) for p in fragment.pieces} for fragment in plan.fragments
+            ]
+        self._seqs = [view.seq_of(me) + 1 for view in states]
+        self._unsure = [None] * count
+        self._since = [time.time()] * count
+        self._outer_states = [self.outer.start() for _ in range(count)]
+        now = time.time()
+        self._active = [len(active_learners(members, table, me, now, self.max_staleness_s)) for table in self._tables]
+        own = [table[me] for table in self._tables if me in table]
+        newest = max(own, key=lambda entry: (entry.samples, entry.step)) if own else None
+        return values, newest
 
     def exchange(
-        self, snapshot: dict[str, Tensor], totals: tuple[int, int, int], progress: dict[str, Any], final: bool
+        self, index: int, snapshot: Mapping[str, Tensor], totals: tuple[int, int], final: bool, taken: float
     ) -> Merge:
-        """Fold the progress in ``snapshot`` into the run; ``totals`` is ``(seq, steps, samples)``."""
-        mailbox, me = self.mailbox, self.learner_id
-        seq, steps, samples = totals
-        anchor = self._anchor
+        """Fold the progress in ``snapshot`` (fragment ``index``, taken at wall time ``taken``)
+        into the run; ``totals`` is ``(steps, samples)``."""
+        me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         for name, tensor in local.items():  # never spread a diverged model to every node
             if not bool(torch.isfinite(tensor).all()):
@@ -209,46 +223,55 @@ class Exchanger:
                     "(local training diverged: lower the learning rate, clip gradients); nothing "
                     "was folded into the run, whose state stays finite"
                 )
-        wire = self.wire_dtype
-
-        def add(base: Mapping[str, Tensor], increment: Mapping[str, Tensor]) -> dict[str, Tensor]:
-            return {name: to_wire(base[name].to(increment[name].dtype) + increment[name], wire) for name in increment}
-
-        done = fold(
-            mailbox,
-            self.spec,
-            me=me,
-            known=self.known,
-            increment_for=lambda active: self._outer_state(local, self._scale_for(active)),
-            entry=lambda header: Contribution(seq=seq, step=steps, samples=samples, time=time.time(), final=final),
-            add=add,
-            max_staleness=self.max_staleness_s,
-            deadline=time.monotonic() + self.timeout_s,
+        members, view = parallel(
+            lambda read: read(),
+            [lambda: list_members(self.mailbox), lambda: chain.view(self.known[index], absorb=ABSORB, me=me)],
         )
-        self.conflicts += done.conflicts
-        before = self.known.header.learners if self.known is not None else {}
-        self.known = done.state
-        self._anchor = widen(done.state.tensors)
-        delta = {name: self._anchor[name] - snapshot[name].to(self._anchor[name].dtype) for name in self._anchor}
+        if view is None:
+            raise SessionError(
+                f"learner {me!r}: the run's state of fragment {index} on {describe(self.mailbox)} is gone "
+                "(was the prefix deleted mid-run?)"
+            )
+        unsure = self._unsure[index]
+        if unsure is not None:  # an earlier fold failed with an unknown outcome: did it land?
+            seq, progress = unsure
+            if view.seq_of(me) >= seq:  # it did: that progress is in the run already
+                for name, tensor in progress.items():
+                    local[name] -= tensor
+                self._seqs[index] = seq + 1
+            self._unsure[index] = None
+        # N for the progress made between the previous snapshot and this one, however late
+        # this fold runs: learners that left since still count for it.
+        since, self._since[index] = self._since[index], taken
+        active = active_learners(members, view.learners, me, time.time(), self.max_staleness_s, since)
+        seq = self._seqs[index]
+        self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
+        contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
+        entry = Contribution(seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final)
+        folded = chain.fold(view, me, contribution, entry)
+        self._unsure[index] = None
+        self._seqs[index] = seq + 1
+        self.conflicts += folded.conflicts
+        self.known[index] = folded.base
+        before, self._tables[index] = self._tables[index], folded.learners
+        self._anchors[index] = folded.tensors
+        delta = {name: value - snapshot[name].to(value.dtype) for name, value in folded.tensors.items()}
         weights = {}
-        for learner, entry in done.state.header.learners.items():
+        for learner, line in folded.learners.items():
             old = before.get(learner)
-            gained = entry.samples - (old.samples if old is not None else 0)
+            gained = line.samples - (old.samples if old is not None else 0)
             if gained > 0 or (learner == me and gained >= 0):
                 weights[learner] = gained
-        if final:
-            self.leave()
-        self.put_progress(progress)
-        return Merge(delta=delta, weights=weights)
+        return Merge(fragment=self._plan.fragments[index], delta=delta, weights=weights)
 
-    def _scale_for(self, active: int) -> int:
-        """``N`` for progress made since the previous fold: the larger of then and now.
+    def _scale_for(self, index: int, active: int) -> int:
+        """``N`` for fragment ``index``'s progress since its previous fold: the largest seen since.
 
         Never overshoots: progress made among four learners still counts 1/4 after the others
         left, and a learner that just joined does not yet inflate the others' contributions.
         """
-        scale = max(active, self._active)
-        self._active = active
+        self._active = [max(seen, active) for seen in self._active]
+        scale, self._active[index] = self._active[index], active
         return scale
 
     def leave(self) -> None:
@@ -264,6 +287,19 @@ class Exchanger:
         if spans is not None:  # when and for how long this learner trained its recent units
             record["unit_spans"] = spans
         self.mailbox.put(progress_key(self.learner_id), json.dumps(record).encode())
+
+
+def logical(view: View) -> dict[str, Tensor]:
+    """A fragment's values in ``view``: its base plus the pending contributions, summed."""
+    values = widen(view.base.tensors)
+    for pending in view.absorbed:
+        for name, tensor in pending.tensors.items():
+            values[name] += tensor.to(values[name].dtype)
+    return values
+
+
+def _slice(tensor: Tensor, piece: Piece) -> Tensor:
+    return tensor.reshape(-1)[piece.start : piece.stop]
 
 
 def units_claimed(learner_id: str) -> int | None:
@@ -294,27 +330,3 @@ def unit_spans(store: str, learner_id: str) -> dict[str, Any] | None:
         return spans_record(store, learner_id)
     except Exception:  # a display aid must never fail an exchange
         return None
-
-
-def widen(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Tensors as stored, in the dtype sums are taken in (float32, or float64 as it is)."""
-    return {name: t.to(accumulation_dtype(t.dtype)) for name, t in tensors.items()}
-
-
-def to_wire(tensor: Tensor, wire: torch.dtype | None) -> Tensor:
-    """``tensor`` in the dtype it is stored in; bfloat16 is rounded stochastically (unbiased).
-
-    Round-to-nearest would drop every contribution under half a bfloat16 step of the weight;
-    random low bits added before truncating keep each one in expectation.
-
-    Example:
-        >>> to_wire(torch.ones(3), torch.bfloat16).dtype
-        torch.bfloat16
-    """
-    if wire is None or wire == tensor.dtype:
-        return tensor
-    if wire == torch.bfloat16 and tensor.dtype == torch.float32:
-        bits = tensor.contiguous().view(torch.int32)
-        noise = torch.randint(0, 1 << 16, tensor.shape, dtype=torch.int32)
-        return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
-    return tensor.to(wire)

@@ -12,28 +12,36 @@ its header is parsed with size and depth bounds and validated field by field.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from gradientmail.errors import MailRejectedError, UnusableStateError  # re-exported: its old home
+from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError  # re-exported: its old home
 from gradientmail.layout import SESSION_PREFIX
 
-FORMAT = "gradientmail.session/2"
+FORMAT = "gradientmail.session/3"
 """Value of the ``format`` metadata field. Any other value is refused with ``MailRejectedError``."""
 
-OLD_FORMATS = {"gradientmail.session/1": "gradientmail 0.1 (position mail, before Session v2)"}
+OLD_FORMATS = {
+    "gradientmail.session/1": "gradientmail 0.1 (position mail, before Session v2)",
+    "gradientmail.session/2": "gradientmail 0.1 (Session v2: one chain of whole-model versions)",
+}
 
 SUFFIX = ".safetensors"
 SEQ_DIGITS = 12
-"""Zero-padded width of a version number in a key, so that keys sort by version."""
+"""Zero-padded width of a version or sequence number in a key, so that keys sort by number."""
+FRAGMENT_DIGITS = 4
 
-STATE_PREFIX = f"{SESSION_PREFIX}state/"
+FRAGMENTS_PREFIX = f"{SESSION_PREFIX}fragments/"
 MEMBERS_PREFIX = f"{SESSION_PREFIX}members/"
+OLD_STATE_PREFIX = f"{SESSION_PREFIX}state/"
+"""Where format 2 kept its one chain; only used to recognise and refuse old runs."""
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 """Largest safetensors JSON header accepted: tensor entries plus one line per learner."""
@@ -47,18 +55,60 @@ Spec = dict[str, tuple[tuple[int, ...], "torch.dtype | None"]]
 
 
 # -- keys ------------------------------------------------------------------------------------
-def state_key(version: int) -> str:
-    return f"{STATE_PREFIX}{version:0{SEQ_DIGITS}d}{SUFFIX}"
+def fragment_prefix(fragment: int) -> str:
+    return f"{FRAGMENTS_PREFIX}{fragment:0{FRAGMENT_DIGITS}d}/"
 
 
-def parse_state_key(key: str) -> int | None:
-    """The version of a state key, else None."""
-    if not key.startswith(STATE_PREFIX) or not key.endswith(SUFFIX):
+def versions_prefix(fragment: int) -> str:
+    """Where fragment ``fragment``'s chain of versions lives."""
+    return f"{fragment_prefix(fragment)}versions/"
+
+
+def pending_prefix(fragment: int) -> str:
+    """Where contributions to fragment ``fragment`` wait until a version absorbs them."""
+    return f"{fragment_prefix(fragment)}pending/"
+
+
+def state_key(version: int, fragment: int = 0) -> str:
+    """``session/fragments/{fragment}/versions/{version}.safetensors``.
+
+    Example:
+        >>> state_key(7, 2)
+        'session/fragments/0002/versions/000000000007.safetensors'
+    """
+    return f"{versions_prefix(fragment)}{version:0{SEQ_DIGITS}d}{SUFFIX}"
+
+
+def parse_state_key(key: str, fragment: int = 0) -> int | None:
+    """The version of a state key of ``fragment``, else None."""
+    prefix = versions_prefix(fragment)
+    if not key.startswith(prefix) or not key.endswith(SUFFIX):
         return None
-    stem = key[len(STATE_PREFIX) : -len(SUFFIX)]
+    stem = key[len(prefix) : -len(SUFFIX)]
     if len(stem) == SEQ_DIGITS and stem.isascii() and stem.isdigit():
         return int(stem)
     return None
+
+
+def pending_key(fragment: int, learner: str, seq: int) -> str:
+    """``session/fragments/{fragment}/pending/{learner}.{seq}.safetensors``: one contribution.
+
+    Example:
+        >>> pending_key(0, "node-1", 3)
+        'session/fragments/0000/pending/node-1.000000000003.safetensors'
+    """
+    return f"{pending_prefix(fragment)}{learner}.{seq:0{SEQ_DIGITS}d}{SUFFIX}"
+
+
+def parse_pending_key(key: str, fragment: int = 0) -> tuple[str, int] | None:
+    """``(learner, seq)`` of a pending key of ``fragment``, else None."""
+    prefix = pending_prefix(fragment)
+    if not key.startswith(prefix) or not key.endswith(SUFFIX):
+        return None
+    learner, dot, seq = key[len(prefix) : -len(SUFFIX)].rpartition(".")
+    if not dot or not learner or "/" in learner or len(seq) != SEQ_DIGITS or not (seq.isascii() and seq.isdigit()):
+        return None
+    return learner, int(seq)
 
 
 def member_key(learner: str, joined: float) -> str:
@@ -82,40 +132,12 @@ _OLD_MAIL = re.compile(r"^[^/]+/(\d{12}|final)\.safetensors$")
 
 
 def is_old_mail_key(key: str) -> bool:
-    """True for ``session/{learner}/{seq}.safetensors``: mail of the first Session format."""
+    """True for mail of an earlier Session format: ``session/{learner}/{seq}.safetensors`` (1)
+    or ``session/state/{version}.safetensors`` (2)."""
     rest = key[len(SESSION_PREFIX) :] if key.startswith(SESSION_PREFIX) else ""
-    return bool(_OLD_MAIL.match(rest)) and not key.startswith((STATE_PREFIX, MEMBERS_PREFIX))
-
-
-# -- the model side ----------------------------------------------------------------------------
-def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The model's floating-point ``state_dict`` entries, live, each storage only once.
-
-    Parameters and float buffers are exchanged; integer buffers (``num_batches_tracked``) stay
-    local. A tied weight appears under several names in ``state_dict``; only the first is kept
-    so that progress is applied to it once.
-    """
-    seen: set[tuple] = set()
-    entries: dict[str, Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=False).items():
-        if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
-            continue
-        alias = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-        if tensor.numel() and alias in seen:
-            continue
-        seen.add(alias)
-        entries[name] = tensor
-    return entries
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Sums of half-precision tensors are kept in float32; float32/float64 stay as they are."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def spec_of(tensors: Mapping[str, Tensor], wire_dtype: torch.dtype | None = None) -> Spec:
-    """What a state of this model holds: each entry's shape, in the dtype it travels in."""
-    return {name: (tuple(t.shape), wire_dtype or accumulation_dtype(t.dtype)) for name, t in tensors.items()}
+    if key.startswith(OLD_STATE_PREFIX):
+        return True
+    return bool(_OLD_MAIL.match(rest)) and not key.startswith((FRAGMENTS_PREFIX, MEMBERS_PREFIX))
 
 
 # -- the header ----------------------------------------------------------------------------------
@@ -157,40 +179,44 @@ class Contribution:
 
 @dataclass(frozen=True)
 class StateHeader:
-    """What a state says about itself (the safetensors ``__metadata__``, as strings).
+    """What a version of one fragment says about itself (the safetensors ``__metadata__``).
 
     Attributes:
-        version: this state's place in the chain (``session/state/{version}``); 0 is the base.
-        learner: who wrote this version (folded its progress into the previous one).
+        version: this version's place in its fragment's chain; 0 is the base.
+        learner: who wrote this version (folded contributions into the previous one).
         time: the writer's wall clock (unix seconds) when it wrote it.
-        learners: ``{learner: Contribution}`` of every learner folded in so far.
+        learners: ``{learner: Contribution}``, the newest contribution of each learner this
+            fragment has absorbed (its ``seq`` says which; older ones are absorbed too).
+        fragment: which fragment of the state this is.
+        fragments: how many fragments the run's state is cut into.
     """
 
     version: int
     learner: str
     time: float
     learners: dict[str, Contribution] = field(default_factory=dict)
+    fragment: int = 0
+    fragments: int = 1
 
     def to_metadata(self) -> dict[str, str]:
         return {
             "format": FORMAT,
+            "kind": "version",
+            "fragment": f"{self.fragment}/{self.fragments}",
             "version": str(self.version),
             "learner": self.learner,
             "time": repr(float(self.time)),
             "learners": json.dumps({k: v.to_json() for k, v in sorted(self.learners.items())}, separators=(",", ":")),
         }
 
-    def followed_by(self, learner: str, contribution: Contribution, time: float) -> StateHeader:
-        """The header of the next version, written by ``learner``."""
-        learners = dict(self.learners)
-        learners[learner] = contribution
-        return replace(self, version=self.version + 1, learner=learner, time=time, learners=learners)
+    def absorbed(self, learner: str) -> int:
+        """The sequence number of ``learner``'s newest contribution in this version (-1: none)."""
+        entry = self.learners.get(learner)
+        return -1 if entry is None else entry.seq
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, object], *, key: str) -> StateHeader:
-        fmt = metadata.get("format")
-        if fmt != FORMAT:
-            raise MailRejectedError(format_refusal(key, fmt))
+        fragment, fragments = _check_kind(metadata, "version", key)
         try:
             version = _count(metadata["version"], "version")
             learner = metadata["learner"]
@@ -210,7 +236,69 @@ class StateHeader:
             if not name or "/" in name or name.startswith("."):
                 raise UnusableStateError(f"state {key!r}: learner id {name!r} is not one key segment")
             learners[name] = Contribution.from_json(value, where=f"state {key!r}, learner {name!r}")
-        return cls(version=version, learner=learner, time=time, learners=learners)
+        return cls(
+            version=version, learner=learner, time=time, learners=learners, fragment=fragment, fragments=fragments
+        )
+
+
+@dataclass(frozen=True)
+class PendingHeader:
+    """What a pending contribution says about itself: whose it is and what it brings.
+
+    Attributes:
+        learner: who made it.
+        contribution: the learner's line once this contribution is absorbed (``seq`` orders a
+            learner's contributions to one fragment; they are absorbed in that order, once each).
+        fragment: which fragment it adds to.
+        fragments: how many fragments the run's state is cut into.
+    """
+
+    learner: str
+    contribution: Contribution
+    fragment: int = 0
+    fragments: int = 1
+
+    def to_metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT,
+            "kind": "pending",
+            "fragment": f"{self.fragment}/{self.fragments}",
+            "learner": self.learner,
+            "contribution": json.dumps(self.contribution.to_json(), separators=(",", ":")),
+        }
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, object], *, key: str) -> PendingHeader:
+        fragment, fragments = _check_kind(metadata, "pending", key)
+        learner, raw = metadata.get("learner"), metadata.get("contribution")
+        if not isinstance(learner, str) or not learner or "/" in learner or not isinstance(raw, str):
+            raise UnusableStateError(f"pending contribution {key!r} has an unreadable metadata header")
+        try:
+            value = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise UnusableStateError(f"pending contribution {key!r} has an unreadable contribution") from exc
+        contribution = Contribution.from_json(value, where=f"pending contribution {key!r}")
+        return cls(learner=learner, contribution=contribution, fragment=fragment, fragments=fragments)
+
+
+def _check_kind(metadata: Mapping[str, object], kind: str, key: str) -> tuple[int, int]:
+    """``(fragment, fragments)`` of a header of ``kind``; refuses other formats and kinds."""
+    fmt = metadata.get("format")
+    if fmt != FORMAT:
+        raise MailRejectedError(format_refusal(key, fmt))
+    if metadata.get("kind") != kind:
+        raise UnusableStateError(f"{key!r} is not a {kind} of the run's state (kind {metadata.get('kind')!r})")
+    text = metadata.get("fragment")
+    try:
+        index, slash, count = str(text).partition("/")
+        if not slash:
+            raise ValueError(text)
+        fragment, fragments = _count(index, "fragment"), _count(count, "fragments")
+    except ValueError as exc:
+        raise UnusableStateError(f"{key!r} has an unreadable fragment field {str(text)[:40]!r}") from exc
+    if not 0 <= fragment < fragments:
+        raise UnusableStateError(f"{key!r} says it is fragment {fragment} of {fragments}")
+    return fragment, fragments
 
 
 def _count(value: object, name: str) -> int:
@@ -218,6 +306,12 @@ def _count(value: object, name: str) -> int:
     if not 0 <= number <= MAX_COUNT:
         raise ValueError(f"{name} {number} out of range")
     return number
+
+
+def skipped(error: UnusableStateError) -> None:
+    """Report a version or contribution that was skipped: a warning (and a log line), the run goes on."""
+    logging.getLogger("gradientmail.session").warning("skipped: %s", error)
+    warnings.warn(str(error), MailSkippedWarning, stacklevel=3)
 
 
 def format_refusal(key: str, found: object) -> str:
@@ -236,19 +330,30 @@ def format_refusal(key: str, found: object) -> str:
 
 @dataclass(frozen=True)
 class State:
+    """One checked version of one fragment: its key, header and tensors (as stored)."""
+
     key: str
     header: StateHeader
     tensors: dict[str, Tensor]
 
 
-def encode(tensors: Mapping[str, Tensor], header: StateHeader) -> bytes:
+@dataclass(frozen=True)
+class Pending:
+    """One checked pending contribution: its key, header and tensors (as stored)."""
+
+    key: str
+    header: PendingHeader
+    tensors: dict[str, Tensor]
+
+
+def encode(tensors: Mapping[str, Tensor], header: StateHeader | PendingHeader) -> bytes:
     """Safetensors bytes of CPU ``tensors`` with ``header`` in the metadata."""
     from safetensors.torch import save
 
     return save({name: t.contiguous() for name, t in tensors.items()}, metadata=header.to_metadata())
 
 
-def _metadata(data: bytes, key: str) -> dict[str, object]:
+def metadata_of(data: bytes, key: str) -> dict[str, object]:
     """The ``__metadata__`` of safetensors bytes, read from the (bounded) header alone."""
     if len(data) < 8:
         raise UnusableStateError(f"state {key!r} is truncated ({len(data)} bytes)")
@@ -271,23 +376,50 @@ def _metadata(data: bytes, key: str) -> dict[str, object]:
 def read_format(data: bytes) -> object:
     """The ``format`` field of safetensors bytes, or None when there is none (for messages)."""
     try:
-        return _metadata(data, "").get("format")
+        return metadata_of(data, "").get("format")
     except MailRejectedError:
         return None
 
 
-def decode(data: bytes, *, key: str, spec: Spec) -> State:
-    """Parse and check one state; raise ``MailRejectedError`` unless it fits ``spec`` exactly."""
-    header = StateHeader.from_metadata(_metadata(data, key), key=key)
+def _tensors(data: bytes, *, key: str, spec: Spec, learner: str) -> dict[str, Tensor]:
     from safetensors.torch import load
 
     try:
         tensors = load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types for every corruption
-        raise UnusableStateError(f"state {key!r} (written by {header.learner!r}) is corrupt: {exc}") from exc
-    check(tensors, spec, key=key, learner=header.learner)
-    check_finite(tensors, key=key, learner=header.learner)
-    return State(key=key, header=header, tensors=tensors)
+        raise UnusableStateError(f"state {key!r} (written by {learner!r}) is corrupt: {exc}") from exc
+    check(tensors, spec, key=key, learner=learner)
+    check_finite(tensors, key=key, learner=learner)
+    return tensors
+
+
+def _check_cut(fragment: int, fragments: int, key: str, expected: tuple[int, int] | None) -> None:
+    if expected is None:
+        return
+    if fragments != expected[1]:
+        raise MailRejectedError(
+            f"{key!r}: the run's state is cut into {fragments} fragments, this node cuts it into "
+            f"{expected[1]}; every node of a run must use the same model and the same `fragments`"
+        )
+    if fragment != expected[0]:
+        raise UnusableStateError(f"{key!r} says it is fragment {fragment}, expected {expected[0]}")
+
+
+def decode(data: bytes, *, key: str, spec: Spec, fragment: tuple[int, int] | None = None) -> State:
+    """Parse and check one version; raise ``MailRejectedError`` unless it fits ``spec`` exactly.
+
+    ``fragment`` is ``(index, count)`` as this node cuts the state (None: not checked).
+    """
+    header = StateHeader.from_metadata(metadata_of(data, key), key=key)
+    _check_cut(header.fragment, header.fragments, key, fragment)
+    return State(key=key, header=header, tensors=_tensors(data, key=key, spec=spec, learner=header.learner))
+
+
+def decode_pending(data: bytes, *, key: str, spec: Spec, fragment: tuple[int, int] | None = None) -> Pending:
+    """Parse and check one pending contribution, as ``decode`` does a version."""
+    header = PendingHeader.from_metadata(metadata_of(data, key), key=key)
+    _check_cut(header.fragment, header.fragments, key, fragment)
+    return Pending(key=key, header=header, tensors=_tensors(data, key=key, spec=spec, learner=header.learner))
 
 
 def check_finite(tensors: Mapping[str, Tensor], *, key: str, learner: str) -> None:

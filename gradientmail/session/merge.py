@@ -2,43 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
-from torch import Tensor
 
 from gradientmail.layout import SESSION_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.session.chain import read_newest
-from gradientmail.session.mail import accumulation_dtype, float_state, spec_of
-
-
-def load_into(model: torch.nn.Module, tensors: Mapping[str, Tensor]) -> None:
-    """Copy ``tensors`` into the model's live floating-point entries (in their own dtype/device)."""
-    live = float_state(model)
-    with torch.no_grad():
-        for name, value in tensors.items():
-            live[name].copy_(value)
+from gradientmail.session.chain import FragmentChain, parallel, run_fragments
+from gradientmail.session.exchange import logical
+from gradientmail.session.fragments import FragmentPlan
+from gradientmail.session.members import check_prefix
 
 
 def consensus(mailbox: Mailbox, model: torch.nn.Module) -> dict[str, int]:
     """Load the run's model into ``model``: its base plus every learner's folded progress.
 
-    The newest version of the run's state holds every contribution folded in so far, so this is
-    the whole run's model (the run so far, during a run), on any machine. Integer buffers keep
-    the model's values.
+    Each fragment's logical state (its newest version plus the contributions pending beside it)
+    holds every contribution made so far, so this is the whole run's model (the run so far,
+    during a run), on any machine. Integer buffers keep the model's values.
 
     Args:
         mailbox: the run's store.
         model: a module of the run's architecture; its floating-point entries are overwritten.
 
     Returns:
-        ``{learner: samples}``: the samples of every learner whose progress it holds.
+        ``{learner: samples}``: the samples of every learner whose progress every fragment holds.
 
     Raises:
         LookupError: the mailbox holds no state of a run.
-        MailRejectedError: the state does not match ``model`` (names, shapes) or is corrupt, or
-            the mailbox holds mail of another format; ``model`` is not modified.
+        MailRejectedError: the state does not match ``model`` (names, shapes, fragments) or is
+            corrupt, or the mailbox holds mail of another format; ``model`` is not modified.
 
     Example:
         >>> import torch
@@ -51,16 +42,24 @@ def consensus(mailbox: Mailbox, model: torch.nn.Module) -> dict[str, int]:
         >>> consensus(box, torch.nn.Linear(2, 1))
         {'a': 8, 'b': 4}
     """
-    # Any floating dtype is accepted: a run may store its state in bfloat16 (wire_dtype).
-    spec = {name: (shape, None) for name, (shape, _) in spec_of(float_state(model)).items()}
-    state, _ = read_newest(mailbox, spec)
-    if state is None:
+    check_prefix(mailbox)
+    count = run_fragments(mailbox)
+    if count is None:
         raise LookupError(
             f"{describe(mailbox)}: no run state under {SESSION_PREFIX!r}; did any node run a "
             "Session on this mailbox (and this run prefix)?"
         )
-    load_into(model, state.tensors)
-    return {learner: entry.samples for learner, entry in sorted(state.header.learners.items())}
-
-
-__all__ = ["accumulation_dtype", "consensus", "load_into"]
+    plan = FragmentPlan.of(model, count)
+    # Any floating dtype is accepted: a run may store its state in bfloat16 (wire_dtype).
+    chains = [FragmentChain(mailbox, f.index, len(plan), f.spec) for f in plan.fragments]
+    views = parallel(lambda chain: chain.view(exact=True), chains, lanes=4)
+    if any(view is None for view in views):
+        raise LookupError(
+            f"{describe(mailbox)}: no run state under {SESSION_PREFIX!r}; did any node run a "
+            "Session on this mailbox (and this run prefix)?"
+        )
+    for fragment, view in zip(plan.fragments, views):
+        fragment.load_into(model, logical(view))
+    tables = [view.learners for view in views]
+    learners = sorted(set().union(*tables))
+    return {name: min(table[name].samples if name in table else 0 for table in tables) for name in learners}

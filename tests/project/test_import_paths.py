@@ -62,13 +62,12 @@ SESSION_MOVES = [
     (
         "gradientmail.session",
         "gradientmail.session.core",
-        ["Session", "KEEP_MAIL", "DEFAULT_EVERY", "DEFAULT_MAX_STALENESS", "DEFAULT_TIMEOUT", "ENV_EVERY"],
+        ["Session", "DEFAULT_EVERY", "DEFAULT_MAX_STALENESS", "DEFAULT_TIMEOUT", "ENV_EVERY"],
     ),
     ("gradientmail.session", "gradientmail.session.core", ["ENV_EVERY_STEPS", "ENV_MAX_STALENESS", "ENV_TIMEOUT"]),
     ("gradientmail.session", "gradientmail.session.core", ["ENV_OUTER"]),
     ("gradientmail.session", "gradientmail.session.merge", ["consensus"]),
     ("gradientmail.session", "gradientmail.session.outer", ["Average", "DelayedNesterov", "OuterOptimizer"]),
-    ("gradientmail.session.merge", "gradientmail.session.mail", ["accumulation_dtype"]),
     (
         "gradientmail.session.core",
         "gradientmail.session.options",

@@ -13,7 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gradientmail"
-MAX_LINES = 400
+MAX_LINES = 500
+"""A tripwire, not the design rule (one concept per module, issue #26): a module past it is read again
+for a second concept. Raised from 400 when the Session state became fragments (issue #22)."""
 CALLERS = ("gradientmail", "benchmarks", "examples", "tests")
 OURS = {*CALLERS, "", *(path.stem for path in (ROOT / "tests").rglob("*.py"))}
 """Our modules: the packages, relative imports, and the test modules and helpers imported by name."""

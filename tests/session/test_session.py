@@ -22,20 +22,19 @@ from safetensors.torch import save as safetensors_save
 import gradientmail
 from gradientmail import MailboxError, MailRejectedError, MemoryMailbox, SessionError
 from gradientmail.mailbox.wrappers import CountingMailbox, DelayedMailbox, FaultyMailbox
-from gradientmail.session import KEEP_MAIL, DelayedNesterov, Session, consensus
-from gradientmail.session.chain import KEEP, TOMBSTONE, Listing, active_learners, list_session
-from gradientmail.session.exchange import to_wire
+from gradientmail.session import DelayedNesterov, Session, consensus
+from gradientmail.session.chain import KEEP, TOMBSTONE, FragmentChain
+from gradientmail.session.fragments import FragmentPlan, float_state, spec_of, to_wire
 from gradientmail.session.mail import (
     FORMAT,
     Contribution,
     StateHeader,
     decode,
     encode,
-    float_state,
     member_key,
-    spec_of,
     state_key,
 )
+from gradientmail.session.members import Members, active_learners
 from gradientmail.session.outer import resolve_outer
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,6 +97,11 @@ def state_bytes(
     return encode(tensors, header)
 
 
+def stored_spec(model: torch.nn.Module) -> dict:
+    """What a stored version of a one-fragment run of ``model`` holds: flat pieces, float32."""
+    return FragmentPlan.of(model, 1).stored_spec(0, None)
+
+
 def session(model, mailbox, learner="me", **kwargs) -> Session:
     """A session exchanging at every step; the plain outer rule, so that arithmetic is exact."""
     kwargs.setdefault("every", None)
@@ -127,7 +131,7 @@ class GatedMailbox(DelayedMailbox):
         self.gate.set()
 
     def _hold(self, key: str) -> None:
-        if self.armed.is_set() and key.startswith("session/state/"):
+        if self.armed.is_set() and key.startswith("session/fragments/"):
             self.waiting.set()
             if not self.gate.wait(30):
                 raise TimeoutError("the test never opened the gate")
@@ -145,7 +149,6 @@ class GatedMailbox(DelayedMailbox):
 def test_lazy_names_resolve_to_the_session_module():
     assert gradientmail.Session is Session
     assert gradientmail.consensus is consensus
-    assert KEEP_MAIL == KEEP
 
 
 # -- the state format ------------------------------------------------------------------------
@@ -207,12 +210,22 @@ def test_state_of_another_model_is_rejected_naming_writer_and_tensor(other, mess
         ({"format": "gradientmail.session/1", "learner": "a"}, "format 'gradientmail.session/1'.*fresh prefix"),
         (None, "no gradientmail metadata"),
         (
-            {"format": FORMAT, "version": "0", "learner": "w", "time": "1", "learners": "[" * 5000},
+            {
+                "format": FORMAT,
+                "kind": "version",
+                "fragment": "0/1",
+                "version": "0",
+                "learner": "w",
+                "time": "1",
+                "learners": "[" * 5000,
+            },
             "unreadable metadata",
         ),
         (
             {
                 "format": FORMAT,
+                "kind": "version",
+                "fragment": "0/1",
                 "version": "0",
                 "learner": "w",
                 "time": "1",
@@ -223,6 +236,8 @@ def test_state_of_another_model_is_rejected_naming_writer_and_tensor(other, mess
         (
             {
                 "format": FORMAT,
+                "kind": "version",
+                "fragment": "0/1",
                 "version": "0",
                 "learner": "w",
                 "time": "1",
@@ -233,6 +248,8 @@ def test_state_of_another_model_is_rejected_naming_writer_and_tensor(other, mess
         (
             {
                 "format": FORMAT,
+                "kind": "version",
+                "fragment": "0/1",
                 "version": "0",
                 "learner": "w",
                 "time": "1",
@@ -240,9 +257,37 @@ def test_state_of_another_model_is_rejected_naming_writer_and_tensor(other, mess
             },
             "not a finite number",
         ),
-        ({"format": FORMAT, "version": "-3", "learner": "w", "time": "1", "learners": "{}"}, "unreadable metadata"),
+        (
+            {
+                "format": FORMAT,
+                "kind": "version",
+                "fragment": "0/1",
+                "version": "-3",
+                "learner": "w",
+                "time": "1",
+                "learners": "{}",
+            },
+            "unreadable metadata",
+        ),
+        ({"format": FORMAT, "kind": "pending", "fragment": "0/1"}, "is not a version"),
+        ({"format": FORMAT, "kind": "version", "fragment": "3/2"}, "fragment 3 of 2"),
+        ({"format": FORMAT, "kind": "version", "fragment": "x"}, "unreadable fragment"),
+        ({"format": "gradientmail.session/2", "version": "0"}, "format 'gradientmail.session/2'.*fresh prefix"),
     ],
-    ids=["unknown", "old", "none", "nested", "bad-learner", "negative", "bad-time", "bad-version"],
+    ids=[
+        "unknown",
+        "old",
+        "none",
+        "nested",
+        "bad-learner",
+        "negative",
+        "bad-time",
+        "bad-version",
+        "pending-as-version",
+        "bad-fragment",
+        "unreadable-fragment",
+        "v2",
+    ],
 )
 def test_state_of_another_format_or_with_a_bad_header_is_rejected(metadata, message):
     model = linear()
@@ -266,6 +311,19 @@ def test_mail_of_the_old_format_in_the_prefix_is_refused_naming_it(memory_mailbo
         with session(linear(), memory_mailbox):
             pytest.fail("entered a run of the old format")
     with pytest.raises(MailRejectedError, match="gradientmail.session/1"):
+        consensus(memory_mailbox, linear())
+
+
+def test_a_run_of_session_v2_is_refused_naming_its_format(memory_mailbox):
+    tensors = {k: v.detach().clone() for k, v in float_state(linear()).items()}
+    memory_mailbox.put(
+        "session/state/000000000004.safetensors",
+        safetensors_save(tensors, metadata={"format": "gradientmail.session/2", "version": "4"}),
+    )
+    with pytest.raises(MailRejectedError, match=r"'session/state/000000000004.safetensors'.*session/2.*fresh prefix"):
+        with session(linear(), memory_mailbox):
+            pytest.fail("entered a run of format 2")
+    with pytest.raises(MailRejectedError, match="gradientmail.session/2"):
         consensus(memory_mailbox, linear())
 
 
@@ -395,21 +453,14 @@ def test_a_restarted_learner_continues_its_totals_and_keeps_its_progress(memory_
 
 def test_a_peer_that_stops_mailing_stops_counting_after_max_staleness():
     now = 10_000.0
-    listing = Listing(
-        versions=[3], members={"me": now - 5, "quiet": now - 1000, "new": now - 30, "done": now - 100}, member_keys={}
-    )
-    header = StateHeader(
-        version=3,
-        learner="me",
-        time=now,
-        learners={
-            "quiet": Contribution(seq=1, step=1, samples=1, time=now - 400),
-            "done": Contribution(seq=2, step=2, samples=2, time=now - 50, final=True),
-            "me": Contribution(seq=1, step=1, samples=1, time=now - 5),
-        },
-    )
-    assert active_learners(listing, header, "me", now, max_staleness=300) == {"me", "new"}
-    assert active_learners(listing, header, "me", now, max_staleness=500) == {"me", "new", "quiet"}
+    members = Members(joined={"me": now - 5, "quiet": now - 1000, "new": now - 30, "done": now - 100})
+    learners = {
+        "quiet": Contribution(seq=1, step=1, samples=1, time=now - 400),
+        "done": Contribution(seq=2, step=2, samples=2, time=now - 50, final=True),
+        "me": Contribution(seq=1, step=1, samples=1, time=now - 5),
+    }
+    assert active_learners(members, learners, "me", now, max_staleness=300) == {"me", "new"}
+    assert active_learners(members, learners, "me", now, max_staleness=500) == {"me", "new", "quiet"}
 
 
 def test_a_crashed_peers_progress_stays_and_it_stops_counting(memory_mailbox):
@@ -464,7 +515,7 @@ def test_half_precision_models_are_summed_in_float32(memory_mailbox):
             with torch.no_grad():
                 model.weight.add_(0.001)
             exchange(s)
-    state = decode(memory_mailbox.get(state_key(4)), key="k", spec=spec_of(float_state(model)))
+    state = decode(memory_mailbox.get(state_key(4)), key="k", spec=stored_spec(model))
     assert state.tensors["weight"].dtype == torch.float32
     assert model.weight.dtype == torch.bfloat16
 
@@ -510,9 +561,12 @@ def test_concurrent_writers_fold_every_contribution_exactly_once(memory_mailbox)
         s.__exit__(None, None, None)
     result = scalar()
     consensus(memory_mailbox, result)
-    assert value(result) == nodes * exchanges * 8.0 / nodes  # every fold once, at 1/N
-    versions = list_session(memory_mailbox).versions
-    assert versions == list(range(1 + nodes * exchanges + nodes))  # base, folds, final folds
+    assert value(result) == nodes * exchanges * 8.0 / nodes  # every contribution once, at 1/N
+    versions = FragmentChain(memory_mailbox, 0, 1, {}).list_versions()
+    assert versions == list(range(len(versions)))  # each version created once, none skipped
+    # A fold that lost the race left its contribution pending instead of folding again: fewer
+    # versions than contributions, and no learner ever waited for the chain.
+    assert len(versions) <= 1 + nodes * exchanges + nodes
     live = [v for v in versions if memory_mailbox.get(state_key(v)) != TOMBSTONE]
     assert live == versions[-KEEP:]  # older versions retired, never created twice
 
@@ -584,8 +638,8 @@ def test_exit_folds_the_final_progress_and_leaves_the_member_list(local_mailbox)
     result = scalar()
     assert consensus(local_mailbox, result) == {"node-0": 80}
     assert value(result) == 7.0
-    newest = list_session(local_mailbox)
-    header = decode(local_mailbox.get(state_key(newest.newest)), key="k", spec=spec_of(float_state(model))).header
+    newest = FragmentChain(local_mailbox, 0, 1, {}).list_versions()[-1]
+    header = decode(local_mailbox.get(state_key(newest)), key="k", spec=stored_spec(model)).header
     assert header.learners["node-0"].final and header.learners["node-0"].step == 5
     record = json.loads(local_mailbox.get("progress/node-0.json"))
     assert set(record) == {"learner", "steps", "samples", "samples_per_s", "units", "started", "last_seen", "finished"}
@@ -709,9 +763,9 @@ def test_exit_raises_background_failure_of_the_last_exchange(memory_mailbox):
                 exchange(peer, peer_model, 1.0)  # a newer version to read
                 broken.set()
                 s.step(samples=1)  # the exchange fails reading it; exit must say so
-        header = decode(memory_mailbox.get(state_key(1)), key="k", spec=spec_of(float_state(peer_model))).header
+        header = decode(memory_mailbox.get(state_key(1)), key="k", spec=stored_spec(peer_model)).header
         assert "me" not in header.learners  # nothing of "me" was folded
-        assert list_session(memory_mailbox).newest == 1
+        assert FragmentChain(memory_mailbox, 0, 1, {}).list_versions()[-1] == 1
 
 
 def test_body_exception_propagates_unmasked_and_no_final_mail_is_sent(memory_mailbox):

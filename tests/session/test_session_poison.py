@@ -16,8 +16,9 @@ from test_session import scalar, value  # tests/helpers/ is on sys.path (tests/c
 
 from gradientmail import MailRejectedError, MailSkippedWarning, SessionError
 from gradientmail.session import Session, consensus
-from gradientmail.session.chain import MAX_CLOCK_SKEW_S, Listing, active_learners, list_session
+from gradientmail.session.chain import FragmentChain
 from gradientmail.session.mail import Contribution, StateHeader, encode, member_key, state_key
+from gradientmail.session.members import MAX_CLOCK_SKEW_S, Members, active_learners
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +35,7 @@ def exchange(s: Session, model: torch.nn.Module, amount: float) -> None:
 
 
 def newest_version(mailbox) -> int:
-    return list_session(mailbox).newest
+    return FragmentChain(mailbox, 0, 1, {}).list_versions()[-1]
 
 
 def forge(
@@ -47,7 +48,7 @@ def forge(
         time=time.time(),
         learners=learners or {learner: Contribution(1, 1, 1, time.time())},
     )
-    mailbox.put(state_key(version), encode({"weight": torch.full((1, 1), weight)}, header))
+    mailbox.put(state_key(version), encode({"weight": torch.full((1,), weight)}, header))
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
@@ -154,15 +155,11 @@ def test_forged_counts_do_not_weigh_in_the_merge(memory_mailbox):
 def test_a_member_dated_in_the_future_does_not_count_forever():
     now = time.time()
     year_3000 = 32_503_680_000.0
-    listing = Listing(
-        versions=[0],
-        members={"me": now, "ok": now - 1, "future": year_3000, "skewed": now + MAX_CLOCK_SKEW_S / 2},
-        member_keys={},
-    )
-    header = StateHeader(version=0, learner="me", time=now, learners={"late-writer": Contribution(1, 1, 1, year_3000)})
-    listing.members["late-writer"] = now - 3600  # joined long ago; its fold claims the year 3000
+    members = Members(joined={"me": now, "ok": now - 1, "future": year_3000, "skewed": now + MAX_CLOCK_SKEW_S / 2})
+    learners = {"late-writer": Contribution(1, 1, 1, year_3000)}
+    members.joined["late-writer"] = now - 3600  # joined long ago; its fold claims the year 3000
     with pytest.warns(MailSkippedWarning, match="in the future"):
-        active = active_learners(listing, header, "me", now, max_staleness=300)
+        active = active_learners(members, learners, "me", now, max_staleness=300)
     assert active == {"me", "ok", "skewed"}
 
 

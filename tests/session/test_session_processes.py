@@ -69,10 +69,12 @@ def test_seed_training_example_runs_as_written_on_two_processes(tmp_path):
     share = nodes.BATCH // nodes.nodes
     assert sum(result["samples"] for result in results) == nodes.steps * nodes.nodes * share * 2048
 
-    # The run's state holds the last few versions only, and every node left the member list.
+    # Each fragment holds its last few versions only, and every node left the member list.
     keys = list(box.list("session/"))
-    assert keys and all(key.startswith("session/state/") for key in keys), keys
-    assert sum(box.get(key) != TOMBSTONE for key in keys) <= KEEP + 1, keys
+    assert keys and all(key.startswith("session/fragments/") for key in keys), keys
+    versions = [key for key in keys if "/versions/" in key]
+    fragments = {key.split("/")[2] for key in versions}
+    assert sum(box.get(key) != TOMBSTONE for key in versions) <= (KEEP + 1) * len(fragments), keys
     records = [json.loads(box.get(f"progress/node-{rank}.json")) for rank in range(nodes.nodes)]
     assert all(record["finished"] is True for record in records)
     assert [record["steps"] for record in records] == [result["steps"] for result in results]

@@ -1,0 +1,342 @@
+"""The run's state as fragments with pending contributions (issue #22): small deterministic cases.
+
+A fold that loses the race for a version leaves its contribution pending instead of folding
+again; the next writer absorbs it. These tests force each path with a store wrapper the test
+controls (no sleeps, no timing) and check the arithmetic exactly: models hold small integers.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+from test_session import push  # tests/helpers/ is on sys.path (tests/conftest.py)
+
+from gradientmail import MailRejectedError, MailSkippedWarning, MemoryMailbox
+from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox
+from gradientmail.session import Session, consensus
+from gradientmail.session.chain import FragmentChain
+from gradientmail.session.fragments import FragmentPlan, auto_fragments
+from gradientmail.session.mail import pending_key, pending_prefix, versions_prefix
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def vector(size: int = 6, fill: float = 0.0) -> torch.nn.Linear:
+    """A model of ``size`` parameters, all ``fill``: one weight row, no bias."""
+    model = torch.nn.Linear(size, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(fill)
+    return model
+
+
+def values(model: torch.nn.Module) -> list[float]:
+    return model.weight.detach().flatten().tolist()
+
+
+def session(model, mailbox, learner: str, fragments: int = 3, **kwargs) -> Session:
+    kwargs.setdefault("every", None)
+    kwargs.setdefault("every_steps", 1)
+    return Session(model, mailbox=mailbox, learner_id=learner, outer="average", fragments=fragments, **kwargs)
+
+
+def exchange(s: Session, model: torch.nn.Module | None = None, amount: float = 0.0, samples: int = 1) -> None:
+    if model is not None and amount:
+        push(model, amount)
+    s.step(samples=samples)
+    s.wait()
+
+
+class RivalFirst(DelayedMailbox):
+    """Once armed, this learner's next version create waits until the test lets it through:
+    the test has a rival write that version first, so this create loses."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner, latency=0)
+        self.armed = threading.Event()
+        self.reached = threading.Event()
+        self.gate = threading.Event()
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if self.armed.is_set() and "/versions/" in key:
+            self.armed.clear()
+            self.reached.set()
+            if not self.gate.wait(30):
+                raise TimeoutError("the test never opened the gate")
+        return self.inner.put_if_absent(key, data)
+
+
+class AlwaysLose(DelayedMailbox):
+    """Every version create loses, as if a rival always got there first."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner, latency=0)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return (
+            False
+            if "/versions/" in key and not key.endswith("/000000000000.safetensors")
+            else super().put_if_absent(key, data)
+        )
+
+
+# -- the cut -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fragments", [1, 2, 3, 7, 64])
+def test_the_cut_covers_every_value_once_in_near_equal_contiguous_fragments(fragments):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    plan = FragmentPlan.of(model, fragments)
+    total = sum(p.numel() for p in model.parameters())
+    assert len(plan) == min(fragments, total)
+    sizes = [fragment.size for fragment in plan.fragments]
+    assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
+    covered = {name: [] for name, _ in model.named_parameters()}
+    for fragment in plan.fragments:
+        for piece in fragment.pieces:
+            covered[piece.name].append((piece.start, piece.stop))
+    for name, parameter in model.named_parameters():
+        ranges = sorted(covered[name])
+        assert ranges[0][0] == 0 and ranges[-1][1] == parameter.numel()
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, no overlap
+    assert FragmentPlan.of(model, fragments) == plan  # every node cuts the same model the same way
+
+
+def test_the_fragment_count_follows_the_state_size():
+    assert auto_fragments(10) == 1
+    assert auto_fragments(64 * 1024 // 4) == 1 and auto_fragments(64 * 1024 // 4 + 1) == 2
+    assert auto_fragments(10**10) == 16  # at most 16 by default: each costs requests per interval
+
+
+def test_each_fragment_is_its_own_chain_and_travels_alone(memory_mailbox):
+    model = vector(6)
+    with session(model, memory_mailbox, "a") as s:
+        assert s.fragments == 3
+        exchange(s, model, 1.0)
+        assert s.exchanges == 3  # one step exchanged each fragment once
+    for index in range(3):
+        chain = FragmentChain(memory_mailbox, index, 3, {})
+        assert chain.list_versions()[0] == 0
+        view = FragmentChain(memory_mailbox, index, 3, FragmentPlan.of(model, 3).fragments[index].spec).view()
+        assert set(view.base.tensors["weight"].tolist()) == {1.0}  # one step's progress, then the final fold
+        assert view.base.tensors["weight"].numel() == 2
+
+
+# -- group commit: a lost race leaves the contribution pending -----------------------------------------
+def test_a_fold_that_loses_the_race_leaves_its_contribution_pending_and_the_next_writer_absorbs_it(
+    memory_mailbox,
+):
+    rival = RivalFirst(memory_mailbox)
+    a_model, b_model = vector(6), vector(6)
+    with session(a_model, memory_mailbox, "a", fragments=1) as a, session(b_model, rival, "b", fragments=1) as b:
+        rival.armed.set()
+        push(b_model, 4.0)
+        b.step(samples=1)  # b read version 0 and waits to create version 1 ...
+        assert rival.reached.wait(10)
+        exchange(a, a_model, 2.0)  # ... which a creates first: run 0 + 2/2
+        rival.gate.set()
+        b.wait()  # b lost version 1: its contribution is pending, never folded twice
+        assert b.conflicts == 1
+        assert list(memory_mailbox.list(pending_prefix(0))) == [pending_key(0, "b", 0)]
+        assert values(b_model) == [2.0] * 6  # b's own 4/2 on the version it read (a's comes next time)
+        result = vector(6)
+        assert consensus(memory_mailbox, result) == {"a": 1, "b": 1}  # pending counts
+        assert values(result) == [3.0] * 6
+        exchange(a, a_model)  # a's next fold absorbs b's pending contribution
+        assert list(memory_mailbox.list(pending_prefix(0))) == []
+        assert values(a_model) == [3.0] * 6
+        exchange(b, b_model)
+        assert values(b_model) == [3.0] * 6
+    result = vector(6)
+    consensus(memory_mailbox, result)
+    assert values(result) == [3.0] * 6
+
+
+def test_a_learner_that_always_loses_never_stops_training_and_loses_nothing(memory_mailbox):
+    loser = AlwaysLose(memory_mailbox)
+    model = vector(4)
+    with session(model, loser, "unlucky", fragments=2) as s:
+        for _ in range(5):
+            exchange(s, model, 1.0)  # no error: each lost fold stays pending
+        assert s.conflicts == 10  # 5 exchanges x 2 fragments
+        assert values(model) == [5.0] * 4
+        result = vector(4)
+        assert consensus(memory_mailbox, result) == {"unlucky": 5}
+        assert values(result) == [5.0] * 4
+    assert len(list(memory_mailbox.list("session/fragments/0000/pending/"))) == 6  # 5 + the final
+
+
+def test_fragments_folded_in_different_orders_end_exact(memory_mailbox, monkeypatch):
+    # One fragment per step (every_steps=3, 3 fragments), each learner starting at another one.
+    starts = iter([0, 1, 2])
+    monkeypatch.setattr("gradientmail.session.core.random.randrange", lambda n: next(starts) % n)
+    models = [vector(6) for _ in range(3)]
+    sessions = [session(m, memory_mailbox, f"n{i}", every_steps=3) for i, m in enumerate(models)]
+    for s in sessions:
+        s.__enter__()
+    for _ in range(6):
+        for model, s in zip(models, sessions):
+            exchange(s, model, 1.0)
+    for s in sessions:
+        s.__exit__(None, None, None)
+    result = vector(6)
+    assert consensus(memory_mailbox, result) == {"n0": 6, "n1": 6, "n2": 6}
+    assert values(result) == [6.0] * 6  # 3 learners x 6 steps x 1 / N=3
+
+
+def test_a_late_joiner_catches_up_with_versions_and_pending_contributions(memory_mailbox):
+    loser = AlwaysLose(memory_mailbox)
+    first = vector(4)
+    with session(first, loser, "first", fragments=2) as s:
+        exchange(s, first, 3.0)  # left pending in both fragments
+        late = vector(4, fill=-50.0)
+        with session(late, memory_mailbox, "late", fragments=2) as t:
+            assert values(late) == [3.0] * 4  # base + the pending contributions
+            exchange(t, late, 2.0)  # N = 2 now; absorbs first's pending contributions
+            assert values(late) == [4.0] * 4
+            assert list(memory_mailbox.list(pending_prefix(0))) == []
+
+
+def test_a_restarted_learner_continues_after_contributions_its_crashed_process_left_pending(memory_mailbox):
+    loser = AlwaysLose(memory_mailbox)
+    model = vector(4)
+    with pytest.raises(RuntimeError, match="crash"):
+        with session(model, loser, "n", fragments=2) as s:
+            exchange(s, model, 1.0, samples=10)
+            exchange(s, model, 1.0, samples=10)  # both folds left pending
+            raise RuntimeError("crash")
+    again = vector(4, fill=-9.0)
+    with session(again, memory_mailbox, "n", fragments=2) as s:
+        assert (s.steps, s.samples) == (2, 20)  # from its pending contributions
+        assert values(again) == [2.0] * 4
+        exchange(s, again, 1.0, samples=10)  # no clash with its own pending sequence numbers
+    result = vector(4)
+    assert consensus(memory_mailbox, result) == {"n": 30}
+    assert values(result) == [3.0] * 4
+
+
+# -- failures ------------------------------------------------------------------------------------------
+def test_a_corrupt_pending_contribution_is_skipped_with_a_warning_and_the_chain_goes_on(memory_mailbox):
+    loser = AlwaysLose(memory_mailbox)
+    a_model, b_model = vector(2), vector(2)
+    with session(a_model, memory_mailbox, "a", fragments=1) as a, session(b_model, loser, "b", fragments=1) as b:
+        exchange(b, b_model, 4.0)  # pending: b.0
+        key = pending_key(0, "b", 0)
+        memory_mailbox.put(key, memory_mailbox.get(key)[:-3])  # truncated in the store
+        with pytest.warns(MailSkippedWarning, match="'session/fragments/0000/pending/b.000000000000"):
+            exchange(a, a_model, 2.0)
+        assert values(a_model) == [1.0] * 2  # 2 / N=2; b's lost contribution counts as nothing
+        assert list(memory_mailbox.list(pending_prefix(0))) == []  # absorbed (as nothing), removed
+        result = vector(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nobody warns about it again
+            consensus(memory_mailbox, result)
+        assert values(result) == [1.0] * 2
+
+
+def test_a_corrupt_version_of_one_fragment_is_skipped_and_the_others_are_untouched(memory_mailbox):
+    model = vector(4)
+    with session(model, memory_mailbox, "a", fragments=2) as s:
+        exchange(s, model, 1.0)
+        newest = FragmentChain(memory_mailbox, 1, 2, {}).list_versions()[-1]
+        memory_mailbox.put(f"{versions_prefix(1)}{newest + 1:012d}.safetensors", b"corrupt")
+        with pytest.warns(MailSkippedWarning, match="fragments/0001/versions"):
+            exchange(s, model, 1.0)
+        assert values(model) == [2.0] * 4
+    result = vector(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MailSkippedWarning)
+        consensus(memory_mailbox, result)
+    assert values(result) == [2.0] * 4
+
+
+def test_nodes_that_cut_the_state_differently_are_refused(memory_mailbox):
+    with session(vector(6), memory_mailbox, "a", fragments=3, every_steps=100):
+        with pytest.raises(MailRejectedError, match="cut into 3 fragments.*cuts it into 2"):
+            with session(vector(6), memory_mailbox, "b", fragments=2):
+                pytest.fail("joined a run cut another way")
+
+
+def test_a_fold_whose_outcome_was_unknown_is_counted_once(memory_mailbox):
+    # The create lands but the answer is lost (a timeout after the write): the next exchange
+    # must find it in the run instead of folding that progress again.
+    lose_answer = threading.Event()
+
+    class LostAnswer(DelayedMailbox):
+        def put_if_absent(self, key, data):
+            created = self.inner.put_if_absent(key, data)
+            if lose_answer.is_set() and "/versions/" in key:
+                lose_answer.clear()
+                raise TimeoutError("the answer was lost")
+            return created
+
+    model = vector(2)
+    with session(model, LostAnswer(memory_mailbox, latency=0), "a", fragments=1) as s:
+        lose_answer.set()
+        push(model, 3.0)
+        s.step(samples=1)
+        s.wait(timedelta(seconds=10), apply=False)
+        with pytest.raises(Exception, match="answer was lost"):
+            s.step(samples=1)  # the loop catches it and goes on
+        exchange(s, model, 1.0)
+        assert values(model) == [4.0] * 2
+    result = vector(2)
+    consensus(memory_mailbox, result)
+    assert values(result) == [4.0] * 2  # 3 once, not twice
+
+
+def test_a_fold_that_failed_before_landing_is_folded_by_the_next_exchange(memory_mailbox):
+    broken = threading.Event()
+
+    def fault(operation, key):
+        return OSError("disk full") if broken.is_set() and operation == "put_if_absent" else None
+
+    model = vector(2)
+    with session(model, FaultyMailbox(memory_mailbox, fault), "a", fragments=1) as s:
+        broken.set()
+        push(model, 3.0)
+        s.step(samples=1)
+        s.wait(timedelta(seconds=10), apply=False)
+        with pytest.raises(Exception, match="disk full"):
+            s.step(samples=1)
+        broken.clear()
+        exchange(s, model, 1.0)
+    result = vector(2)
+    consensus(memory_mailbox, result)
+    assert values(result) == [4.0] * 2  # the 3 not lost: it travels with the next exchange
+
+
+# -- cadence -------------------------------------------------------------------------------------------
+def test_the_first_exchange_falls_at_a_random_phase_of_the_first_slot(memory_mailbox, monkeypatch):
+    drawn = []
+
+    def uniform(low, high):
+        drawn.append((low, high))
+        return low
+
+    monkeypatch.setattr("gradientmail.session.core.random.uniform", uniform)
+    with Session(vector(6), mailbox=memory_mailbox, learner_id="a", every=timedelta(hours=1), fragments=3) as s:
+        s.step(samples=1)  # the drawn phase is 0: due at once
+        assert s.in_flight
+        s.wait()
+    assert drawn == [(0, 1200.0)]  # within one slot: an hour / 3 fragments
+
+
+def test_a_session_reads_and_writes_no_more_than_the_fragments_it_exchanges():
+    box = MemoryMailbox("fragments-bytes")
+    box.clear()
+    from gradientmail.mailbox.wrappers import CountingMailbox
+
+    counting = CountingMailbox(box)
+    model = vector(3000)
+    with session(model, counting, "a", fragments=4, every_steps=4) as s:
+        before_read, before_written = counting.bytes_read, counting.bytes_written
+        for _ in range(4):  # one fragment per step: one round
+            exchange(s, model, 1.0)
+        read, written = counting.bytes_read - before_read, counting.bytes_written - before_written
+    model_bytes = 3000 * 4
+    assert s.exchanges >= 4
+    assert written < 1.2 * model_bytes  # one round writes the model once, a fragment at a time
+    assert read < 0.2 * model_bytes  # alone: its own versions, never downloaded again
+    box.clear()
