@@ -28,10 +28,11 @@ from benchmarks._common import TARGETS
 
 SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_figures")
 """What ``python -m benchmarks`` runs (within its 3-minute budget)."""
-FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale")
+FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale")
 """What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
-cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, and the scale benchmark
-with the 1M-unit, 1,024-node simulation itself (``--direct``: about 17 minutes)."""
+cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
+with the 1M-unit, 1,024-node simulation itself (``--direct``: about 17 minutes), and the Session at
+4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes)."""
 FULL_OPTIONS: dict[str, tuple[str, ...]] = {"scale": ("--direct",)}
 """Options a script gets in a full (not ``--quick``) run: the 1M rows are measured, not estimated."""
 
@@ -58,6 +59,11 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("session", "step_overhead_exchange", "Session.step that starts an exchange / one training step"),
     ("session_figures", "drag", "consensus advance per node step, the toy: 4 equal nodes, staggered exchanges"),
     ("session_figures", "read_per_exchange", "model sizes a node reads per exchange, worst of 4, 16, 64 learners"),
+    ("session_scale", "scale_exchange_rate_64", "exchanges per learner / intended, worst of 64 threads, S3-like store"),
+    ("session_scale", "scale_lag_intervals_64", "progress not yet in the run at the end, in intervals, worst learner"),
+    ("session_scale", "scale_read_per_exchange_64", "model sizes read per learner per exchange, 64 learners"),
+    ("session_scale", "scale_written_per_exchange_64", "model sizes written per learner per exchange, 64 learners"),
+    ("session_scale", "scale_errors_64", "learner errors, 64 learners"),
     ("training", "loss_over_ddp", "validation loss of the consensus / DDP's, one pass, 4 nodes at speeds 1:2:2:4"),
     ("training", "time_to_ddp_loss", "wall time until the consensus reaches DDP's final loss / DDP's wall time"),
     ("training", "makespan_over_ddp", "one pass: last node done / DDP's makespan"),

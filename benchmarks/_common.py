@@ -64,9 +64,26 @@ TARGETS: dict[str, Target] = {
     "loss_over_ddp": Target("<=", 1.02, "consensus validation loss / DDP's at equal samples"),
     "time_to_ddp_loss": Target("<=", 0.60, "wall time to DDP's final loss / DDP's wall time"),
     "makespan_over_ddp": Target("<=", 0.55, "one pass: makespan / DDP's"),
+    "pass_loss_over_ddp": Target(
+        "<=", 1.035, "one pass, exchanges at ~25 local steps of the fastest node: consensus loss / DDP's"
+    ),
+    "long_loss_over_ddp": Target(
+        "<=", 1.01, "`training --long` (4x the units), ~25 local steps per exchange: consensus loss / DDP's"
+    ),
+    "long_time_to_ddp_loss": Target("<=", 0.65, "the same run: wall time to DDP's final loss / DDP's wall time"),
+    "long_makespan_over_ddp": Target("<=", 0.50, "the same run, one pass of the long data: makespan / DDP's"),
     "shared_over_bound_1m": Target("<=", 1.05, "shared-queue makespan / fluid bound, 1M units, 1,024 nodes"),
     "sim_wall_s_1m": Target("<", 120.0, "wall seconds of the 1M-unit, 1,024-node simulation itself"),
     "sim_wall_s_1m_estimate": Target("<", 120.0, "the same, extrapolated from smaller runs"),
+    "scale_exchange_rate_64": Target(
+        ">=", 0.8, "completed / intended exchanges, slowest of 64 learners on an S3-like store (session_scale)"
+    ),
+    "scale_lag_intervals_64": Target(
+        "<=", 2.0, "progress not yet in the run at the window's end, exchange intervals, worst of 64 learners"
+    ),
+    "scale_read_per_exchange_64": Target("<=", 3.0, "model sizes read per learner per exchange, 64 learners"),
+    "scale_written_per_exchange_64": Target("<=", 2.0, "model sizes written per learner per exchange, 64 learners"),
+    "scale_errors_64": Target("<=", 0.0, "exceptions raised by the 64 learners' sessions (enter, step, wait, exit)"),
 }
 """The issue's targets, by figure name (the figures every script names in its JSON line)."""
 

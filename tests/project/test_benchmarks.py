@@ -104,6 +104,13 @@ SLOW = {
     "s3_latency": S3_LATENCY,
     "training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
     "scale": SCALE,
+    "session_scale": [
+        "scale_exchange_rate_64",
+        "scale_lag_intervals_64",
+        "scale_read_per_exchange_64",
+        "scale_written_per_exchange_64",
+        "scale_errors_64",
+    ],
 }
 """Run by ``--full`` only; training's quick mode is tested in ``test_training_benchmark.py``."""
 
