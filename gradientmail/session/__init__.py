@@ -6,7 +6,8 @@ The rule, costs, failure handling and trust model: ``docs/session.md``.
 
 Modules: ``core`` (``Session``, the training-thread side), ``exchange`` (its background thread),
 ``fragments`` (how the state is cut), ``chain`` (one fragment on the store: versions and pending
-contributions), ``mail`` (the bytes and keys), ``outer`` (how progress becomes a contribution),
+contributions), ``members`` (who counts in ``N``), ``overlap`` (requests in parallel), ``mail``
+(the bytes and keys), ``outer`` (how progress becomes a contribution),
 ``merge`` (``consensus``).
 
 Example:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,6 +52,7 @@ from gradientmail.session.mail import (
     state_key,
     versions_prefix,
 )
+from gradientmail.session.overlap import parallel
 
 KEEP = 4
 """Versions kept behind the newest: a reader that listed an older one can usually still read it."""
@@ -61,8 +61,6 @@ RETIRE = 10_000
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
 MAX_WALK_BACK = 64
 """Unusable versions a reader skips before giving up: a bound on the reads one bad writer costs."""
-PARALLEL_REQUESTS = 8
-"""Requests one learner keeps in flight at once while reading or cleaning up a fragment."""
 ABSORB = 2
 """Other learners' pending contributions a writer reads and absorbs per fold (or a quarter of the
 backlog, if more): a learner reads at most about ``1 + ABSORB`` fragment sizes per fold, and a
@@ -70,42 +68,6 @@ fragment absorbs up to ``2 + ABSORB`` contributions per version it gains."""
 BACKLOG_SHARE = 4
 READ_ATTEMPTS = 20
 """Listings a reader makes before concluding that something deletes the run's state."""
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def parallel(function: Callable[[T], R], items: Iterable[T], *, lanes: int = PARALLEL_REQUESTS) -> list[R]:
-    """``[function(item) for item in items]``, overlapped on up to ``lanes`` threads.
-
-    Requests to an object store overlap (S3 serves them in parallel), so a fold's listings and
-    reads cost about one round trip, not one per object. The threads are daemons, as the
-    session's own: a store that never answers must not keep the interpreter alive at exit.
-    The first error is raised once every request has finished.
-    """
-    items = list(items)
-    if len(items) <= 1:
-        return [function(item) for item in items]
-    results: list[Any] = [None] * len(items)
-    errors: list[BaseException] = []
-
-    def run(indices: range) -> None:
-        for i in indices:
-            try:
-                results[i] = function(items[i])
-            except BaseException as exc:  # raised below, on the calling thread
-                errors.append(exc)
-
-    groups = [range(k, len(items), lanes) for k in range(min(lanes, len(items)))]
-    threads = [threading.Thread(target=run, args=(group,), daemon=True) for group in groups[1:]]
-    for thread in threads:
-        thread.start()
-    run(groups[0])
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def run_fragments(mailbox: Mailbox) -> int | None:
@@ -425,7 +387,9 @@ class FragmentChain:
             written = State(key=key, header=header, tensors=stored)
             done = [p.key for p in view.absorbed] + [k for k, _, _ in view.empty] + view.garbage
             self._clean_up(done, header.version)
-            return Folded(widen(stored), learners, header.version, written, 0)
+            # As stored (wire dtype rounded) is what the run holds; without a wire dtype, that is ``summed``.
+            held = summed if self.wire_dtype is None else widen(stored)
+            return Folded(held, learners, header.version, written, 0)
         # Lost the race: leave this contribution pending (nobody contends for its key).
         pending = PendingHeader(learner=me, contribution=entry, fragment=self.index, fragments=self.count)
         own = pending_key(self.index, me, entry.seq)

@@ -21,11 +21,12 @@ from torch import Tensor
 from gradientmail.errors import GradientMailError, SessionError
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.session.chain import ABSORB, FragmentChain, View, parallel
+from gradientmail.session.chain import ABSORB, FragmentChain, View
 from gradientmail.session.fragments import Fragment, FragmentPlan, Piece, widen
-from gradientmail.session.mail import Contribution, State, member_key
-from gradientmail.session.members import active_learners, check_prefix, list_members
+from gradientmail.session.mail import Contribution, State, all_finite, member_key
+from gradientmail.session.members import Members, active_learners, check_prefix, list_members
 from gradientmail.session.outer import OuterOptimizer, OuterState
+from gradientmail.session.overlap import parallel
 
 
 class Job:
@@ -162,6 +163,8 @@ class Exchanger:
         self._seqs: list[int] = []  # the sequence number of this learner's next contribution
         self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
         self._since: list[float] = []  # per fragment, when the progress not yet folded began
+        self._members: Members | None = None  # the member list, refreshed once per round
+        self._folds = 0
         self._member: str | None = None
         self._active: list[int] = []  # per fragment, the largest N seen since its previous fold
 
@@ -217,16 +220,22 @@ class Exchanger:
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         for name, tensor in local.items():  # never spread a diverged model to every node
-            if not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise SessionError(
                     f"learner {me!r}: this node's own parameters hold NaN or Inf in {name!r} "
                     "(local training diverged: lower the learning rate, clip gradients); nothing "
                     "was folded into the run, whose state stays finite"
                 )
-        members, view = parallel(
-            lambda read: read(),
-            [lambda: list_members(self.mailbox), lambda: chain.view(self.known[index], absorb=ABSORB, me=me)],
-        )
+        # The member list changes rarely: listed once per round of fragments, with the first view.
+        refresh = self._members is None or self._folds % len(self.chains) == 0
+        self._folds += 1
+        reads = [lambda: chain.view(self.known[index], absorb=ABSORB, me=me)]
+        if refresh:
+            reads.append(lambda: list_members(self.mailbox))
+        view, *listed = parallel(lambda read: read(), reads)
+        if listed:
+            self._members = listed[0]
+        members = self._members
         if view is None:
             raise SessionError(
                 f"learner {me!r}: the run's state of fragment {index} on {describe(self.mailbox)} is gone "

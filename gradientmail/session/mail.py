@@ -422,6 +422,21 @@ def decode_pending(data: bytes, *, key: str, spec: Spec, fragment: tuple[int, in
     return Pending(key=key, header=header, tensors=_tensors(data, key=key, spec=spec, learner=header.learner))
 
 
+def all_finite(tensor: Tensor) -> bool:
+    """True when ``tensor`` holds no NaN or Inf: one reduction on the usual (finite) path.
+
+    A sum is non-finite whenever any element is (NaN and Inf propagate); a finite tensor whose
+    sum overflows is caught by the exact check that follows.
+
+    Example:
+        >>> all_finite(torch.ones(3)), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+    """
+    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
 def check_finite(tensors: Mapping[str, Tensor], *, key: str, learner: str) -> None:
     """Raise ``UnusableStateError`` naming the first tensor holding NaN or Inf.
 
@@ -429,7 +444,7 @@ def check_finite(tensors: Mapping[str, Tensor], *, key: str, learner: str) -> No
     onto its version and into ``consensus()``.
     """
     for name, tensor in tensors.items():
-        if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             bad = int((~torch.isfinite(tensor)).sum())
             raise UnusableStateError(
                 f"state {key!r} written by learner {learner!r}: tensor {name!r} holds {bad} "

@@ -6,10 +6,11 @@ import torch
 
 from gradientmail.layout import SESSION_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.session.chain import FragmentChain, parallel, run_fragments
+from gradientmail.session.chain import FragmentChain, run_fragments
 from gradientmail.session.exchange import logical
 from gradientmail.session.fragments import FragmentPlan
 from gradientmail.session.members import check_prefix
+from gradientmail.session.overlap import parallel
 
 
 def consensus(mailbox: Mailbox, model: torch.nn.Module) -> dict[str, int]:
