@@ -64,7 +64,11 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("session_scale", "scale_read_per_exchange_64", "model sizes read per learner per exchange, 64 learners"),
     ("session_scale", "scale_written_per_exchange_64", "model sizes written per learner per exchange, 64 learners"),
     ("session_scale", "scale_errors_64", "learner errors, 64 learners"),
-    ("training", "loss_over_ddp", "validation loss of the consensus / DDP's, one pass, 4 nodes at speeds 1:2:2:4"),
+    (
+        "training",
+        "pass_loss_over_ddp",
+        "validation loss of the consensus / DDP's, one pass, 4 nodes at speeds 1:2:2:4, ~25 local steps per exchange",
+    ),
     ("training", "time_to_ddp_loss", "wall time until the consensus reaches DDP's final loss / DDP's wall time"),
     ("training", "makespan_over_ddp", "one pass: last node done / DDP's makespan"),
     ("training", "loss_over_single", "validation loss of the consensus / one node trained on all the data"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import statistics
 import time
 import traceback
 from collections.abc import Iterator
@@ -55,7 +56,7 @@ class Plan:
     units: int  # units of one pass
     unit_batches: int  # batches of BATCH contexts per unit
     sleeps: tuple[float, ...]  # seconds per batch of each node (its emulated speed)
-    every_s: float  # Session exchange interval
+    every_s: float | None  # Session exchange interval; None until benchmarks.training derives it
     monitor_s: float  # consensus evaluations, time-to-quality runs
     checkpoint_s: float  # checkpoints of single/ddp/fixed_split, for the chart
     timeout_s: float  # longest a run may take, start-up included
@@ -63,6 +64,11 @@ class Plan:
     @property
     def nodes(self) -> int:
         return len(self.sleeps)
+
+    @property
+    def batches(self) -> int:
+        """Batches of one pass."""
+        return self.units * self.unit_batches
 
     @property
     def contexts(self) -> int:
@@ -266,6 +272,22 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     optimizer.zero_grad(set_to_none=True)
 
 
+def measure_step_s(data_dir: str | Path, plan: Plan, steps: int = 40, warmup: int = 5) -> float:
+    """Seconds of one unpadded training step (forward, backward, Adam) on this thread: the
+    median of ``steps`` timed steps after ``warmup``, on the benchmark's own model and batches."""
+    data = TrainingData(data_dir, plan)
+    model = make_model()
+    optimizer = adam(model)
+    batches = [batch for _, batch in data.load((1, 0))]  # cycled: the data barely matters here
+    times = []
+    for step in range(warmup + steps):
+        began = time.perf_counter()
+        train_step(model, optimizer, batches[step % len(batches)])
+        if step >= warmup:
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
 # -- the methods ----------------------------------------------------------------------------------
 
 
@@ -356,6 +378,8 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
 
     box = LocalMailbox(Path(config.run_dir) / "mailbox")
     data = TrainingData(config.data_dir, config.plan)
+    if config.plan.every_s is None:
+        raise ValueError("plan.every_s is None: benchmarks.training derives it before starting nodes")
     model = make_model()
     optimizer = adam(model)
     session = Session(
@@ -393,7 +417,8 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
         "end": end,
         "batches": batches,
         "units": units_claimed_by(config.name),
-        "exchanges": getattr(session, "exchanges", None),
+        "exchanges": getattr(session, "exchanges", None),  # fragment exchanges since #22
+        "fragments": getattr(session, "fragments", None),
         "merges": getattr(session, "merges", None),
         "stopped": stopped,
         "outer": str(config.outer or "average"),

@@ -4,28 +4,41 @@ A byte-level MLP (414k parameters: 64 bytes of context, embedding 16, one GELU l
 learns to predict the next byte of the Python standard library's own ``.py`` files (every 10th
 file held out for validation; nothing is downloaded). Four node processes emulate machines of
 speeds 1:2:2:4 by padding each batch to 12/24/24/48 ms (``--quick``: 1/2/2/4 ms), and every method
-starts from the same initial parameters with Adam (lr 2e-3) on the same 96 units of 20 batches:
+starts from the same initial parameters with Adam (lr 2e-3) on the same units of 20 batches of
+32 contexts: 96 units per pass by default, 384 with ``--long`` (4x: the README's figures):
 
-- ``single``: one process trains all 96 units in order, no padding: the quality yardstick;
+- ``single``: one process trains all the units in order, no padding: the quality yardstick;
 - ``ddp``: ``torch.distributed`` (gloo, 4 ranks), a fixed quarter of the units per rank,
   gradients all-reduced every step, so every step waits for the slowest rank;
 - ``fixed_split``: the same quarters without any exchange, the 4 models averaged at the end;
-- ``gradientmail:<outer>``: ``shared_queue`` over the 96 units (fast nodes take more) and a
-  ``Session`` exchanging every 0.05 s (1 to 4 local steps: ``--every`` to change it), one run
-  per outer optimizer and one with the state in bfloat16; its model is ``consensus``;
+- ``gradientmail:<outer>``: ``shared_queue`` over the units (fast nodes take more) and a
+  ``Session`` (fragments chosen by the Session), one run per outer optimizer and one with the
+  state in bfloat16; its model is ``consensus``;
 - time to quality: GradientMail again over two passes of the data while a monitor process
   evaluates ``consensus`` every 0.5 s and stops the nodes once DDP's final loss is reached.
+
+Exchange cadence (issue #22): about 25 local steps of the fastest node per exchange, by time, so
+slower nodes take proportionally fewer (about 25/12/12/6 steps at 12/24/24/48 ms). The
+parent measures one unpadded training step of this model (median of 40, one thread) and sets
+``every_s = 25 x max(fastest pad, step)``: the pad counts the step inside it (a batch takes at
+least its pad from its start), so on this machine ``every_s`` is 25 x 12 ms = 0.3 s. ``--every
+S`` overrides it; the header prints the resulting H (fastest node's local steps per exchange).
 
 Validation loss is the mean cross-entropy (nats per byte) over 4,096 fixed held-out contexts.
 Makespan is first start to last node finished (start-up excluded, every method alike).
 Figures: ``loss_over_ddp`` and ``loss_over_single`` (GradientMail's one-pass loss over theirs),
 ``makespan_over_ddp``, ``time_to_ddp_loss`` (seconds to DDP's loss / DDP's makespan); each also
 per outer optimizer, with its min and max over ``--repeats`` (the plain key is the median).
+The verdicts printed at the end are the targets of the mode run: one pass at H ~ 25
+(``pass_loss_over_ddp``, ``makespan_over_ddp``, ``time_to_ddp_loss``) or ``--long``
+(``long_loss_over_ddp``, ``long_time_to_ddp_loss``, ``long_makespan_over_ddp``); the JSON line
+repeats the medians under those names.
 
-Usage: ``python -m benchmarks.training [--quick] [--repeats K] [--every S] [--png PATH]``. The
-full run (3 repeats, about 2 minutes each on 2 cores) draws ``docs/training-loss.png``; ``--quick`` (CI:
-``tests/test_training_benchmark.py``) runs every method on 8 units of 4 batches at 1-4 ms per
-batch in about 10 s, and judges nothing. The last line is one JSON object.
+Usage: ``python -m benchmarks.training [--quick | --long] [--repeats K] [--every S] [--png PATH]``.
+The one-pass run (3 repeats) takes about 8 minutes on 2 cores; ``--long`` (3 repeats) about 28
+minutes and draws ``docs/training-loss.png`` (the one-pass run draws only with ``--png``);
+``--quick`` (CI: ``tests/project/test_training_benchmark.py``) runs every method on 8 units of 4
+batches at 1-4 ms per batch in 10-30 s, and judges nothing. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import emit, table
+from benchmarks._common import TARGETS, emit, table, verdicts
 from benchmarks._training_nodes import (
     BATCH,
     OUTERS,
@@ -58,30 +71,49 @@ from benchmarks._training_nodes import (
     NodeConfig,
     Plan,
     make_model,
+    measure_step_s,
     monitor_main,
     node_main,
     validation_loss,
     validation_set,
 )
 
-FULL = Plan(
+PASS = Plan(
     units=96,
     unit_batches=20,
     sleeps=(0.012, 0.024, 0.024, 0.048),
-    every_s=0.05,
+    every_s=None,  # derived: EXCHANGE_STEPS local steps of the fastest node
     monitor_s=0.5,
     checkpoint_s=1.0,
     timeout_s=240.0,
 )
+LONG = replace(PASS, units=4 * PASS.units, checkpoint_s=2.0, timeout_s=4 * PASS.timeout_s)
+"""``--long``: 4x the units of one pass for every method (the README's figures)."""
 QUICK = Plan(
     units=8,
     unit_batches=4,
     sleeps=(0.001, 0.002, 0.002, 0.004),
-    every_s=0.1,
+    every_s=None,
     monitor_s=0.2,
     checkpoint_s=0.25,
     timeout_s=60.0,
 )
+PLANS = {"quick": QUICK, "pass": PASS, "long": LONG}
+EXCHANGE_STEPS = 25
+"""Issue #22: exchange at about 25 local steps of the fastest node (by time: slower nodes take fewer)."""
+VERDICTS: dict[str, dict[str, str]] = {
+    "pass": {
+        "pass_loss_over_ddp": "loss_over_ddp",
+        "makespan_over_ddp": "makespan_over_ddp",
+        "time_to_ddp_loss": "time_to_ddp_loss",
+    },
+    "long": {
+        "long_loss_over_ddp": "loss_over_ddp",
+        "long_time_to_ddp_loss": "time_to_ddp_loss",
+        "long_makespan_over_ddp": "makespan_over_ddp",
+    },
+}
+"""Per mode: the target judged (a ``TARGETS`` name) and the figure (median) it judges."""
 DEFAULT_OUTER = OUTERS[0]
 VARIANTS = (*OUTERS, *WIRE_VARIANTS)
 """Every Session variant run for one pass; the time-to-quality runs are for ``OUTERS``."""
@@ -149,6 +181,7 @@ class Run:
     curve: Curve = field(default_factory=list)
     seconds_to_target: float | None = None  # time-to-quality runs: None = never reached
     detail: str = ""
+    fragments: int | None = None  # gradientmail: Session.fragments
 
 
 def pick_temp_root() -> str | None:
@@ -334,7 +367,9 @@ class Bench:
         detail = (
             f"units {'/'.join(str(r['units']) for r in nodes)}, "
             f"batches {'/'.join(str(r['batches']) for r in nodes)}, "
-            f"merges {'/'.join(str(r['merges']) for r in nodes)}, outer {nodes[0]['outer']}"
+            f"merges {'/'.join(str(r['merges']) for r in nodes)}, "
+            f"fragment exchanges {'/'.join(str(r['exchanges']) for r in nodes)} of {nodes[0]['fragments']} "
+            f"fragment(s), outer {nodes[0]['outer']}"
             + (", stopped at the target" if any(r["stopped"] for r in nodes) else "")
         )
         if target is None:
@@ -344,8 +379,43 @@ class Bench:
             curve = [(0.0, self.initial_loss)] + [(at - start, loss) for at, loss in watched["points"]]
             reached = watched["reached_at"]
             run = Run(label, curve[-1][1], makespan, curve, None if reached is None else reached - start, detail)
+        run.fragments = nodes[0]["fragments"]
         shutil.rmtree(run_dir)
         return run
+
+
+# -- the exchange cadence ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often the Session exchanges, and what that is in the fastest node's local steps."""
+
+    every_s: float  # Session(every=...)
+    steps: float  # H: local steps of the fastest node per exchange
+    batch_s: float  # the fastest node's seconds per batch
+    step_s: float  # one unpadded training step, measured in the parent
+    chosen: bool  # --every gave every_s
+
+    def text(self, pad_s: float) -> str:
+        chosen = " (--every)" if self.chosen else f" = {EXCHANGE_STEPS} x {self.batch_s * 1000:.1f} ms"
+        return (
+            f"Session every {self.every_s:.3g}s{chosen}: H = {self.steps:.1f} local steps of the fastest node "
+            f"per exchange (its batch: max(pad {pad_s * 1000:g} ms, unpadded step {self.step_s * 1000:.1f} ms "
+            "measured here))"
+        )
+
+
+def cadence(plan: Plan, step_s: float, every_s: float | None = None) -> Cadence:
+    """``every_s`` (``None``: ``EXCHANGE_STEPS`` batches of the fastest node) and its H.
+
+    A node's batch takes ``max(pad, step)``: ``pad()`` sleeps what is left of the pad after the
+    step, so the step hides inside the pad unless it is longer.
+    """
+    batch_s = max(min(plan.sleeps), step_s)
+    chosen = every_s is not None
+    every = every_s if every_s is not None else EXCHANGE_STEPS * batch_s
+    return Cadence(every, every / batch_s, batch_s, step_s, chosen)
 
 
 # -- figures -------------------------------------------------------------------------------------
@@ -468,6 +538,12 @@ def run_repeats(bench: Bench, outers: Sequence[str], repeats: int, curves: bool)
     return repeat_runs
 
 
+def fragments_of(repeat_runs: list[dict[str, Run]]) -> int | None:
+    """The fragment count the Sessions chose (the same in every run: one model)."""
+    counts = {run.fragments for runs in repeat_runs for run in runs.values() if run.fragments is not None}
+    return counts.pop() if len(counts) == 1 else None
+
+
 Spread = tuple[float | None, float | None, float | None]
 
 
@@ -561,18 +637,56 @@ def print_tables(figures: dict[str, Any], spreads: dict[str, Spread], outers: Se
     )
     print(table(["method", "val loss", "time s", "loss/DDP", "time/DDP"], rows))
     print()
-    names = [
-        *RATIOS,
-        *(f"{n}_{o}" for o in outers if o != DEFAULT_OUTER for n in RATIOS),
-        *(f"loss_over_ddp_{suffix(v)}" for v in WIRE_VARIANTS),
-        "fixed_split_loss_over_ddp",
-        "fixed_split_makespan_over_ddp",
-    ]
-    print(table(["figure", "min", "median", "max"], [[name, *(fmt(v) for v in spreads[name])] for name in names]))
+    spread_rows = []
+    for variant in (*outers, *WIRE_VARIANTS):
+        outer = suffix(variant)
+        label = f"gradientmail:{variant}" + (" (default)" if variant == DEFAULT_OUTER else "")
+        spread_rows.append([label, *(spread_text(spreads[f"{name}_{outer}"]) for name in SPREAD_RATIOS)])
+    spread_rows.append(
+        [
+            "fixed_split",
+            spread_text(spreads["fixed_split_loss_over_ddp"]),
+            spread_text(spreads["fixed_split_makespan_over_ddp"]),
+            "-",
+            "-",
+        ]
+    )
+    print(f"ratios: median (min-max) over {figures['repeats']} repeat(s)")
+    print(table(["variant", "loss_over_ddp", "makespan_over_ddp", "time_to_ddp_loss", "loss_over_single"], spread_rows))
     print(
         f"drag {fmt(figures['drag'])}, read_per_exchange {fmt(figures['read_per_exchange'])}"
         " (benchmarks.session_figures)"
     )
+
+
+SPREAD_RATIOS = ("loss_over_ddp", "makespan_over_ddp", "time_to_ddp_loss", "loss_over_single")
+"""The ratio table's columns."""
+
+
+def spread_text(values: Spread) -> str:
+    """``median (min-max)``, or ``-`` when no repeat measured it."""
+    low, middle, high = values
+    if middle is None:
+        return "-"
+    return f"{fmt(middle)} ({fmt(low)}-{fmt(high)})"
+
+
+def judge(figures: dict[str, Any], mode: str, steps: float) -> list[str]:
+    """The verdict lines of ``mode``'s targets (and the Session figures'); none for quick."""
+    if mode not in VERDICTS:
+        return ["verdicts: none (--quick runs every code path and judges nothing)"]
+    judged: dict[str, float] = {}
+    lines = []
+    for target, figure in (*VERDICTS[mode].items(), ("drag", "drag"), ("read_per_exchange", "read_per_exchange")):
+        value = figures.get(figure)
+        if value is None:
+            lines.append(f"target {target} {TARGETS[target].text()}: not measured")
+        else:
+            judged[target] = value
+    lines = verdicts(judged) + lines
+    if abs(steps - EXCHANGE_STEPS) > 0.1 * EXCHANGE_STEPS:
+        lines.append(f"note: the {mode} targets are set for H ~ {EXCHANGE_STEPS}; this run's H is {steps:.1f}")
+    return lines
 
 
 def chart(path: Path, single: Run, first: dict[str, Run], title: str) -> None:
@@ -596,8 +710,14 @@ def chart(path: Path, single: Run, first: dict[str, Run], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick", action="store_true", help="a few units and 1-4 ms per batch, every method (CI: runs, not judged)"
+    )
+    size.add_argument(
+        "--long",
+        action="store_true",
+        help=f"{LONG.units} units a pass instead of {PASS.units} (4x, every method): the README's figures",
     )
     parser.add_argument(
         "--repeats",
@@ -606,24 +726,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="repeat sets (default 3; --quick: 1); ratios are given as min/median/max",
     )
     parser.add_argument(
-        "--every", type=float, default=None, help="seconds between a node's exchanges (default 0.05; --quick: 0.1)"
+        "--every",
+        type=float,
+        default=None,
+        help=f"seconds between a node's exchanges (default: {EXCHANGE_STEPS} batches of the fastest node)",
     )
     parser.add_argument(
         "--png",
         type=Path,
         default=None,
-        help="draw the loss curves here (default: docs/training-loss.png, full run only)",
+        help="draw the loss curves here (default: docs/training-loss.png with --long, else none)",
     )
     args = parser.parse_args(argv)
     began = time.perf_counter()
-    plan = QUICK if args.quick else FULL
-    if args.every is not None:
-        if not args.every > 0:
-            parser.error(f"--every must be a positive number of seconds, not {args.every}")
-        plan = replace(plan, every_s=args.every)
+    mode = "quick" if args.quick else "long" if args.long else "pass"
+    plan = PLANS[mode]
+    if args.every is not None and not args.every > 0:
+        parser.error(f"--every must be a positive number of seconds, not {args.every}")
     repeats = max(1, args.repeats if args.repeats is not None else (1 if args.quick else 3))
-    png = args.png if args.png is not None else (None if args.quick else DEFAULT_PNG)
-    torch.set_num_threads(1)  # evaluations are small; one thread keeps them reproducible
+    png = args.png if args.png is not None else (DEFAULT_PNG if mode == "long" else None)
+    torch.set_num_threads(1)  # evaluations are small; one thread keeps them reproducible (nodes: one each)
 
     outers = list(OUTERS)
     base = Path(tempfile.mkdtemp(prefix="gm-training-", dir=pick_temp_root()))
@@ -631,6 +753,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data_dir = base / "data"
         data_dir.mkdir()
         corpus = write_corpus(data_dir)
+        pace = cadence(plan, measure_step_s(data_dir, plan), args.every)
+        plan = replace(plan, every_s=pace.every_s)
         bench = Bench(plan, base, data_dir)
         params = sum(p.numel() for p in bench.model.parameters())
         speeds = "/".join(f"{s * 1000:g}" for s in plan.sleeps)
@@ -640,10 +764,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{corpus.train_bytes / 1e6:.1f} MB train, {corpus.validation_bytes / 1e6:.1f} MB held out"
         )
         print(
-            f"{plan.units} units x {plan.unit_batches} batches x {BATCH} contexts per pass; "
-            f"{plan.nodes} nodes at {speeds} ms per batch; Session every {plan.every_s:g}s; "
-            f"{repeats} repeat(s){' (quick)' if args.quick else ''}"
+            f"{mode}: {plan.units} units x {plan.unit_batches} batches x {BATCH} contexts per pass; "
+            f"{plan.nodes} nodes at {speeds} ms per batch; H = {pace.steps:.1f}; {repeats} repeat(s)"
         )
+        print(pace.text(min(plan.sleeps)))
         print(f"padding alone: {shared:.2f}s for a shared queue (fluid bound), {quarters:.2f}s for fixed quarters")
         sys.stdout.flush()
 
@@ -653,14 +777,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         figures, spreads = collect(single, repeat_runs, bench.initial_loss)
         figures.update(session_figures(args.quick))
         print_tables(figures, spreads, outers)
+        for target, figure in VERDICTS.get(mode, {}).items():  # the medians again, under the targets' names
+            figures[target] = figures[figure]
+        print("\n".join(judge(figures, mode, pace.steps)))
         if png is not None:
             chart(
                 png,
                 single,
                 repeat_runs[0],
-                f"{params:,}-parameter byte MLP, 4 nodes at {speeds} ms/batch (first repeat)",
+                f"{params:,}-parameter byte MLP, 4 nodes at {speeds} ms/batch, {plan.units} units a pass, "
+                f"exchanges every {pace.every_s:.3g}s (H = {pace.steps:.0f}); first repeat",
             )
             print(f"chart: {png}")
+        figures.update(
+            mode=mode,
+            units=plan.units,
+            every_s=pace.every_s,
+            exchange_steps=pace.steps,
+            step_s=pace.step_s,
+            fragments=fragments_of(repeat_runs),
+        )
         figures["wall_s"] = time.perf_counter() - began
         print(f"wall time {figures['wall_s']:.0f}s")
         emit(figures)
