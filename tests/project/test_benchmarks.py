@@ -102,7 +102,7 @@ S3_LATENCY = [
 ]
 SLOW = {
     "s3_latency": S3_LATENCY,
-    "training": ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
+    "training": ["loss_over_ddp", "pass_loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
     "scale": SCALE,
     "session_scale": [
         "scale_exchange_rate_64",
