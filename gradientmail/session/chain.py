@@ -61,6 +61,10 @@ RETIRE = 10_000
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
 MAX_WALK_BACK = 64
 """Unusable versions a reader skips before giving up: a bound on the reads one bad writer costs."""
+STALLED_S = 30.0
+"""A fold whose create lands this long after its listing checks that the chain did not move on
+without it (a frozen VM, a request retried through a partition): ``RETIRE`` versions later, the
+number it creates may be one the chain retired, which nobody would read."""
 ABSORB = 2
 """Other learners' pending contributions a writer reads and absorbs per fold (or a quarter of the
 backlog, if more): a learner reads at most about ``1 + ABSORB`` fragment sizes per fold, and a
@@ -106,6 +110,8 @@ class View:
     empty: list[tuple[str, str, int]]  # (key, learner, seq)
     garbage: list[str]
     newest: int
+    listed: float = 0.0
+    """When the listing behind this view was made (``time.monotonic()``)."""
 
     @property
     def learners(self) -> dict[str, Contribution]:
@@ -262,13 +268,14 @@ class FragmentChain:
         """
         for _ in range(READ_ATTEMPTS):
             after = None if known is None else known.header.version
+            listed = time.monotonic()
             versions, pending = parallel(
                 lambda read: read(), [lambda after=after: self.list_versions(after), self.list_pending]
             )
             newest = versions[-1] if versions else after
             if newest is None:
                 return None
-            view = self._assemble(newest, known, pending, exact=exact, absorb=absorb, me=me)
+            view = self._assemble(newest, known, pending, exact=exact, absorb=absorb, me=me, listed=listed)
             if view is not None:
                 return view
             known = None  # retired or absorbed under us: list again from the start
@@ -286,6 +293,7 @@ class FragmentChain:
         exact: bool,
         absorb: int | None,
         me: str | None,
+        listed: float,
     ) -> View | None:
         # The base and the contributions it may not have absorbed yet, read in parallel: those
         # ``known`` already absorbed are not fetched (a newer base may have absorbed more).
@@ -333,7 +341,7 @@ class FragmentChain:
                 else:
                     absorbed.append(content)
                 seq += 1
-        return View(base=base, absorbed=absorbed, empty=empty, garbage=garbage, newest=newest)
+        return View(base=base, absorbed=absorbed, empty=empty, garbage=garbage, newest=newest, listed=listed)
 
     # -- writing ---------------------------------------------------------------------------------
     def create_base(self, tensors: Mapping[str, Tensor], me: str) -> State:
@@ -383,7 +391,12 @@ class FragmentChain:
         )
         key = state_key(header.version, self.index)
         stored = {name: to_wire(value, self.wire_dtype) for name, value in summed.items()}
-        if self.mailbox.put_if_absent(key, encode(stored, header)):
+        created = self.mailbox.put_if_absent(key, encode(stored, header))
+        if created and time.monotonic() - view.listed > STALLED_S and self._orphaned(header.version, me, entry.seq):
+            # Created after the chain had moved on and retired that number: nobody will read it.
+            self.mailbox.delete(key)
+            created = False
+        if created:
             written = State(key=key, header=header, tensors=stored)
             done = [p.key for p in view.absorbed] + [k for k, _, _ in view.empty] + view.garbage
             self._clean_up(done, header.version)
@@ -400,6 +413,22 @@ class FragmentChain:
                 "one learner id (give each process its own)"
             )
         return Folded(summed, learners, None, view.base, 1)
+
+    def _orphaned(self, version: int, me: str, seq: int) -> bool:
+        """Whether ``version``, just created by ``me`` with contribution ``seq``, is off the chain.
+
+        A version created long after its base was listed may reuse a number the chain retired
+        meanwhile: newer versions then exist that do not hold ``me``'s contribution (every version
+        built on this one would). On doubt (the newest is unreadable) it counts as on the chain.
+        """
+        newer = self.list_versions(after=version)
+        if not newer:
+            return False
+        try:
+            newest = self.read_usable(newer[-1])
+        except (UnusableStateError, MailRejectedError):
+            return False
+        return newest is not None and newest.header.version > version and newest.header.absorbed(me) < seq
 
     def _clean_up(self, absorbed: list[str], version: int) -> None:
         """After writing ``version``: delete what it absorbed, tombstone the version ``KEEP``

@@ -190,9 +190,8 @@ class Exchanger:
             states.append(view)
         self._member = member_key(me, time.time())
         mailbox.put(self._member, json.dumps({"learner": me, "joined": time.time()}).encode())
-        for key in members.keys.get(me, []):  # an earlier incarnation's, if any
-            if key != self._member:
-                mailbox.delete(key)
+        # An earlier incarnation's member key stays: N counts a learner once whatever its keys,
+        # and the key may be a live process's (a duplicate refused later must not unseat it).
         self.known = [view.base for view in states]
         self._tables = [view.learners for view in states]
         values = [logical(view) for view in states]

@@ -667,11 +667,25 @@ def test_entering_writes_a_first_progress_record(memory_mailbox):
     assert (record["learner"], record["steps"], record["finished"]) == ("n", 0, False)
 
 
-def test_member_keys_of_an_earlier_incarnation_are_replaced(memory_mailbox):
-    memory_mailbox.put(member_key("n", 5.0), b"{}")  # left by a crashed run of "n"
-    with session(linear(), memory_mailbox, learner="n", every_steps=1000):
-        keys = list(memory_mailbox.list("session/members/"))
-        assert len(keys) == 1 and keys[0] != member_key("n", 5.0)
+def test_a_learner_counts_once_in_n_whatever_member_keys_earlier_incarnations_left(memory_mailbox):
+    memory_mailbox.put(member_key("n", time.time() - 1), b"{}")  # left by a crashed run of "n"
+    model, peer_model = scalar(), scalar()
+    with session(model, memory_mailbox, learner="n") as s, session(peer_model, memory_mailbox, "peer"):
+        assert len(list(memory_mailbox.list("session/members/n."))) == 2  # nothing of it deleted
+        exchange(s, model, 4.0)
+        assert value(model) == 2.0  # N = 2: "n" and "peer", not 3
+
+
+def test_a_second_process_under_a_live_learner_id_leaves_the_live_ones_membership_alone(memory_mailbox):
+    live_model, peer_model = scalar(), scalar()
+    with session(live_model, memory_mailbox, "live") as live, session(peer_model, memory_mailbox, "peer") as peer:
+        with pytest.raises(RuntimeError, match="refused"):
+            with session(scalar(), memory_mailbox, "live"):  # a duplicate: its loop is refused
+                raise RuntimeError("refused, as shared_queue refuses a duplicate learner id")
+        assert len(list(memory_mailbox.list("session/members/live."))) == 1  # the live one's key stays
+        exchange(peer, peer_model, 4.0)
+        assert value(peer_model) == 2.0  # N is still 2: the live learner counts
+        exchange(live, live_model)
 
 
 # -- the training loop is never slowed or blocked ---------------------------------------------

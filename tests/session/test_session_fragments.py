@@ -20,7 +20,7 @@ from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
 from gradientmail.session.fragments import FragmentPlan, auto_fragments
-from gradientmail.session.mail import pending_key, pending_prefix, versions_prefix
+from gradientmail.session.mail import pending_key, pending_prefix, state_key, versions_prefix
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -305,6 +305,64 @@ def test_a_fold_that_failed_before_landing_is_folded_by_the_next_exchange(memory
     result = vector(2)
     consensus(memory_mailbox, result)
     assert values(result) == [4.0] * 2  # the 3 not lost: it travels with the next exchange
+
+
+def test_a_writer_stalled_until_its_version_number_was_retired_leaves_its_contribution_pending(
+    memory_mailbox, monkeypatch
+):
+    # A frozen VM: b's create of version 1 lands after the chain moved on and retired that
+    # number (RETIRE versions later; 2 here). Nobody would read it: b must notice, not lose it.
+    monkeypatch.setattr("gradientmail.session.chain.RETIRE", 2)
+    monkeypatch.setattr("gradientmail.session.chain.KEEP", 1)
+    monkeypatch.setattr("gradientmail.session.chain.STALLED_S", 0.0)  # every create is checked
+    rival = RivalFirst(memory_mailbox)
+    a_model, b_model = vector(2), vector(2)
+    with session(a_model, memory_mailbox, "a", fragments=1) as a, session(b_model, rival, "b", fragments=1) as b:
+        rival.armed.set()
+        push(b_model, 4.0)
+        b.step(samples=1)  # b read version 0 and is frozen before creating version 1
+        assert rival.reached.wait(10)
+        for _ in range(3):
+            exchange(a, a_model, 2.0)  # versions 1, 2, 3; writing 3 deleted version 1
+        assert memory_mailbox.get(state_key(1, 0)) is None
+        rival.gate.set()
+        b.wait()  # b recreated version 1, found the chain without it, and left it pending
+        assert memory_mailbox.get(state_key(1, 0)) is None
+        assert b.conflicts == 1
+        result = vector(2)
+        consensus(memory_mailbox, result)
+        assert values(result) == [3 * 1.0 + 2.0] * 2  # a's 3 x 2/2 and b's 4/2, each once
+
+
+@pytest.mark.slow
+def test_a_learner_far_from_the_store_lands_every_contribution_while_near_ones_fold_fast(memory_mailbox):
+    # Its reads take longer than its peers take to write new versions: it loses most races,
+    # and each lost fold is left pending instead of retried until a timeout.
+    far = DelayedMailbox(memory_mailbox, latency=0.02)
+    models = [vector(2) for _ in range(3)]
+    sessions = [
+        session(models[0], far, "far", fragments=1),
+        session(models[1], memory_mailbox, "near-1", fragments=1),
+        session(models[2], memory_mailbox, "near-2", fragments=1),
+    ]
+    for s in sessions:
+        s.__enter__()
+    steps = [5, 30, 30]
+
+    def train(i: int) -> None:
+        for _ in range(steps[i]):
+            exchange(sessions[i], models[i], 1.0)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for s in sessions:
+        s.__exit__(None, None, None)
+    result = vector(2)
+    assert consensus(memory_mailbox, result) == {"far": 5, "near-1": 30, "near-2": 30}
+    assert values(result) == pytest.approx([sum(steps) / 3] * 2, rel=1e-5)  # each progress once, / N=3
 
 
 # -- cadence -------------------------------------------------------------------------------------------
