@@ -432,7 +432,7 @@ def all_finite(tensor: Tensor) -> bool:
         >>> all_finite(torch.ones(3)), all_finite(torch.tensor([1.0, float("nan")]))
         (True, False)
     """
-    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
+    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor).all())
 
