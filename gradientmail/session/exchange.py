@@ -103,6 +103,10 @@ def surface(error: BaseException, what: str) -> BaseException:
     return wrapped
 
 
+STALE_ROUNDS = 3
+"""A peer silent for fewer of this learner's rounds than this still counts in ``N``."""
+
+
 @dataclass(frozen=True)
 class Merge:
     """A finished exchange of one fragment, to apply on the training thread.
@@ -251,7 +255,8 @@ class Exchanger:
         # N for the progress made between the previous snapshot and this one, however late
         # this fold runs: learners that left since still count for it.
         since, self._since[index] = self._since[index], taken
-        active = active_learners(members, view.learners, me, time.time(), self.max_staleness_s, since)
+        now = time.time()
+        active = active_learners(members, view.learners, me, now, self._staleness(now - since), since)
         seq = self._seqs[index]
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
@@ -271,6 +276,17 @@ class Exchanger:
             if gained > 0 or (learner == me and gained >= 0):
                 weights[learner] = gained
         return Merge(fragment=self._plan.fragments[index], delta=delta, weights=weights)
+
+    def _staleness(self, round_s: float) -> float:
+        """Seconds of silence after which a peer stops counting: ``max_staleness``, or three of
+        this learner's own rounds (``round_s``: since its previous snapshot of this fragment)
+        when longer.
+
+        Peers exchange at about this learner's cadence, so a peer silent for less than three
+        rounds is alive; without this, exchanging less often than ``max_staleness`` would make
+        every peer look stale between folds and shrink ``N`` (progress counted several times).
+        """
+        return max(self.max_staleness_s, STALE_ROUNDS * round_s)
 
     def _scale_for(self, index: int, active: int) -> int:
         """``N`` for fragment ``index``'s progress since its previous fold: the largest seen since.

@@ -463,6 +463,18 @@ def test_a_peer_that_stops_mailing_stops_counting_after_max_staleness():
     assert active_learners(members, learners, "me", now, max_staleness=500) == {"me", "new", "quiet"}
 
 
+def test_exchanging_less_often_than_max_staleness_does_not_make_peers_look_stale(memory_mailbox):
+    # max_staleness far below the time between a learner's exchanges (as every=10 min with the
+    # default 5 min would be): a peer that folded since this learner's previous exchange is alive.
+    short = {"max_staleness": timedelta(microseconds=1)}
+    a_model, b_model = scalar(), scalar()
+    with session(a_model, memory_mailbox, "a", **short) as a, session(b_model, memory_mailbox, "b", **short) as b:
+        exchange(a, a_model, 2.0)  # b joined within three of a's rounds: N = 2, run: 1
+        exchange(b, b_model, 2.0)  # run: 2
+        exchange(a, a_model, 2.0)  # b folded since a's previous exchange: N = 2, run: 3
+        assert value(a_model) == 3.0
+
+
 def test_a_crashed_peers_progress_stays_and_it_stops_counting(memory_mailbox):
     crashed, model = scalar(), scalar()
     with pytest.raises(RuntimeError, match="crash"):
