@@ -169,6 +169,8 @@ class Exchanger:
         self._since: list[float] = []  # per fragment, when the progress not yet folded began
         self._members: Members | None = None  # the member list, refreshed once per round
         self._folds = 0
+        self._seen: dict[str, float] = {}  # learner -> when its contributions last advanced (own clock)
+        self._lines: dict[tuple[int, str], int] = {}  # (fragment, learner) -> its seq last seen
         self._member: str | None = None
         self._active: list[int] = []  # per fragment, the largest N seen since its previous fold
 
@@ -256,7 +258,9 @@ class Exchanger:
         # this fold runs: learners that left since still count for it.
         since, self._since[index] = self._since[index], taken
         now = time.time()
-        active = active_learners(members, view.learners, me, now, self._staleness(now - since), since)
+        self._watch(index, view.learners, now)
+        staleness = self._staleness(now - since)
+        active = active_learners(members, view.learners, me, now, staleness, since, self._seen)
         seq = self._seqs[index]
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
@@ -276,6 +280,15 @@ class Exchanger:
             if gained > 0 or (learner == me and gained >= 0):
                 weights[learner] = gained
         return Merge(fragment=self._plan.fragments[index], delta=delta, weights=weights)
+
+    def _watch(self, index: int, learners: Mapping[str, Contribution], now: float) -> None:
+        """Note, by this node's clock, which learners' contributions to fragment ``index``
+        advanced since it last looked: signs of life that do not depend on their clocks."""
+        for learner, line in learners.items():
+            previous = self._lines.get((index, learner))
+            if previous is not None and previous != line.seq:
+                self._seen[learner] = now
+            self._lines[(index, learner)] = line.seq
 
     def _staleness(self, round_s: float) -> float:
         """Seconds of silence after which a peer stops counting: ``max_staleness``, or three of

@@ -7,6 +7,7 @@ member counts in ``N`` while it shows a sign of life (joining, or a recent contr
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ def active_learners(
     now: float,
     max_staleness: float,
     since: float | None = None,
+    seen: Mapping[str, float] | None = None,
 ) -> set[str]:
     """Who counts in ``N``: this learner, and every member that joined or folded recently.
 
@@ -95,6 +97,11 @@ def active_learners(
     clock or a forged date would otherwise count forever). A learner that finished still counts
     for progress made before it left: when its final contribution is dated after ``since`` (the
     start of the progress being scaled), however late the fold runs.
+
+    ``seen`` holds, by this node's own clock, when each learner's contributions were last seen
+    to advance: a learner seen advancing within ``max_staleness`` counts whatever its own clock
+    says, so a machine whose clock is minutes off neither drops its peers from ``N`` nor drops
+    out of theirs once they have watched it contribute.
     """
     active = {me}
     if since is not None:
@@ -106,6 +113,9 @@ def active_learners(
     for learner, joined in members.joined.items():
         entry = learners.get(learner)
         if entry is not None and entry.final and entry.time >= joined:
+            continue
+        if seen is not None and now - seen.get(learner, -math.inf) <= max_staleness:
+            active.add(learner)
             continue
         signs = [joined] if entry is None else [joined, entry.time]
         trusted = [t for t in signs if t <= now + MAX_CLOCK_SKEW_S]

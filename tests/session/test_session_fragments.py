@@ -8,6 +8,7 @@ controls (no sleeps, no timing) and check the arithmetic exactly: models hold sm
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from datetime import timedelta
 
@@ -20,7 +21,16 @@ from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
 from gradientmail.session.fragments import FragmentPlan, auto_fragments
-from gradientmail.session.mail import pending_key, pending_prefix, state_key, versions_prefix
+from gradientmail.session.mail import (
+    Contribution,
+    PendingHeader,
+    encode,
+    member_key,
+    pending_key,
+    pending_prefix,
+    state_key,
+    versions_prefix,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -363,6 +373,26 @@ def test_a_learner_far_from_the_store_lands_every_contribution_while_near_ones_f
     result = vector(2)
     assert consensus(memory_mailbox, result) == {"far": 5, "near-1": 30, "near-2": 30}
     assert values(result) == pytest.approx([sum(steps) / 3] * 2, rel=1e-5)  # each progress once, / N=3
+
+
+def test_a_peer_whose_clock_is_ten_minutes_behind_counts_once_it_is_seen_contributing(memory_mailbox):
+    # The peer's member key and contributions carry its own clock, ten minutes behind: by
+    # those times it looks stale; by what this learner watches in the store, it is alive.
+    skewed = time.time() - 600
+
+    def peer_contributes(seq: int) -> None:
+        header = PendingHeader("late-clock", Contribution(seq, seq + 1, seq + 1, skewed + seq), 0, 1)
+        memory_mailbox.put(pending_key(0, "late-clock", seq), encode({"weight": torch.zeros(2)}, header))
+
+    model = vector(2)
+    with session(model, memory_mailbox, "me", fragments=1) as s:
+        memory_mailbox.put(member_key("late-clock", skewed), b"{}")
+        peer_contributes(0)
+        exchange(s, model, 2.0)  # first sight of the peer: its clock says stale, N = 1
+        assert values(model) == [2.0] * 2
+        peer_contributes(1)
+        exchange(s, model, 2.0)  # it advanced since: N = 2 whatever its clock says
+        assert values(model) == [3.0] * 2
 
 
 # -- cadence -------------------------------------------------------------------------------------------

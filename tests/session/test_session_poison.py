@@ -163,6 +163,22 @@ def test_a_member_dated_in_the_future_does_not_count_forever():
     assert active == {"me", "ok", "skewed"}
 
 
+def test_a_peer_seen_contributing_counts_in_n_whatever_its_clock_says():
+    now = 10_000.0
+    members = Members(joined={"me": now, "behind": now - 3600, "ahead": now + 3600})
+    learners = {  # dated an hour off either way, by those machines' clocks
+        "behind": Contribution(seq=7, step=7, samples=7, time=now - 3600),
+        "ahead": Contribution(seq=7, step=7, samples=7, time=now + 3600),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MailSkippedWarning)
+        assert active_learners(members, learners, "me", now, max_staleness=300) == {"me"}
+        seen = {"behind": now - 10, "ahead": now - 20}  # this node saw both advance just now
+        assert active_learners(members, learners, "me", now, 300, seen=seen) == {"me", "behind", "ahead"}
+        seen = {"behind": now - 1000}  # but a peer seen still for longer than max_staleness stops
+        assert active_learners(members, learners, "me", now, 300, seen=seen) == {"me"}
+
+
 def test_a_forged_future_member_key_does_not_dilute_the_run(memory_mailbox):
     model = scalar()
     memory_mailbox.put(member_key("ghost", 32_503_680_000.0), b"{}")
