@@ -24,7 +24,7 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
-from gradientmail.session.mail import member_key
+from gradientmail.session.mail import member_key, pending_key
 from gradientmail.session.options import (
     DEFAULT_EVERY,
     DEFAULT_MAX_STALENESS,
@@ -40,6 +40,9 @@ from gradientmail.session.options import (
     seconds,
 )
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
+
+LATEST_JOIN = 10**13 - 0.001
+"""A joining time (unix seconds) with as many digits as any this code will see: the longest member key."""
 
 log = logging.getLogger("gradientmail.session")
 """Joining and leaving at INFO, every exchange at DEBUG; the library never configures handlers."""
@@ -111,8 +114,10 @@ class Session:
             )
         if not isinstance(learner_id, str) or "/" in learner_id:
             raise ValueError(f"learner_id must be one key segment without '/', not {learner_id!r}")
+        # The longest keys this learner will write, checked now rather than at enter or mid-run.
         validate_key(progress_key(learner_id))
-        validate_key(member_key(learner_id, 0.0))
+        validate_key(member_key(learner_id, LATEST_JOIN))
+        validate_key(pending_key(MAX_FRAGMENTS - 1, learner_id, 0))
         every = env_override(ENV_EVERY, every, seconds, "a number of seconds")
         every_steps = env_override(ENV_EVERY_STEPS, every_steps, int, "a step count")
         max_staleness = env_override(ENV_MAX_STALENESS, max_staleness, seconds, "a number of seconds")
