@@ -71,6 +71,11 @@ class QueueContext(contextlib.AbstractContextManager, Generic[T]):
         raise TypeError(WITH_HINT)
 
 
+MAX_PREFETCH = 4096
+"""The most batches ``prefetch`` may buffer: far past what keeps a loop fed, short of what
+would make the DataLoader queue requests for ever before yielding one."""
+
+
 def _with_only(function: Callable[P, Iterator[T]]) -> Callable[P, QueueContext[T]]:
     """``contextlib.contextmanager``, returning a ``QueueContext``."""
     manager = contextlib.contextmanager(function)
@@ -134,6 +139,12 @@ def shared_queue(
         [1, 2]
     """
     prefetch = checked_count("prefetch", prefetch, 1)
+    if prefetch > MAX_PREFETCH:
+        raise ValueError(
+            f"prefetch must be <= {MAX_PREFETCH}, not {prefetch}: it is the number of batches held in "
+            "memory at once (and the DataLoader asks for that many up front); a few per worker keep "
+            "the loop fed"
+        )
     workers = checked_count("workers", workers, 0)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, not {type(progress).__name__} {progress!r}")

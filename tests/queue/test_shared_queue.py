@@ -467,6 +467,7 @@ def test_bad_learner_id(memory_mailbox, learner_id, error):
         ({"prefetch": 0}, ValueError, "prefetch must be >= 1"),
         ({"prefetch": -3}, ValueError, "prefetch must be >= 1"),
         ({"prefetch": 2.5}, TypeError, "prefetch must be an int"),
+        ({"prefetch": 10**9}, ValueError, "prefetch must be <= 4096"),
         ({"workers": -1}, ValueError, "workers must be >= 0"),
         ({"workers": 4, "prefetch": 2}, ValueError, "prefetch=2 is below workers=4"),
         ({"load": "load_item"}, TypeError, "load must be a callable"),
