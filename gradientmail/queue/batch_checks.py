@@ -12,6 +12,7 @@ import torch
 from gradientmail.errors import LoaderError
 from gradientmail.queue.batches import TensorTree, first_non_tensor
 from gradientmail.queue.inline import inline
+from gradientmail.records import MAX_COUNT
 
 __all__ = [
     "Batch",
@@ -77,6 +78,12 @@ def checked_batch(identifier: str, item: object) -> Batch:
     if isinstance(item, (tuple, list)) and len(item) == 2:
         step, batch = item
         if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            if not -MAX_COUNT <= step <= MAX_COUNT:
+                raise LoaderError(
+                    f"load for unit {identifier!r} yielded step {describe_value(step, 40)}, outside "
+                    f"[-2**62, 2**62]: step labels are recorded in the mailbox to resume a unit, and "
+                    "records hold steps in that range (label steps by count, not by a hash or a time in ns)"
+                )
             if isinstance(batch, torch.Tensor):  # the common case: no walk
                 return int(step), batch
             problem = first_non_tensor(batch)

@@ -300,6 +300,18 @@ def test_loader_error_names_the_path_of_a_non_tensor_leaf(memory_mailbox, batch,
     assert len(message) < 400, message
 
 
+@pytest.mark.parametrize("step", [2**62 + 1, -(2**62) - 1, 10**40])
+def test_a_step_label_outside_what_records_hold_is_refused_when_loaded(memory_mailbox, step):
+    def bad_load(value):
+        yield 0, T
+        yield step, T
+
+    dataset = SharedQueueDataset({"u-8": 0}, mailbox=memory_mailbox, learner_id="x", load=bad_load)
+    with pytest.raises(LoaderError, match=r"unit 'u-8' yielded step .* outside \[-2\*\*62, 2\*\*62\]") as caught:
+        list(dataset)
+    assert len(str(caught.value)) < 400
+
+
 def test_loader_error_from_a_worker_process_names_the_path(local_mailbox):
     with pytest.raises(LoaderError, match=r"unit '00001'.*batch\['labels'\]\[1\] is a str 'cat'"):
         with shared_queue(
