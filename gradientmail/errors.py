@@ -16,6 +16,23 @@ from __future__ import annotations
 import pickle
 
 
+def short_repr(value: object, limit: int = 100) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, saying how long it was: error messages
+    name a bad value without echoing all of a 10,000-character one.
+
+    Example:
+        >>> short_repr("ab")
+        "'ab'"
+        >>> short_repr("x" * 500, limit=20)
+        "'xxxxxxxxxxxxxxxx... (502 characters)"
+    """
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real problem
+        return "<unrepresentable>"
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
 class GradientMailError(Exception):
     """Base class of every error GradientMail raises on purpose."""
 

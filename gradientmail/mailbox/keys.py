@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from gradientmail.errors import InvalidKeyError
+from gradientmail.errors import InvalidKeyError, short_repr
 
 MAX_KEY_BYTES = 512
 """Bound on a key's UTF-8 length; leaves room for an S3 run prefix within S3's 1,024 bytes."""
@@ -38,7 +38,7 @@ def _key_problem(text: str, *, allow_trailing_slash: bool) -> str | None:
         if segment.startswith("."):
             # Covers '.' and '..' (escaping the root) and hidden names, which backends reserve
             # for temporary files that must never show up in list().
-            return f"has a segment starting with '.' ({segment!r})"
+            return f"has a segment starting with '.' ({short_repr(segment, 40)})"
     return None
 
 
@@ -59,7 +59,7 @@ def validate_key(key: str) -> str:
     """
     problem = _key_problem(key, allow_trailing_slash=False)
     if problem:
-        raise InvalidKeyError(f"invalid mailbox key {key!r}: it {problem}")
+        raise InvalidKeyError(f"invalid mailbox key {short_repr(key)}: it {problem}")
     return key
 
 
@@ -76,7 +76,7 @@ def validate_prefix(prefix: str) -> str:
     """
     problem = _key_problem(prefix, allow_trailing_slash=True)
     if problem:
-        raise InvalidKeyError(f"invalid mailbox prefix {prefix!r}: it {problem}")
+        raise InvalidKeyError(f"invalid mailbox prefix {short_repr(prefix)}: it {problem}")
     return prefix
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gradientmail.errors import LoaderError
+from gradientmail.errors import LoaderError, short_repr
 from gradientmail.queue.batches import TensorTree, first_non_tensor
 from gradientmail.queue.inline import inline
 from gradientmail.records import MAX_COUNT
@@ -55,13 +55,7 @@ def describe_value(value: object, limit: int = 120) -> str:
         >>> describe_value([1, 2])
         'list [1, 2]'
     """
-    try:
-        text = repr(value)
-    except Exception:  # a broken __repr__ must not hide the real problem
-        text = "<unrepresentable>"
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(value).__name__} {text}"
+    return f"{type(value).__name__} {short_repr(value, limit)}"
 
 
 def checked_batch(identifier: str, item: object) -> Batch:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gradientmail.claim_record import ClaimRecord
-from gradientmail.errors import InvalidKeyError, KeyTypeError, UnsafeStoreError
+from gradientmail.errors import InvalidKeyError, KeyTypeError, UnsafeStoreError, short_repr
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
@@ -56,11 +56,14 @@ def validate_identifier(identifier: object) -> str:
         'shard-0'
     """
     if not isinstance(identifier, str):
-        raise KeyTypeError(f"unit identifiers must be str, not {type(identifier).__name__} ({identifier!r})")
+        raise KeyTypeError(f"unit identifiers must be str, not {type(identifier).__name__} ({short_repr(identifier)})")
     try:
         validate_key(claim_key(identifier))
     except InvalidKeyError as exc:
-        raise InvalidKeyError(f"unit identifier {identifier!r} is not a safe mailbox key: {exc}") from None
+        problem = str(exc).partition(": it ")[2] or str(exc)
+        raise InvalidKeyError(
+            f"unit identifier {short_repr(identifier)} is not a safe mailbox key: it {problem}"
+        ) from None
     return identifier
 
 

@@ -1,7 +1,8 @@
 """``python -m benchmarks.session_scale --quick`` runs the real ``Session`` at scale and reports its figures.
 
 It checks that the benchmark runs end to end (learner threads, the paced store, consensus,
-exits) and prints what it promises, never how fast anything is: CI machines are too noisy.
+exits; and with ``--processes 2``, the learners in two worker processes on one ``LocalMailbox``)
+and prints what it promises, never how fast anything is: CI machines are too noisy.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def test_quick_session_scale_benchmark_prints_its_figures_as_json_last() -> None:
+def run_quick(*extra: str) -> dict[str, object]:
+    """``--quick`` plus ``extra``: checks the table and the figures, returns the JSON line."""
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.session_scale", "--quick"],
+        [sys.executable, "-m", "benchmarks.session_scale", "--quick", *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -60,6 +62,18 @@ def test_quick_session_scale_benchmark_prints_its_figures_as_json_last() -> None
     bad = {name: figures[name] for name in expected if not finite(figures[name])}
     assert not bad, f"figures that are not finite numbers: {bad}"
     assert figures["learners"] == list(QUICK_COUNTS)
+    return figures
+
+
+def test_quick_session_scale_benchmark_prints_its_figures_as_json_last() -> None:
+    figures = run_quick()
+    assert figures["processes"] == 1
+
+
+def test_quick_session_scale_benchmark_with_learners_in_two_processes() -> None:
+    """The learners dealt to two worker processes sharing a LocalMailbox: the same figures."""
+    figures = run_quick("--processes", "2")
+    assert figures["processes"] == 2
 
 
 def test_the_issue_targets_name_the_64_learner_figures() -> None:

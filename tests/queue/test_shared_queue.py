@@ -446,6 +446,16 @@ def test_unsafe_identifier(memory_mailbox, identifier):
             pass
 
 
+def test_an_error_about_a_very_long_identifier_names_it_briefly_and_keeps_the_reason(memory_mailbox):
+    identifier = "x" * 10_000
+    with pytest.raises(InvalidKeyError) as caught:
+        with shared_queue({identifier: 0}, mailbox=memory_mailbox, learner_id="a", load=load_item, workers=0):
+            pass
+    message = str(caught.value)
+    assert len(message) < 300, len(message)
+    assert "longer than 512 bytes" in message and "(10002 characters)" in message
+
+
 def test_identifier_that_is_a_folder_of_another(memory_mailbox):
     with pytest.raises(InvalidKeyError, match="'a' is a folder of unit 'a/b'"):
         SharedQueueDataset({"a": 0, "a/b": 1}, mailbox=memory_mailbox, learner_id="x", load=load_item)
