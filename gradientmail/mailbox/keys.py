@@ -13,6 +13,8 @@ from gradientmail.errors import InvalidKeyError, short_repr
 
 MAX_KEY_BYTES = 512
 """Bound on a key's UTF-8 length; leaves room for an S3 run prefix within S3's 1,024 bytes."""
+MAX_SEGMENT_BYTES = 255
+"""Bound on one ``/``-separated segment: the longest file name ext4, XFS, APFS and NTFS allow."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # control characters, DEL included
 
@@ -35,6 +37,11 @@ def _key_problem(text: str, *, allow_trailing_slash: bool) -> str | None:
     for segment in body.split("/"):
         if not segment:
             return "has an empty segment ('//' or a trailing '/')"
+        if len(segment.encode("utf-8", "surrogatepass")) > MAX_SEGMENT_BYTES:
+            return (
+                f"has a segment longer than {MAX_SEGMENT_BYTES} bytes, which no directory can hold as a "
+                "file name (a key means the same on every backend)"
+            )
         if segment.startswith("."):
             # Covers '.' and '..' (escaping the root) and hidden names, which backends reserve
             # for temporary files that must never show up in list().

@@ -456,6 +456,21 @@ def test_an_error_about_a_very_long_identifier_names_it_briefly_and_keeps_the_re
     assert "longer than 512 bytes" in message and "(10002 characters)" in message
 
 
+@pytest.mark.parametrize("length", [256, 300])
+def test_an_identifier_no_directory_could_hold_is_refused_before_anything_is_written(local_mailbox, length):
+    identifier = "u" * length
+    with pytest.raises(InvalidKeyError, match="segment longer than 255 bytes"):
+        with shared_queue({identifier: 0}, mailbox=local_mailbox, learner_id="a", load=load_item, workers=0):
+            pass
+    assert list(local_mailbox.list("")) == []  # no run.json binding the prefix to them
+
+    def one_batch(value):
+        yield 0, torch.zeros(1)
+
+    with shared_queue({"u" * 255: 0}, mailbox=local_mailbox, learner_id="a", load=one_batch, workers=0) as batches:
+        assert len(list(batches)) == 1  # the longest accepted identifier is a file name
+
+
 def test_identifier_that_is_a_folder_of_another(memory_mailbox):
     with pytest.raises(InvalidKeyError, match="'a' is a folder of unit 'a/b'"):
         SharedQueueDataset({"a": 0, "a/b": 1}, mailbox=memory_mailbox, learner_id="x", load=load_item)

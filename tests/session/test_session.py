@@ -844,13 +844,13 @@ def test_learner_id_must_be_one_key_segment(memory_mailbox, learner):
         Session(linear(), mailbox=memory_mailbox, learner_id=learner)
 
 
-@pytest.mark.parametrize("length", [440, 470, 482, 494, 600])
+@pytest.mark.parametrize("length", [200, 230, 231, 240, 482, 600])
 def test_a_learner_id_too_long_for_any_key_it_will_write_is_refused_up_front(memory_mailbox, length):
     learner = "n" * length
     try:
         s = Session(linear(), mailbox=memory_mailbox, learner_id=learner)
     except ValueError as error:
-        assert "512 bytes" in str(error)
+        assert "512 bytes" in str(error) or "255 bytes" in str(error)
         return
     with s:  # accepted: then every key it writes fits, from enter to exit
         s.step(samples=1)
