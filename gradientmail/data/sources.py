@@ -109,12 +109,23 @@ class LocalFile:
         self.__init__(state["name"])  # type: ignore[misc]
 
 
-class FsspecFile:
-    """A file at an fsspec URL (``s3://`` through s3fs, ``gs://``, ``https://``...)."""
+VERSION_FIELDS = ("ETag", "etag", "VersionId", "generation", "md5Hash", "LastModified", "mtime")
+"""Fields of an fsspec ``info()`` that change when the object is rewritten, in order of trust."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+
+class FsspecFile:
+    """A file at an fsspec URL (``s3://`` through s3fs, ``gs://``, ``https://``...).
+
+    The object's version (its ETag, generation or modification time) is pinned when its size is
+    first read; every block read after that checks it (one metadata request), so a reader never
+    mixes blocks of two versions of an object overwritten during a run: it raises instead.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any], pinned: str | None = None) -> None:
         self.name = url
         self.storage_options = storage_options
+        self.pinned = pinned
+        """The object's version when it was opened (None: the store reports none)."""
         self._fs: Any = None
         self._path = ""
         self._pid = -1
@@ -134,25 +145,55 @@ class FsspecFile:
             self._pid = os.getpid()
         return self._fs, self._path
 
-    def size(self) -> int:
+    def _info(self) -> dict[str, Any]:
         fs, path = self._filesystem()
+        fs.invalidate_cache(path)  # the store's answer now, not a listing cached earlier
         try:
-            size = fs.size(path)
+            return fs.info(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"no token file at {self.name}") from None
+
+    def size(self) -> int:
+        info = self._info()
+        size = info.get("size")
         if not isinstance(size, int) or size < 0:
             raise TokenFileError(f"{self.name}: the store reports no size ({size!r})")
+        version = _version(info)
+        if self.pinned is None:
+            self.pinned = version
+        elif version != self.pinned:
+            raise self._changed(version)
         return size
 
     def read(self, start: int, stop: int) -> bytes:
         fs, path = self._filesystem()
-        return _whole_range(self.name, fs.cat_file(path, start=start, end=stop), start, stop)
+        data = fs.cat_file(path, start=start, end=stop)
+        if self.pinned is not None:
+            version = _version(self._info())
+            if version != self.pinned:
+                raise self._changed(version)
+        return _whole_range(self.name, data, start, stop)
+
+    def _changed(self, version: str | None) -> TokenFileError:
+        return TokenFileError(
+            f"{self.name} changed while it was being read (version {self.pinned!r} when opened, "
+            f"now {version!r}): blocks of two versions would be mixed; open a new TokenReader "
+            "(and do not overwrite a token file during a run: write a new one)"
+        )
 
     def close(self) -> None:
         self._fs = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "storage_options": self.storage_options}
+        return {"name": self.name, "storage_options": self.storage_options, "pinned": self.pinned}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["name"], state["storage_options"])  # type: ignore[misc]
+        self.__init__(state["name"], state["storage_options"], state.get("pinned"))  # type: ignore[misc]
+
+
+def _version(info: dict[str, Any]) -> str | None:
+    for name in VERSION_FIELDS:
+        value = info.get(name)
+        if value not in (None, ""):
+            return f"{name}={value}"
+    return None

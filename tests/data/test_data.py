@@ -246,6 +246,21 @@ def test_s3_reader_in_forked_workers(s3_tokens, s3_endpoint, counting):
     assert all(torch.equal(batch, local.sequences(2 * i, 2)) for i, (_, batch, _) in enumerate(items))
 
 
+@pytest.mark.slow
+def test_s3_object_overwritten_during_a_run_is_refused_not_mixed(
+    s3_tokens, s3_client, s3_bucket, s3_endpoint, counting
+):
+    reader = TokenReader(
+        s3_tokens, seq_len=10, block_size=256, cache_bytes=512, storage_options={"endpoint_url": s3_endpoint}
+    )
+    first = reader.sequences(0, 1)  # block 0, of the version opened
+    assert torch.equal(first, TokenReader(counting, seq_len=10).sequences(0, 1))
+    s3_client.put_object(Bucket=s3_bucket, Key="data/count.bin", Body=bytes(counting.stat().st_size))  # same size
+    with pytest.raises(TokenFileError, match="changed while it was being read"):
+        reader.sequences(60, 1)  # another block: would be the new version's zeros
+    assert torch.equal(reader.sequences(0, 1), first)  # cached blocks of the pinned version stay
+
+
 def test_s3_missing_object(s3_bucket, s3_endpoint):
     pytest.importorskip("s3fs")
     with pytest.raises(FileNotFoundError, match=f"no token file at s3://{s3_bucket}/nope.bin"):
