@@ -114,6 +114,7 @@ class S3Mailbox(BaseVersionedMailbox):
             raise ValueError(f"backoff must be >= 0, not {backoff}")
         self.bucket = bucket
         self.prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        self._bare_if_match = False  # set once the store refused a quoted If-Match and took a bare one
         self.endpoint_url = endpoint_url
         self.region_name = region_name
         self.profile_name = profile_name
@@ -322,20 +323,23 @@ class S3Mailbox(BaseVersionedMailbox):
                     raise self._error(operation, key, exc, budget, note) from exc
                 raise self._error(operation, key, exc, budget) from exc
 
-    def _created_by(self, name: str, key: str, token: str, budget: RetryBudget | None = None) -> bool:
-        """Whether the object ``name`` exists and carries this call's ``token``."""
+    def _head(self, name: str, key: str, operation: str, budget: RetryBudget | None = None) -> dict[str, Any] | None:
+        """``HeadObject`` of ``name`` with retries, or None when it does not exist."""
 
-        def head(client: Any) -> str | None:
+        def head(client: Any) -> dict[str, Any] | None:
             try:
-                response = client.head_object(Bucket=self.bucket, Key=name)
+                return client.head_object(Bucket=self.bucket, Key=name)
             except botocore.exceptions.ClientError as exc:
                 if error_fields(exc)[1] == 404:
                     return None
                 raise
-            return (response.get("Metadata") or {}).get(TOKEN_METADATA)
 
-        operation = "put_if_absent (reading back an ambiguous write)"
-        return self._retrying(operation, key, head, budget) == token
+        return self._retrying(operation, key, head, budget)
+
+    def _created_by(self, name: str, key: str, token: str, budget: RetryBudget | None = None) -> bool:
+        """Whether the object ``name`` exists and carries this call's ``token``."""
+        response = self._head(name, key, "put_if_absent (reading back an ambiguous write)", budget)
+        return response is not None and (response.get("Metadata") or {}).get(TOKEN_METADATA) == token
 
     # -- compare-and-swap (see VersionedMailbox) -----------------------------------------------
     def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
@@ -359,13 +363,33 @@ class S3Mailbox(BaseVersionedMailbox):
     def _replace_if(self, key: str, data: bytes, version: str) -> bool:
         if not version:
             raise TypeError(f"version must be an ETag from get_versioned, not {version!r}")
+        bare = version.strip('"')
+        if self._bare_if_match:
+            return self._if_match(key, data, bare)
+        if self._if_match(key, data, version):
+            return True
+        # GetObject returns the ETag quoted, and some stores (Ceph's radosgw) refuse that form in
+        # If-Match (412) while accepting it bare. If the object still has this ETag, the
+        # condition held: try the bare form once, and keep using it if the store takes it.
+        if bare == version:
+            return False
+        current = self._head(self.prefix + key, key, "replace_if (reading the ETag back)")
+        if current is None or str(current.get("ETag", "")).strip('"') != bare:
+            return False  # really changed (or gone): lost
+        if self._if_match(key, data, bare):
+            self._bare_if_match = True
+            _log.info("%s: the store takes If-Match ETags only unquoted; sending them so", self._store)
+            return True
+        return False
+
+    def _if_match(self, key: str, data: bytes, etag: str) -> bool:
         # 412: the ETag no longer matches (perhaps because our own earlier attempt landed);
         # 404: the object is gone.
         return self._conditional_put(
             "replace_if",
             key,
             data,
-            {"IfMatch": version},
+            {"IfMatch": etag},
             lost=(EXISTS, MISSING),
             unsupported=(
                 "the store does not support conditional overwrites (If-Match); leases and "

@@ -16,6 +16,8 @@ the fate of every request, including botocore's own retries:
 - ``DROP``: reset the connection as soon as the request's headers arrived, before its body.
 - ``STALL``: relay the headers and half the body, then wait until the client gives up
   (its read timeout) and closes; nothing is timed here.
+- ``PRECONDITION``: answer ``412 PreconditionFailed`` without forwarding, as a store whose
+  conditional check refused the request (Ceph's radosgw does so for a quoted ``If-Match``).
 
 The rule is called with the request (method, path, query) and the 1-based number of that
 request; it runs on the proxy's threads, so it should only count and decide.
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL = (
+PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL, PRECONDITION = (
     "pass",
     "truncate",
     "break",
@@ -40,8 +42,13 @@ PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL = (
     "lost",
     "drop",
     "stall",
+    "precondition",
 )
-_ACTIONS = frozenset({PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL})
+_ACTIONS = frozenset({PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL, PRECONDITION})
+_PRECONDITION_FAILED = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>PreconditionFailed</Code>'
+    b"<Message>At least one of the pre-conditions you specified did not hold</Message></Error>"
+)
 _MAX_HEADER = 64 * 1024
 _NOT_FORWARDED = frozenset({"connection", "transfer-encoding", "content-length", "expect"})
 
@@ -54,6 +61,11 @@ class Request:
     path: str  # without the query string
     query: str
     number: int  # 1-based, over the proxy's lifetime
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def header(self, name: str) -> str | None:
+        """The value of header ``name`` (any case), or None."""
+        return next((value for key, value in self.headers if key.lower() == name.lower()), None)
 
 
 Rule = Callable[[Request], str]
@@ -122,7 +134,7 @@ class FaultProxy:
             request_line, headers = head
             method, target, _ = request_line.split(" ", 2)
             path, _, query = target.partition("?")
-            action = self._decide(Request(method, path, query, number))
+            action = self._decide(Request(method, path, query, number, tuple(headers)))
             if action == DROP:
                 _reset(conn)
                 return
@@ -131,6 +143,11 @@ class FaultProxy:
             body = _read_body(reader, headers)
             if action == RESET:
                 _reset(conn)
+                return
+            if action == PRECONDITION:
+                head = "HTTP/1.1 412 Precondition Failed\r\nContent-Type: application/xml\r\n"
+                head += f"Content-Length: {len(_PRECONDITION_FAILED)}\r\nConnection: close\r\n\r\n"
+                conn.sendall(head.encode("latin-1") + _PRECONDITION_FAILED)
                 return
             status, reason, answer_headers, answer = self._forward(method, target, headers, body)
             if action == LOST:

@@ -21,6 +21,7 @@ from s3_fault_proxy import (  # noqa: E402
     DROP,
     LOST,
     PASS,
+    PRECONDITION,
     STALL,
     TRUNCATE,
     FaultProxy,
@@ -278,3 +279,33 @@ def test_web_urls_are_refused_with_the_likely_intended_call(url):
     message = str(caught.value)
     assert "http/https" not in message and message.startswith(f"{url}: ")
     assert "s3://" in message and "endpoint_url=" in message
+
+
+def radosgw_if_match(request: Request) -> str:
+    """Ceph's radosgw (16.2): a quoted ``If-Match`` ETag never matches; a bare one does."""
+    tag = request.header("If-Match")
+    return PRECONDITION if tag is not None and tag.startswith('"') else PASS
+
+
+def test_replace_if_wins_on_a_store_that_takes_if_match_etags_only_bare(proxy, s3_bucket):
+    box = through(proxy.url, s3_bucket)
+    box.put("lease", b"v1")
+    proxy.rule = radosgw_if_match
+    _, version = box.get_versioned("lease")
+    assert version.startswith('"')  # as GetObject returns it
+    assert box.replace_if("lease", b"v2", version)  # refused quoted, then taken bare
+    assert box.get("lease") == b"v2"
+    assert not box.replace_if("lease", b"v3", version)  # a stale ETag still loses, bare or not
+    _, version = box.get_versioned("lease")
+    requests = proxy.requests
+    assert box.replace_if("lease", b"v4", version)  # from now on bare at once: one request
+    assert proxy.requests == requests + 1 and box.get("lease") == b"v4"
+
+
+def test_replace_if_loses_once_when_the_object_really_changed(proxy, s3_bucket):
+    box = through(proxy.url, s3_bucket)
+    box.put("lease", b"v1")
+    _, version = box.get_versioned("lease")
+    box.put("lease", b"changed")
+    assert not box.replace_if("lease", b"v2", version)
+    assert box.get("lease") == b"changed"
