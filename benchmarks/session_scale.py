@@ -45,9 +45,23 @@ phases); nobody steps until all have joined; steps of different learners are spr
 step period (not in lockstep, which would queue every thread on the GIL at once); all stop
 together when the window closes.
 
+Learners in several processes (``--processes P``, default 1): one process's ~200 threads (64
+learners, their sessions' workers) queue on its interpreter lock, which the Session's own cost
+cannot be told apart from. With P above 1, a row's L learners are dealt round-robin to P worker
+processes (spawn; about L/P learner threads each, at most one process per learner) that share
+one ``LocalMailbox`` in a fresh temporary directory (on ``/dev/shm`` when it is writable),
+each learner still behind its own ``PacedMailbox``. The parent hands out absolute wall-clock
+times (join, window start): nobody steps until every process's sessions have joined, every
+process opens and closes the window together; at its end every process records its learners'
+figures, the parent takes ``consensus`` once (before anybody waits or leaves), then every
+process waits for its exchanges in flight, then every process leaves. The figures are computed
+by the same code as the threads' (``cpu_per_wall``: the processes' CPU seconds summed; ``wait_s``,
+``exit_s``: the slowest process); the store differs (files on tmpfs rather than a dict, a little
+more CPU per request).
+
 Usage: ``python -m benchmarks.session_scale [--quick] [--learners 4 16 64] [--seconds 20]
 [--every 2] [--params 1000000] [--steps-per-s 20] [--latency-ms 15] [--bandwidth-mbs 40]
-[--repeats K]``. The default run takes about 1.5 minutes when the exchanges keep up, longer
+[--repeats K] [--processes P]``. The default run takes about 1.5 minutes when the exchanges keep up, longer
 when they do not (the wait and the exits queue on the store: 5 to 6 minutes against the
 Session that folds into one chain of whole-model versions); ``--quick`` (CI: 2 and 4 learners,
 2 s, every 0.5 s, 10k parameters, 2 ms latency) a few seconds and judges nothing. With
@@ -57,19 +71,27 @@ line adds ``<figure>_range`` pairs. The last line printed is one JSON object.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
+import shutil
+import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 from benchmarks._common import emit, median, parser, table, verdicts
-from gradientmail import MemoryMailbox
+from gradientmail import LocalMailbox, MemoryMailbox
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.session import Session, consensus
@@ -85,6 +107,7 @@ DEFAULTS = {
     "latency_ms": 15.0,
     "bandwidth_mbs": 40.0,
 }
+SHARED_MEMORY = "/dev/shm"  # tmpfs on Linux: the processes' store, when writable
 
 
 class PacedMailbox(MailboxWrapper):
@@ -175,6 +198,51 @@ class Learner:
     step_s: float = 0.0
     error: BaseException | None = None
     errors: list[BaseException] = field(default_factory=list)
+    # Taken at the window's end (samples, fragments, at_end) and after its exchange in flight.
+    before: tuple[int, int, int] = (0, 0, 0)
+    after: tuple[int, int, int] = (0, 0, 0)
+    samples: int = 0
+    fragments: int = 1
+    at_end: float = 0.0
+    completed: float = 0.0
+    conflicts: int = 0
+
+
+@dataclass
+class Record:
+    """One learner's figures, as plain data (they cross from a worker process to the parent)."""
+
+    index: int
+    entered: bool
+    errors: int
+    steps: int
+    late_s: float
+    step_s: float
+    before: tuple[int, int, int]
+    after: tuple[int, int, int]
+    samples: int
+    fragments: int
+    at_end: float
+    completed: float
+    conflicts: int
+
+
+def record(learner: Learner) -> Record:
+    return Record(
+        index=learner.index,
+        entered=learner.entered,
+        errors=len(learner.errors),
+        steps=learner.steps,
+        late_s=learner.late_s,
+        step_s=learner.step_s,
+        before=learner.before,
+        after=learner.after,
+        samples=learner.samples,
+        fragments=learner.fragments,
+        at_end=learner.at_end,
+        completed=learner.completed,
+        conflicts=learner.conflicts,
+    )
 
 
 def make_model(params: int) -> torch.nn.Module:
@@ -188,6 +256,15 @@ def make_model(params: int) -> torch.nn.Module:
     return model
 
 
+def make_learner(index: int, config: Config, store: Mailbox) -> Learner:
+    model = make_model(config.params)
+    box = PacedMailbox(store, config.latency_s, config.bandwidth_bytes_s)
+    session = Session(
+        model, mailbox=box, learner_id=f"learner-{index}", every=timedelta(seconds=config.every), outer="average"
+    )
+    return Learner(index, model, box, session)
+
+
 def run_all(items: list[Learner], body: Callable[[Learner], None]) -> None:
     """``body(learner)`` on one thread per learner; returns when every one is done."""
     threads = [threading.Thread(target=body, args=(item,), name=f"bench-{item.index}") for item in items]
@@ -197,113 +274,133 @@ def run_all(items: list[Learner], body: Callable[[Learner], None]) -> None:
         thread.join()
 
 
-def measure(config: Config) -> dict[str, float]:
-    """One run with ``config.learners`` learners; the figures of one row (without suffixes)."""
-    store = MemoryMailbox(f"session-scale-{uuid.uuid4().hex}")
-    every = timedelta(seconds=config.every)
-    learners = []
-    for i in range(config.learners):
-        model = make_model(config.params)
-        box = PacedMailbox(store, config.latency_s, config.bandwidth_bytes_s)
-        session = Session(model, mailbox=box, learner_id=f"learner-{i}", every=every, outer="average")
-        learners.append(Learner(i, model, box, session))
-    model_bytes = 4 * config.params
+# What each learner's thread does, in turn; the same whether the learners share one process or not.
+def enter(learner: Learner, config: Config, joined: float) -> None:
+    """Join at ``joined`` plus this learner's share of one interval (the exchanges' phases spread)."""
+    time.sleep(max(0.0, joined + config.every * learner.index / config.learners - time.monotonic()))
     try:
-        # Join at times spread over one interval, so that the exchanges' phases are spread too.
+        learner.session.__enter__()
+        learner.entered = True
+    except Exception as error:
+        learner.errors.append(error)
+
+
+def train(learner: Learner, config: Config, start: float, active: int) -> None:
+    """Step on the absolute schedule from ``start`` until the window closes."""
+    end = start + config.seconds
+    intended = round(config.seconds * config.steps_per_s)
+    parameters = list(learner.model.parameters())
+    phase = learner.index / active  # nodes' steps are not in lockstep either
+    try:
+        for k in range(intended):
+            due = start + (k + phase) / config.steps_per_s
+            now = time.monotonic()
+            if due > now:
+                time.sleep(due - now)
+            elif now >= end:
+                break  # fallen behind past the window: stop with the others
+            else:
+                learner.late_s = max(learner.late_s, now - due)
+            with torch.no_grad():
+                for parameter in parameters:
+                    parameter.add_(1.0)
+            called = time.monotonic()
+            learner.session.step(samples=1)
+            learner.step_s = max(learner.step_s, time.monotonic() - called)
+            learner.steps += 1
+    except Exception as error:
+        learner.error = error
+        learner.errors.append(error)
+
+
+def window_end(learner: Learner) -> None:
+    """Where the run stands at the window's end, before anybody's exit folds the rest."""
+    learner.samples = learner.session.samples
+    learner.fragments = getattr(learner.session, "fragments", 1) or 1
+    learner.at_end = learner.session.exchanges / learner.fragments
+
+
+def finish_exchange(learner: Learner) -> None:
+    if learner.error is None:
+        try:
+            learner.session.wait()
+        except Exception as error:
+            learner.error = error
+            learner.errors.append(error)
+
+
+def exchanges_done(learner: Learner) -> None:
+    """The bytes and exchanges once the exchange in flight at the window's end is done."""
+    learner.after = learner.box.counters()
+    learner.completed = learner.session.exchanges / learner.fragments
+    learner.conflicts = learner.session.conflicts
+
+
+def leave(learner: Learner) -> None:
+    if not learner.entered:
+        return
+    try:
+        error = learner.error
+        learner.session.__exit__(
+            None if error is None else type(error), error, None if error is None else error.__traceback__
+        )
+    except Exception as exit_error:
+        learner.errors.append(exit_error)
+
+
+def measure(config: Config) -> dict[str, float]:
+    """One run with ``config.learners`` learners as threads of this process; one row's figures."""
+    store = MemoryMailbox(f"session-scale-{uuid.uuid4().hex}")
+    learners = [make_learner(i, config, store) for i in range(config.learners)]
+    try:
         joined = time.monotonic()
-
-        def enter(learner: Learner) -> None:
-            time.sleep(max(0.0, joined + config.every * learner.index / config.learners - time.monotonic()))
-            try:
-                learner.session.__enter__()
-                learner.entered = True
-            except Exception as error:
-                learner.errors.append(error)
-
-        run_all(learners, enter)
+        run_all(learners, lambda learner: enter(learner, config, joined))
         active = [learner for learner in learners if learner.entered]
-        before = {learner.index: learner.box.counters() for learner in active}
+        for learner in active:
+            learner.before = learner.box.counters()
         start = time.monotonic() + 0.05
         end = start + config.seconds
-        intended = round(config.seconds * config.steps_per_s)
         cpu_start = time.process_time()
-
-        def train(learner: Learner) -> None:
-            parameters = list(learner.model.parameters())
-            phase = learner.index / len(active)  # nodes' steps are not in lockstep either
-            try:
-                for k in range(intended):
-                    due = start + (k + phase) / config.steps_per_s
-                    now = time.monotonic()
-                    if due > now:
-                        time.sleep(due - now)
-                    elif now >= end:
-                        break  # fallen behind past the window: stop with the others
-                    else:
-                        learner.late_s = max(learner.late_s, now - due)
-                    with torch.no_grad():
-                        for parameter in parameters:
-                            parameter.add_(1.0)
-                    called = time.monotonic()
-                    learner.session.step(samples=1)
-                    learner.step_s = max(learner.step_s, time.monotonic() - called)
-                    learner.steps += 1
-            except Exception as error:
-                learner.error = error
-                learner.errors.append(error)
-
-        run_all(active, train)
+        run_all(active, lambda learner: train(learner, config, start, len(active)))
         wall = max(time.monotonic(), end) - start
         cpu = time.process_time() - cpu_start
 
-        # Where the run stands at the window's end, before anybody's exit folds the rest.
-        samples = {learner.index: learner.session.samples for learner in active}
-        fragments = {learner.index: getattr(learner.session, "fragments", 1) or 1 for learner in active}
-        at_end = {learner.index: learner.session.exchanges / fragments[learner.index] for learner in active}
+        for learner in active:
+            window_end(learner)
         folded = consensus(store, make_model(config.params))
-
-        def finish_exchange(learner: Learner) -> None:
-            if learner.error is None:
-                try:
-                    learner.session.wait()
-                except Exception as error:
-                    learner.error = error
-                    learner.errors.append(error)
 
         closed = time.monotonic()
         run_all(active, finish_exchange)
         waited = time.monotonic() - closed
-        after = {learner.index: learner.box.counters() for learner in active}
-        completed = {learner.index: learner.session.exchanges / fragments[learner.index] for learner in active}
-        conflicts = sum(learner.session.conflicts for learner in active)
+        for learner in active:
+            exchanges_done(learner)
     finally:
         leaving = time.monotonic()
-
-        def leave(learner: Learner) -> None:
-            if not learner.entered:
-                return
-            try:
-                error = learner.error
-                learner.session.__exit__(
-                    None if error is None else type(error), error, None if error is None else error.__traceback__
-                )
-            except Exception as exit_error:
-                learner.errors.append(exit_error)
-
         run_all(learners, leave)
         left = time.monotonic() - leaving
         store.clear()
+    return row_figures(config, [record(learner) for learner in learners], folded, cpu, wall, waited, left)
 
+
+def row_figures(
+    config: Config, records: list[Record], folded: dict[str, int], cpu: float, wall: float, waited: float, left: float
+) -> dict[str, float]:
+    """One row's figures (without suffixes) from every learner's record, however they were placed."""
+    errors = float(sum(item.errors for item in records))
+    active = [item for item in records if item.entered]
     if not active:
-        return {"errors": float(sum(len(learner.errors) for learner in learners))}
+        return {"errors": errors}
+    model_bytes = 4 * config.params
+    intended = round(config.seconds * config.steps_per_s)
     intended_exchanges = config.seconds / config.every
-    rates = [at_end[i] / intended_exchanges for i in at_end]
-    lags = [(samples[i] - folded.get(f"learner-{i}", 0)) / config.steps_per_s for i in samples]
+    rates = [item.at_end / intended_exchanges for item in active]
+    lags = [(item.samples - folded.get(f"learner-{item.index}", 0)) / config.steps_per_s for item in active]
     per_exchange = {
-        name: [(after[i][column] - before[i][column]) / scale / max(completed[i], 1e-9) for i in after]
+        name: [(item.after[column] - item.before[column]) / scale / max(item.completed, 1e-9) for item in active]
         for name, column, scale in (("requests", 0, 1), ("read", 1, model_bytes), ("written", 2, model_bytes))
     }
-    total_exchanges = sum(completed.values())
+    total_exchanges = sum(item.completed for item in active)
+    conflicts = sum(item.conflicts for item in active)
     return {
         "exchange_rate": min(rates),
         "exchange_rate_mean": sum(rates) / len(rates),
@@ -318,15 +415,169 @@ def measure(config: Config) -> dict[str, float]:
         "requests_per_exchange": sum(per_exchange["requests"]) / len(active),
         "conflicts": float(conflicts),
         "conflicts_per_exchange": conflicts / total_exchanges if total_exchanges else math.nan,
-        "errors": float(sum(len(learner.errors) for learner in learners)),
+        "errors": errors,
         "cpu_per_wall": cpu / wall,
-        "step_rate": min(learner.steps for learner in active) / intended,
-        "late_ms": 1000 * max(learner.late_s for learner in active),
-        "step_max_ms": 1000 * max(learner.step_s for learner in active),
+        "step_rate": min(item.steps for item in active) / intended,
+        "late_ms": 1000 * max(item.late_s for item in active),
+        "step_max_ms": 1000 * max(item.step_s for item in active),
         "wait_s": waited,
         "exit_s": left,
-        "fragments": float(max(fragments.values())),
+        "fragments": float(max(item.fragments for item in active)),
     }
+
+
+# -- learners spread over processes -----------------------------------------------------------
+def store_parent() -> str | None:
+    """Where the processes' store goes: ``/dev/shm`` (tmpfs) when writable, else the default."""
+    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
+        return SHARED_MEMORY
+    return None
+
+
+def monotonic_at(wall_clock: float) -> float:
+    """This process's ``time.monotonic()`` at the absolute time ``wall_clock`` (``time.time()``)."""
+    return time.monotonic() + (wall_clock - time.time())
+
+
+def expect(conn: Connection, kind: str) -> tuple[Any, ...]:
+    message = conn.recv()
+    if message[0] != kind:
+        raise RuntimeError(f"expected {kind!r} from the parent, got {message[0]!r}")
+    return message[1:]
+
+
+def worker(config: Config, indices: list[int], directory: str, conn: Connection) -> None:
+    """A worker process: learners ``indices`` (of ``config.learners``) as threads, on the shared store.
+
+    Talks to the parent over ``conn``: ``ready`` -> ``join`` (wall-clock time) -> ``entered`` ->
+    ``start`` (wall-clock time, learners entered in all) -> ``window`` -> ``wait`` -> ``waited`` ->
+    ``leave`` -> ``done`` (records, cpu, wall, waited, left), or ``failed`` (a traceback).
+    """
+    torch.set_num_threads(1)
+    failure: str | None = None
+    learners: list[Learner] = []
+    cpu = wall = waited = left = 0.0
+    try:
+        store = LocalMailbox(directory, create=False)
+        learners = [make_learner(i, config, store) for i in indices]
+        conn.send(("ready",))
+        (joined_at,) = expect(conn, "join")
+        joined = monotonic_at(joined_at)
+        run_all(learners, lambda learner: enter(learner, config, joined))
+        active = [learner for learner in learners if learner.entered]
+        for learner in active:
+            learner.before = learner.box.counters()
+        conn.send(("entered", len(active)))
+        start_at, everyone = expect(conn, "start")
+        start = monotonic_at(start_at)
+        end = start + config.seconds
+        cpu_start = time.process_time()
+        run_all(active, lambda learner: train(learner, config, start, everyone))
+        wall = max(time.monotonic(), end) - start
+        cpu = time.process_time() - cpu_start
+        for learner in active:
+            window_end(learner)
+        conn.send(("window",))
+        expect(conn, "wait")  # the parent took consensus() meanwhile
+        closed = time.monotonic()
+        run_all(active, finish_exchange)
+        waited = time.monotonic() - closed
+        for learner in active:
+            exchanges_done(learner)
+        conn.send(("waited",))
+        expect(conn, "leave")
+    except BaseException:  # reported to the parent, which raises it
+        failure = traceback.format_exc()
+    finally:
+        leaving = time.monotonic()
+        run_all(learners, leave)
+        left = time.monotonic() - leaving
+    try:
+        if failure is None:
+            records = [dataclasses.asdict(record(learner)) for learner in learners]  # plain data: no class to import
+            conn.send(("done", records, cpu, wall, waited, left))
+        else:
+            conn.send(("failed", failure))
+    except OSError:
+        pass  # the parent is gone (it raised): nobody to tell
+    finally:
+        conn.close()
+
+
+def gather(workers: list[tuple[multiprocessing.process.BaseProcess, Connection]], kind: str) -> list[tuple[Any, ...]]:
+    """One ``kind`` message from every worker, in order; raises when one failed or died."""
+    answers: dict[int, tuple[Any, ...]] = {}
+    while len(answers) < len(workers):
+        pending = [number for number in range(len(workers)) if number not in answers]
+        multiprocessing.connection.wait(
+            [workers[number][1] for number in pending] + [workers[number][0].sentinel for number in pending]
+        )
+        for number in pending:
+            process, conn = workers[number]
+            if conn.poll():
+                message = conn.recv()
+                if message[0] == "failed":
+                    raise RuntimeError(f"worker process {number} failed:\n{message[1]}")
+                if message[0] != kind:
+                    raise RuntimeError(f"expected {kind!r} from worker process {number}, got {message[0]!r}")
+                answers[number] = message[1:]
+            elif not process.is_alive():
+                raise RuntimeError(f"worker process {number} exited ({process.exitcode}) before {kind!r}")
+    return [answers[number] for number in range(len(workers))]
+
+
+def send_all(workers: list[tuple[multiprocessing.process.BaseProcess, Connection]], *message: Any) -> None:
+    for _, conn in workers:
+        conn.send(message)
+
+
+def measure_processes(config: Config, processes: int) -> dict[str, float]:
+    """One run with ``config.learners`` learners dealt to ``processes`` worker processes; one row."""
+    count = max(1, min(processes, config.learners))
+    directory = tempfile.mkdtemp(prefix="session-scale-", dir=store_parent())
+    context = multiprocessing.get_context("spawn")
+    workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    try:
+        for number in range(count):
+            mine, theirs = context.Pipe()
+            process = context.Process(
+                target=worker,
+                args=(config, list(range(number, config.learners, count)), directory, theirs),
+                name=f"session-scale-{number}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            workers.append((process, mine))
+        gather(workers, "ready")  # every model and session built (imports, allocations) before anyone joins
+        send_all(workers, "join", time.time() + 0.2)
+        everyone = sum(answer[0] for answer in gather(workers, "entered"))
+        send_all(workers, "start", time.time() + 0.2, max(everyone, 1))
+        gather(workers, "window")
+        folded = consensus(LocalMailbox(directory, create=False), make_model(config.params))
+        send_all(workers, "wait")
+        gather(workers, "waited")
+        send_all(workers, "leave")
+        done = gather(workers, "done")
+    finally:
+        for _, conn in workers:
+            conn.close()  # a worker still waiting for the parent stops, leaves its sessions and exits
+        for process, _ in workers:
+            process.join(timeout=120)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        shutil.rmtree(directory, ignore_errors=True)
+    records = sorted((Record(**item) for answer in done for item in answer[0]), key=lambda item: item.index)
+    return row_figures(
+        config,
+        records,
+        folded,
+        cpu=sum(answer[1] for answer in done),
+        wall=max(answer[2] for answer in done),
+        waited=max(answer[3] for answer in done),
+        left=max(answer[4] for answer in done),
+    )
 
 
 COLUMNS = (
@@ -370,6 +621,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     command.add_argument("--latency-ms", type=float, help="store latency per request, ms (default 15)")
     command.add_argument("--bandwidth-mbs", type=float, help="store bandwidth per request, MB/s (default 40)")
     command.add_argument("--repeats", type=int, default=1, help="runs per learner count (default 1)")
+    command.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="worker processes the learners are dealt to, sharing a LocalMailbox (default 1: threads of this one)",
+    )
     args = command.parse_args(argv)
     chosen = {**DEFAULTS, **(QUICK if args.quick else {})}
     for name in DEFAULTS:
@@ -377,6 +634,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             chosen[name] = getattr(args, name)
     if args.repeats < 1:
         command.error("--repeats must be >= 1")
+    if args.processes < 1:
+        command.error("--processes must be >= 1")
     torch.set_num_threads(1)  # dozens of learner threads: no intra-op pool fighting over the cores
 
     results: dict[int, list[dict[str, float]]] = {}
@@ -390,11 +649,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             latency_s=chosen["latency_ms"] / 1000,
             bandwidth_bytes_s=chosen["bandwidth_mbs"] * 1e6,
         )
-        results[count] = [measure(config) for _ in range(args.repeats)]
+        if args.processes == 1:
+            results[count] = [measure(config) for _ in range(args.repeats)]
+        else:
+            results[count] = [measure_processes(config, args.processes) for _ in range(args.repeats)]
 
     model_mb = 4 * chosen["params"] / 1e6
+    if args.processes == 1:
+        placed = "learners as threads"
+    else:
+        placed = (
+            f"learners as threads dealt round-robin to {args.processes} processes (at most one per learner) "
+            f"sharing one LocalMailbox in {store_parent() or tempfile.gettempdir()}"
+        )
     print(
-        f"Session at scale: learners as threads, {chosen['params']:,} float32 parameters ({model_mb:g} MB), "
+        f"Session at scale: {placed}, {chosen['params']:,} float32 parameters ({model_mb:g} MB), "
         f"{chosen['steps_per_s']:g} steps/s, every {chosen['every']:g} s, outer=average, {chosen['seconds']:g} s "
         f"window; store {chosen['latency_ms']:g} ms + bytes at {chosen['bandwidth_mbs']:g} MB/s per request; "
         f"{os.cpu_count()} CPUs{' (quick)' if args.quick else ''}"
@@ -432,6 +701,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         latency_ms=chosen["latency_ms"],
         bandwidth_mbs=chosen["bandwidth_mbs"],
         repeats=args.repeats,
+        processes=args.processes,
     )
     emit(figures)
     return figures
