@@ -7,13 +7,10 @@ anything is: CI machines are too noisy for speed bars, and the figures are judge
 
 from __future__ import annotations
 
-import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_runs import finite, quick_run  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,49 +112,23 @@ SLOW = {
 """Run by ``--full`` only; training's quick mode is tested in ``test_training_benchmark.py``."""
 
 
-def finite_numbers(value: object) -> bool:
-    values = value if isinstance(value, list) else [value]
-    return bool(values) and all(
-        isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item) for item in values
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted([*FIGURES, "s3_latency"]))
 def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{script}", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.strip().splitlines()
-    assert len(lines) >= 3, completed.stdout  # a table before the JSON line
-    figures = json.loads(lines[-1])
-    assert isinstance(figures, dict)
+    lines, figures = quick_run(script)
+    assert len(lines) >= 3, lines  # a table before the JSON line
     expected = {**FIGURES, **SLOW}[script]
     missing = [name for name in expected if name not in figures]
     assert not missing, f"{script} does not report {missing}: {figures}"
-    bad = {name: figures[name] for name in expected if not finite_numbers(figures[name])}
+    bad = {name: figures[name] for name in expected if not finite(figures[name])}
     assert not bad, f"{script} reports figures that are not finite numbers: {bad}"
 
 
 @pytest.mark.slow
 def test_scale_quick_mode_measures_every_figure_directly() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scale", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.strip().splitlines()
-    assert len(lines) >= 3, completed.stdout
-    figures = json.loads(lines[-1])
-    bad = {name: figures.get(name) for name in SCALE if not finite_numbers(figures.get(name))}
+    lines, figures = quick_run("scale")
+    assert len(lines) >= 3, lines
+    bad = {name: figures.get(name) for name in SCALE if not finite(figures.get(name))}
     assert not bad, f"scale reports figures that are missing or not numbers: {bad}"
     # The ladder stays below the target size, and each node of it keeps some state.
     assert figures["ladder_units"] < figures["target_units"], figures

@@ -7,17 +7,11 @@ and prints what it promises, never how fast anything is: CI machines are too noi
 
 from __future__ import annotations
 
-import json
-import math
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_runs import finite, quick_run  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 pytestmark = pytest.mark.slow  # starts a process that runs for several seconds
 
-ROOT = Path(__file__).resolve().parents[2]
 
 PER_COUNT = [
     "exchange_rate",
@@ -38,24 +32,10 @@ PER_COUNT = [
 QUICK_COUNTS = (2, 4)
 
 
-def finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def run_quick(*extra: str) -> dict[str, object]:
     """``--quick`` plus ``extra``: checks the table and the figures, returns the JSON line."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.session_scale", "--quick", *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.strip().splitlines()
-    assert any(line.startswith("learners") for line in lines), completed.stdout  # the table
-    figures = json.loads(lines[-1])
-    assert isinstance(figures, dict)
+    lines, figures = quick_run("session_scale", *extra)
+    assert any(line.startswith("learners") for line in lines), lines  # the table
     expected = [f"scale_{name}_{count}" for count in QUICK_COUNTS for name in PER_COUNT]
     missing = [name for name in expected if name not in figures]
     assert not missing, f"missing {missing}: {figures}"

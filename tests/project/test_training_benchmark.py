@@ -8,17 +8,12 @@ are: the quick run trains a few batches, so its losses are far from converged.
 from __future__ import annotations
 
 import inspect
-import json
-import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_runs import finite, quick_run  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parents[2]
 
 RATIOS = ["loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"]
 OUTERS = ["average", "delayed_nesterov"]
@@ -53,23 +48,9 @@ FINITE = [
 ]
 
 
-def finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def test_quick_training_benchmark_prints_its_figures_as_json_last() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.training", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.strip().splitlines()
-    assert any(line.startswith("method") for line in lines), completed.stdout  # the table
-    figures = json.loads(lines[-1])
-    assert isinstance(figures, dict)
+    lines, figures = quick_run("training")
+    assert any(line.startswith("method") for line in lines), lines  # the table
     missing = [key for key in KEYS if key not in figures]
     assert not missing, missing
     not_finite = {key: figures[key] for key in FINITE if not finite(figures[key])}
