@@ -7,12 +7,8 @@ anything is: CI machines are too noisy for speed bars, and the figures are judge
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from benchmark_runs import finite, quick_run  # tests/helpers/ is on sys.path (tests/conftest.py)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 FIGURES = {
     "balance": [
