@@ -32,16 +32,16 @@ PER_COUNT = [
 QUICK_COUNTS = (2, 4)
 
 
-def run_quick(*extra: str) -> dict[str, object]:
+def run_quick(*extra: str, counts: tuple[int, ...] = QUICK_COUNTS) -> dict[str, object]:
     """``--quick`` plus ``extra``: checks the table and the figures, returns the JSON line."""
     lines, figures = quick_run("session_scale", *extra)
     assert any(line.startswith("learners") for line in lines), lines  # the table
-    expected = [f"scale_{name}_{count}" for count in QUICK_COUNTS for name in PER_COUNT]
+    expected = [f"scale_{name}_{count}" for count in counts for name in PER_COUNT]
     missing = [name for name in expected if name not in figures]
     assert not missing, f"missing {missing}: {figures}"
     bad = {name: figures[name] for name in expected if not finite(figures[name])}
     assert not bad, f"figures that are not finite numbers: {bad}"
-    assert figures["learners"] == list(QUICK_COUNTS)
+    assert figures["learners"] == list(counts)
     return figures
 
 
@@ -52,7 +52,7 @@ def test_quick_session_scale_benchmark_prints_its_figures_as_json_last() -> None
 
 def test_quick_session_scale_benchmark_with_learners_in_two_processes() -> None:
     """The learners dealt to two worker processes sharing a LocalMailbox: the same figures."""
-    figures = run_quick("--processes", "2")
+    figures = run_quick("--processes", "2", "--learners", "4", counts=(4,))  # one row: processes start slowly
     assert figures["processes"] == 2
 
 
