@@ -253,6 +253,7 @@ PROGRESS = RecordKind(
         "learner": _segment,
         "steps": _COUNT,
         "samples": _COUNT,
+        "samples_in_run": _nullable(_COUNT),  # of those, the ones whose progress the run's state holds
         "samples_per_s": _nullable(_rate),
         "units": _nullable(_COUNT),
         "started": _nullable(_time),

@@ -95,6 +95,8 @@ class LearnerStatus:
     learner: str
     units: int = 0
     samples: int | None = None
+    samples_in_run: int | None = None
+    """Of ``samples``, those whose progress the run's state holds (a Session's learners)."""
     samples_per_s: float | None = None
     steps: int | None = None
     started: float | None = None
@@ -226,6 +228,7 @@ def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | No
     row = LearnerStatus(
         learner=body.get("learner") if isinstance(body.get("learner"), str) else learner,
         samples=_number(body.get("samples"), int),
+        samples_in_run=_number(body.get("samples_in_run"), int),
         samples_per_s=_number(body.get("samples_per_s")),
         steps=_number(body.get("steps"), int),
         started=_number(body.get("started")),

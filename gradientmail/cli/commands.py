@@ -55,6 +55,9 @@ def status_table(run) -> Any:
     table.add_column("units", justify="right")
     table.add_column("share", justify="right")
     table.add_column("samples", justify="right")
+    in_run = any(row.samples_in_run is not None for row in run.learners)
+    if in_run:  # a Session's learners: how much of what they trained the run's state holds
+        table.add_column("in run", justify="right")
     table.add_column("samples/s", justify="right")
     table.add_column("steps", justify="right")
     table.add_column("last seen", justify="right")
@@ -69,6 +72,7 @@ def status_table(run) -> Any:
             str(row.units),
             share,
             _count(row.samples),
+            *([_count(row.samples_in_run)] if in_run else []),
             _count(row.samples_per_s, 1),
             _count(row.steps),
             _ago(row.last_seen, run.read_at),

@@ -92,6 +92,11 @@ class ElasticBatches(Batches):
         self._stop_claiming = stop_claiming
         self._closed = False
 
+    @property
+    def tracker(self) -> ProgressTracker:
+        """What records this learner's progress (``flush()`` waits for its writes)."""
+        return self._tracker
+
     def _next(self) -> Batch:
         return self._consumption.next_from(self._inner)
 
@@ -106,4 +111,8 @@ class ElasticBatches(Batches):
             self._inner.close()
         finally:
             self._consumption.finish(consumed_last=consumed_last)
-            self._tracker.close()
+            try:
+                if consumed_last:  # a clean exit: the Session folds what the records wait for
+                    self._tracker.settle()
+            finally:
+                self._tracker.close()

@@ -8,12 +8,16 @@ loading side (``queue.reclaim``) to it. Details: docs/queue.md.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gradientmail.fold_gate import gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
+from gradientmail.mailbox.base import describe
 from gradientmail.queue.claims import load_claim
 from gradientmail.queue.leases import (
     RELEASED,
@@ -33,6 +37,13 @@ __all__ = ["BATCH", "END", "Consumption", "ProgressTracker", "Tagged", "consume_
 BATCH, END = 0, 1
 """Kinds of the tag carried beside each item between the loading side and the consumer."""
 
+log = logging.getLogger("gradientmail.queue")
+
+SETTLE_AFTER_S = 10.0
+"""A loop waiting this long for its next batch (``lease/4`` when shorter) while records wait for
+the Session has the Session fold them: at the run's end a node waits for its peers' units, and
+its own last units must not look unfinished (and be reclaimed) meanwhile."""
+
 
 class ProgressTracker:
     """Records consumed steps, finished units and the lease heartbeat from the consuming process.
@@ -41,6 +52,9 @@ class ProgressTracker:
     at a time, always the latest state (a unit's progress is coalesced to its last consumed
     step). ``close`` flushes, releases this incarnation's unfinished units and marks the lease
     stopped. A write that fails is kept and raised by the next ``check``; the thread goes on.
+
+    With a ``Session`` of the same learner in this process, records wait at its ``FoldGate``
+    (``gradientmail.fold_gate``) until the batch's progress is in the run's state.
     """
 
     def __init__(self, mailbox: Any, learner_id: str, options: ElasticOptions) -> None:
@@ -50,6 +64,12 @@ class ProgressTracker:
         self._changed = threading.Condition()
         self._progress: dict[str, tuple[str, int, int | None]] = {}
         self._finished: list[tuple[str, str]] = []
+        self.gate = gate_for(describe(mailbox), learner_id)
+        self._held: deque[tuple[int, tuple[str, str, int, int | None] | tuple[str, str]]] = deque()
+        self._waiting_since: float | None = None  # the loop is inside next() since (monotonic)
+        self._settling = False  # the writer thread has the Session fold; the loop must not resume
+        lease = options.lease_s
+        self._settle_after_s = SETTLE_AFTER_S if lease is None else min(SETTLE_AFTER_S, lease / 4)
         self._consumed = 0
         self._beat_consumed = 0
         self._beat = 0
@@ -63,22 +83,74 @@ class ProgressTracker:
 
     # -- called by the consumer -----------------------------------------------------------
     def start(self) -> None:
+        self.gate.listen(self._folded)
         if self.options.lease_s is not None:
             self._write_lease(RUNNING)
         self._thread = threading.Thread(target=self._run, name=f"gradientmail-progress-{self.learner_id}", daemon=True)
         self._thread.start()
 
-    def consumed(self, identifier: str, token: str, step: int, position: int | None = None) -> None:
-        """The loop consumed the batch labelled ``step`` at ``position`` of the unit's load()."""
+    def consumed(
+        self, identifier: str, token: str, step: int, position: int | None = None, index: int | None = None
+    ) -> None:
+        """The loop consumed the batch labelled ``step`` at ``position`` of the unit's load();
+        ``index``: the batch's ``FoldGate`` index (its record waits until the run holds it)."""
         with self._changed:
-            self._progress[identifier] = (token, step, position)
-            self._consumed += 1
+            self._consumed += 1  # the lease's sign of life: consumption, folded or not
+            if index is not None and (self._held or self.gate.holds(index)):
+                self._held.append((index, (identifier, token, step, position)))
+            else:
+                self._progress[identifier] = (token, step, position)
             self._changed.notify_all()
 
-    def finished(self, identifier: str, token: str) -> None:
+    def finished(self, identifier: str, token: str, index: int | None = None) -> None:
+        """The unit's last batch (gate index ``index``) was consumed."""
         with self._changed:
-            self._finished.append((identifier, token))
+            if index is not None and (self._held or self.gate.holds(index)):
+                self._held.append((index, (identifier, token)))
+            else:
+                self._finished.append((identifier, token))
             self._changed.notify_all()
+
+    def _folded(self, folded: int) -> None:
+        """The gate's listener: records of batches up to ``folded`` may be written now."""
+        with self._changed:
+            while self._held and self._held[0][0] <= folded:
+                _, record = self._held.popleft()
+                if len(record) == 4:
+                    identifier, token, step, position = record
+                    self._progress[identifier] = (token, step, position)
+                else:
+                    self._finished.append(record)
+            self._changed.notify_all()
+
+    def settle(self) -> None:
+        """Before a clean close: have the Session fold what is held, so every record is written."""
+        if self._held:
+            self.gate.settle()
+
+    def waiting(self, waiting: bool) -> None:
+        """The loop enters (True) or leaves (False) ``next()``. Leaving waits for a fold that the
+        writer thread started meanwhile: the loop must not train while the model is snapshotted."""
+        with self._changed:
+            if waiting:
+                self._waiting_since = time.monotonic()
+                if self._held:  # the writer thread times the wait only while records wait
+                    self._changed.notify_all()
+            else:
+                self._changed.wait_for(lambda: not self._settling)
+                self._waiting_since = None
+
+    def _settle_due(self) -> float | None:
+        """Seconds until the writer thread has the Session fold for a waiting loop (None: never)."""
+        if not self._held or self._waiting_since is None or not self.gate.attached:
+            return None
+        return max(0.0, self._waiting_since + self._settle_after_s - time.monotonic())
+
+    @property
+    def held(self) -> int:
+        """Records waiting for the Session to fold their batches."""
+        with self._changed:
+            return len(self._held)
 
     def check(self) -> None:
         """Raise the error of a failed background write (once)."""
@@ -92,7 +164,22 @@ class ProgressTracker:
             self._changed.wait_for(lambda: self._idle() or self._thread is None or not self._thread.is_alive())
 
     def close(self, *, release: bool = True) -> None:
-        """Flush, stop the writer, release unfinished units of this incarnation, stop the lease."""
+        """Flush, stop the writer, release unfinished units of this incarnation, stop the lease.
+
+        Records still held (batches whose progress is not in the run) are dropped: the units
+        are released at the last batch the run holds, and whoever continues them trains the
+        rest again.
+        """
+        self.gate.unlisten(self._folded)
+        with self._changed:
+            dropped, self._held = len(self._held), deque()
+        if dropped:
+            log.info(
+                "%s: %d batch record(s) not written: their progress is not in the run's state; "
+                "the node that continues those units trains them again",
+                self.learner_id,
+                dropped,
+            )
         if self._thread is not None:
             with self._changed:
                 self._stopping = True
@@ -145,20 +232,39 @@ class ProgressTracker:
                 self._writing = False
                 self._changed.notify_all()
                 while True:
-                    due = self.beat_due()
-                    if self._progress or self._finished or due == 0.0:
+                    due, settle = self.beat_due(), self._settle_due()
+                    if self._progress or self._finished or due == 0.0 or settle == 0.0:
                         break
                     if self._stopping:
                         return
-                    self._changed.wait(due)
-                progress, self._progress = self._progress, {}
-                finished, self._finished = self._finished, []
-                beat = self.beat_due() == 0.0
+                    waits = [d for d in (due, settle) if d is not None]
+                    self._changed.wait(min(waits) if waits else None)
                 self._writing = True
+                self._settling = self._settle_due() == 0.0
+                if not self._settling:
+                    progress, self._progress = self._progress, {}
+                    finished, self._finished = self._finished, []
+                    beat = self.beat_due() == 0.0
+            if self._settling:
+                self._settle_for_waiting_loop()
+                continue  # then write what the fold released, with the rest
             try:
                 self._write(progress, finished, beat)
             except Exception as exc:  # surfaced to the consumer by check()
                 self._error = exc
+
+    def _settle_for_waiting_loop(self) -> None:
+        """Have the Session fold while the loop waits inside ``next()`` (it cannot train now)."""
+        try:
+            self.gate.settle()
+        except Exception as exc:  # surfaced to the consumer by check()
+            self._error = exc
+        finally:
+            with self._changed:
+                self._settling = False
+                if self._waiting_since is not None:  # still waiting: try again later, if still held
+                    self._waiting_since = time.monotonic()
+                self._changed.notify_all()
 
     def _write(
         self, progress: dict[str, tuple[str, int, int | None]], finished: list[tuple[str, str]], beat: bool
@@ -233,21 +339,27 @@ class Consumption:
 
     def __init__(self, tracker: ProgressTracker) -> None:
         self.tracker = tracker
-        self._last: tuple[str, str, int, int | None] | None = None
+        self._last: tuple[str, str, int, int | None, int] | None = None
+        self._index = 0  # the gate index of the last batch handed to the loop
 
     def next_from(self, items: Iterator[Tagged]) -> tuple[int, Any]:
         self.tracker.check()
         if self._last is not None:
             self.tracker.consumed(*self._last)
             self._last = None
-        while True:
-            step, tensor, tag = next(items)
-            identifier, token, kind = tag[0], tag[1], tag[2]
-            if kind == END:
-                self.tracker.finished(identifier, token)
-                continue
-            self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None)
-            return step, tensor
+        self.tracker.waiting(True)
+        try:
+            while True:
+                step, tensor, tag = next(items)
+                identifier, token, kind = tag[0], tag[1], tag[2]
+                if kind == END:
+                    self.tracker.finished(identifier, token, self._index)
+                    continue
+                self._index = self.tracker.gate.deliver()
+                self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None, self._index)
+                return step, tensor
+        finally:
+            self.tracker.waiting(False)
 
     def finish(self, *, consumed_last: bool) -> None:
         if consumed_last and self._last is not None:
@@ -275,7 +387,8 @@ def consume_inline(
         while True:
             try:
                 item = consumption.next_from(items)
-            except StopIteration:
+            except StopIteration:  # every unit done: the Session folds what the records wait for
+                tracker.settle()
                 return
             yield item
     finally:

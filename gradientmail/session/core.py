@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import SessionError
+from gradientmail.fold_gate import SessionLink, gate_for
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
@@ -158,6 +159,7 @@ class Session:
         self._exchanges = 0
         self._merges = 0
         self._job: Job | None = None
+        self._link: SessionLink | None = None  # to this learner's queue in this process, once entered
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
@@ -258,6 +260,8 @@ class Session:
         except BaseException:
             self._worker.close(0)
             raise
+        # The queue of this learner in this process records a batch as done once folded.
+        self._link = gate_for(describe(self.mailbox), self.learner_id).attach(self._fold_now, len(plan))
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._next_fragment = random.randrange(len(plan))
         self._due_step = self._steps + self._every_steps / len(plan)
@@ -298,6 +302,10 @@ class Session:
                 if not self._stuck:  # leave the member list, so peers stop counting this node
                     self._worker.submit(self._exchanger.leave).done.wait(self._timeout_s)
         finally:
+            # After the final fold every batch delivered is in the run; after a failure nothing
+            # more is released (the queue drops those records: their batches are trained again).
+            if self._link is not None:
+                gate_for(describe(self.mailbox), self.learner_id).detach(self._link, release=exc is None)
             # An idle thread ends at once; a stuck one (a store that never answers) is a daemon
             # and is left behind rather than waited for again.
             self._worker.close(0 if self._stuck else self._timeout_s)
@@ -353,6 +361,17 @@ class Session:
                 self._job = None
                 self._finish(self._result(job, "the exchange in flight"))
 
+    def _fold_now(self) -> None:
+        """Fold every fragment now and wait: the queue's records of the last batches wait for it
+        when the queue closes before the Session (called from the training thread)."""
+        if self._state != "active":
+            return
+        job, self._job = self._job, None
+        if job is not None:
+            self._finish(self._wait(job, "the exchange in flight"))
+        now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False))
+        self._finish(self._wait(now, "folding the progress of the queue's last batches"))
+
     def _due_fragments(self) -> list[int]:
         """The fragments to exchange now, and the schedule moved past them.
 
@@ -387,13 +406,19 @@ class Session:
     def _exchange_job_for_now(self, indices: range | list[int], *, final: bool) -> Callable[[], list[Merge]]:
         plan, model, exchanger = self._plan, self.model, self._exchanger
         snapshots = [(i, plan.fragments[i].snapshot_into(self._buffers[i], model)) for i in indices]
+        link = self._link
+        assert link is not None
+        mark = link.mark()  # the batches this snapshot holds
         taken = time.time()
         totals = (self._steps, self._samples)
         # Progress is written once per round (and on leaving), not once per fragment.
         progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None
 
         def job() -> list[Merge]:
-            merges = [exchanger.exchange(i, snapshot, totals, final, taken) for i, snapshot in snapshots]
+            merges = []
+            for i, snapshot in snapshots:
+                merges.append(exchanger.exchange(i, snapshot, totals, final, taken))
+                link.landed(i, mark)
             if final:
                 exchanger.leave()
             if progress is not None:

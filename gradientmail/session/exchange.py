@@ -178,7 +178,7 @@ class Exchanger:
         self, plan: FragmentPlan, initial: Mapping[str, Tensor]
     ) -> tuple[list[dict[str, Tensor]], Contribution | None]:
         """Join the run: each fragment's logical state (creating the base if none) and this
-        learner's newest line in the run (a restarted learner continues from it)."""
+        learner's line that every fragment holds (a restarted learner continues from it)."""
         mailbox, me = self.mailbox, self.learner_id
         self._plan = plan
         count = len(plan)
@@ -213,9 +213,12 @@ class Exchanger:
         self._outer_states = [self.outer.start() for _ in range(count)]
         now = time.time()
         self._active = [len(active_learners(members, table, me, now, self.max_staleness_s)) for table in self._tables]
-        own = [table[me] for table in self._tables if me in table]
-        newest = max(own, key=lambda entry: (entry.samples, entry.step)) if own else None
-        return values, newest
+        # A restarted learner continues from what every fragment holds (as consensus counts):
+        # batches folded into some fragments only, before a crash, are trained again by whoever
+        # continues their units, and counted once, by that node.
+        own = [table.get(me) for table in self._tables]
+        held = None if None in own or not own else min(own, key=lambda entry: (entry.samples, entry.step))
+        return values, held
 
     def exchange(
         self, index: int, snapshot: Mapping[str, Tensor], totals: tuple[int, int], final: bool, taken: float
@@ -317,9 +320,14 @@ class Exchanger:
             self.mailbox.delete(self._member)
             self._member = None
 
+    def samples_in_run(self) -> int:
+        """This learner's samples whose progress every fragment of the run holds (as consensus counts)."""
+        own = [table.get(self.learner_id) for table in self._tables]
+        return 0 if not own or None in own else min(entry.samples for entry in own if entry is not None)
+
     def put_progress(self, progress: dict[str, Any]) -> None:
         """Write this learner's progress record (what ``gradientmail status`` shows)."""
-        record = dict(progress, units=units_claimed(self.learner_id))
+        record = dict(progress, units=units_claimed(self.learner_id), samples_in_run=self.samples_in_run())
         spans = unit_spans(describe(self.mailbox), self.learner_id)
         if spans is not None:  # when and for how long this learner trained its recent units
             record["unit_spans"] = spans

@@ -45,6 +45,8 @@ LEARNER_KEYS = {
     "learner",
     "units",
     "samples",
+    # added by issue 23: of those, the samples the run's state holds (a Session's learners)
+    "samples_in_run",
     "samples_per_s",
     "steps",
     "started",

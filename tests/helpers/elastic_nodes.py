@@ -11,6 +11,7 @@ SIGKILL loses nothing the node had done):
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -20,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 from process_harness import join_all  # tests/helpers/ is on sys.path (tests/conftest.py)
 from queue_nodes import RecordingLoad
 
@@ -80,6 +82,8 @@ class ElasticSpec:
     barrier: Any = None
     order: list[str] | None = None
     names: dict[int, str] = field(default_factory=dict)
+    session_every: float | None = None  # train inside a Session exchanging this often (seconds)
+    fragments: int = 1
 
 
 def run_elastic_node(spec: ElasticSpec) -> None:
@@ -91,28 +95,47 @@ def run_elastic_node(spec: ElasticSpec) -> None:
         spec.barrier.wait(timeout=60)
     consumed = out / f"consumed-{spec.learner}-{spec.run}.txt"
     received = 0
-    with shared_queue(
-        spec.units,
-        mailbox=mailbox,
-        learner_id=spec.learner,
-        load=load,
-        prefetch=spec.prefetch,
-        workers=spec.workers,
-        order=spec.order,
-        resume=spec.resume,
-        lease=lease,
-    ) as batches:
+    session, model = _session(spec, mailbox)
+    with (
+        session,
+        shared_queue(
+            spec.units,
+            mailbox=mailbox,
+            learner_id=spec.learner,
+            load=load,
+            prefetch=spec.prefetch,
+            workers=spec.workers,
+            order=spec.order,
+            resume=spec.resume,
+            lease=lease,
+        ) as batches,
+    ):
         for step, batch in batches:
             index, batch_step = (int(v) for v in batch)
             assert batch_step == step
             _append(consumed, f"{spec.names.get(index, f'{index:05d}')} {step}")
             if spec.train:
                 time.sleep(spec.train)
+            if model is not None:
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                session.step(samples=1)
             received += 1
             if spec.kill_after is not None and received >= spec.kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
             if spec.stop_after is not None and received >= spec.stop_after:
                 break
+
+
+def _session(spec: ElasticSpec, mailbox: Any) -> tuple[Any, Any]:
+    """A ``Session`` over a small model (one sample per batch), or a no-op context without one."""
+    if spec.session_every is None:
+        return contextlib.nullcontext(), None
+    from gradientmail import Session
+
+    model = torch.nn.Linear(8, 8)
+    every = timedelta(seconds=spec.session_every)
+    return Session(model, mailbox=mailbox, learner_id=spec.learner, every=every, fragments=spec.fragments), model
 
 
 def run_elastic_nodes(specs: list[ElasticSpec], *, timeout: float = 60, killed: set[str] = frozenset()) -> None:

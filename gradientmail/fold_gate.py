@@ -1,0 +1,153 @@
+"""``FoldGate``: a batch counts as done only once the progress trained on it is in the run.
+
+The elastic queue records which batches a learner consumed, so that a unit whose learner died
+is continued by another node after its last recorded batch. With a ``Session`` in the same
+process, a consumed batch is not yet in the model: its progress reaches the run's state at the
+learner's next fold of every fragment (up to ``every`` later). Recording it at once would lose
+it for good if the learner died before that fold. The gate holds each consumption record until
+every fragment has folded a snapshot taken after that batch was trained; a learner that dies
+leaves records that end at the last batch whose progress is in the run, and whoever continues
+its units trains the rest again. Nothing is held without a Session (the queue alone).
+
+One gate per store and learner id in this process: the Session and the queue of one learner
+find each other by those two names (``gate_for``), so the documented loop needs no new argument.
+
+Example:
+    >>> gate = FoldGate()
+    >>> released = []
+    >>> gate.listen(released.append)
+    >>> first, second = gate.deliver(), gate.deliver()
+    >>> gate.holds(second)  # no Session attached: nothing is held
+    False
+    >>> link = gate.attach(lambda: None, fragments=2)
+    >>> third = gate.deliver()
+    >>> gate.holds(third), link.mark()
+    (True, 3)
+    >>> link.landed(0, 3); gate.holds(third)
+    True
+    >>> link.landed(1, 3); gate.holds(third), released
+    (False, [3])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+__all__ = ["FoldGate", "SessionLink", "gate_for"]
+
+
+class FoldGate:
+    """Counts the batches handed to the training loop and how many of them the run holds.
+
+    Batch indices start at 1 in the order the loop received them. A Session attached folds
+    snapshots, each marked with the index of the last batch delivered when it was taken; the
+    gate's ``folded`` index is the smallest mark that every fragment has folded (or left
+    pending, which is in the run too).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._delivered = 0
+        self._link: SessionLink | None = None
+        self._landed: list[int] = []  # per fragment of the attached Session, its newest mark folded
+        self._folded = 0
+        self._listeners: list[Callable[[int], None]] = []
+
+    def deliver(self) -> int:
+        """Count one batch handed to the loop; its index."""
+        with self._lock:
+            self._delivered += 1
+            return self._delivered
+
+    def holds(self, index: int) -> bool:
+        """Whether the record of batch ``index`` must wait: a Session is attached and has not
+        folded it yet."""
+        with self._lock:
+            return self._link is not None and index > self._folded
+
+    @property
+    def attached(self) -> bool:
+        with self._lock:
+            return self._link is not None
+
+    def listen(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(folded)`` whenever the folded index advances (from the Session's thread)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def unlisten(self, listener: Callable[[int], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def attach(self, sync: Callable[[], None], fragments: int) -> SessionLink:
+        """A Session joins: from now on records wait for its folds. ``sync()`` folds every
+        fragment now and waits (the queue calls it while the training loop is not training)."""
+        with self._lock:
+            self._link = SessionLink(self, sync)
+            self._landed = [self._delivered] * fragments
+            self._folded = self._delivered
+            return self._link
+
+    def detach(self, link: SessionLink, *, release: bool) -> None:
+        """The Session left; ``release``: its final fold holds every batch delivered so far."""
+        with self._lock:
+            if self._link is not link:
+                return
+            self._link = None
+            folded, listeners = self._delivered, list(self._listeners)
+        if release:
+            for listener in listeners:
+                listener(folded)
+
+    def settle(self) -> None:
+        """Fold everything delivered so far, when a Session is attached and has not (queue closing)."""
+        with self._lock:
+            link = self._link
+            if link is None or self._folded >= self._delivered:
+                return
+        link.sync()
+
+    def mark(self) -> int:
+        """The index of the last batch delivered: a snapshot taken now holds its progress."""
+        with self._lock:
+            return self._delivered
+
+    def landed(self, link: SessionLink, fragment: int, mark: int) -> None:
+        """``link``'s fragment ``fragment`` folded (or left pending) a snapshot taken at ``mark``."""
+        with self._lock:
+            if self._link is not link:
+                return
+            self._landed[fragment] = max(self._landed[fragment], mark)
+            folded = min(self._landed)
+            if folded <= self._folded:
+                return
+            self._folded = folded
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(folded)
+
+
+class SessionLink:
+    """A Session's handle on its gate: marks its snapshots, reports the folds that landed."""
+
+    def __init__(self, gate: FoldGate, sync: Callable[[], None]) -> None:
+        self.gate = gate
+        self.sync = sync
+
+    def mark(self) -> int:
+        return self.gate.mark()
+
+    def landed(self, fragment: int, mark: int) -> None:
+        self.gate.landed(self, fragment, mark)
+
+
+_GATES: dict[tuple[str, str], FoldGate] = {}
+_GATES_LOCK = threading.Lock()
+
+
+def gate_for(store: str, learner_id: str) -> FoldGate:
+    """The gate of ``learner_id`` on ``store`` (``describe(mailbox)``) in this process."""
+    with _GATES_LOCK:
+        return _GATES.setdefault((store, learner_id), FoldGate())

@@ -1,0 +1,168 @@
+"""Issue #23 item 1: a batch counts as done only once the progress trained on it is in the run.
+
+The elastic queue records consumed batches so that another node continues a dead node's units;
+with a ``Session`` in the same process those records wait (``gradientmail.fold_gate``) until
+every fragment has folded a snapshot taken after the batch. A learner that fails before its
+next fold leaves its units where the run's state ends, and the batches it trained since are
+trained again, so the run's samples (``consensus``) equal the dataset's: none lost, none
+counted twice. Deterministic: folds happen where the loop calls ``session.wait()``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+import torch
+from elastic_nodes import ElasticSpec, consumed_pairs, run_elastic_nodes, written_steps
+from queue_nodes import named_units
+
+from gradientmail import LocalMailbox, Session, consensus
+from gradientmail.fold_gate import gate_for
+from gradientmail.layout import WORK_PREFIX
+from gradientmail.mailbox.base import describe
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.status import read_run
+
+STEPS = {"a": 6, "b": 6}
+"""Unit -> its batches (steps 0..n-1)."""
+UNITS = {name: name for name in STEPS}
+
+
+def load(identifier: str):
+    for step in range(STEPS[identifier]):
+        yield step, torch.tensor([ord(identifier), step])
+
+
+class Crash(Exception):
+    """The training loop fails (the process would die): no clean exit, no final fold."""
+
+
+def train(box, learner: str, consumed: list, *, crash_after: int | None = None, fold_at: tuple[int, ...] = ()):
+    """The documented loop on ``box``; each batch trained adds 1 to the model (one sample).
+
+    ``fold_at``: batch counts after which the loop waits for an exchange to land; the Session
+    exchanges every 4 steps (one fragment), so batch 4 starts one.
+    """
+    model = torch.nn.Linear(2, 1)
+    session = Session(model, mailbox=box, learner_id=learner, every=None, every_steps=4, fragments=1)
+    try:
+        with (
+            session,
+            shared_queue(UNITS, mailbox=box, learner_id=learner, load=load, workers=0, resume=True) as batches,
+        ):
+            for count, (step, batch) in enumerate(batches, start=1):
+                consumed.append((chr(int(batch[0])), step))
+                with torch.no_grad():
+                    model.bias.add_(1.0)
+                session.step(samples=1)
+                if count in fold_at:
+                    session.wait()
+                if count == crash_after:
+                    raise Crash(f"{learner} fails after {count} batches")
+    except Crash:
+        pass
+
+
+def test_batches_trained_after_the_last_fold_are_trained_again_after_a_failure(memory_mailbox):
+    """Before the gate, the failed learner's batches 5-6 (unit a's last two) were recorded as
+    done: the unit was finished, nobody trained them again, and the run held 10 of 12 samples."""
+    consumed: list = []
+    train(memory_mailbox, "node-0", consumed, crash_after=6, fold_at=(4,))
+    assert consensus(memory_mailbox, torch.nn.Linear(2, 1)) == {"node-0": 4}  # the fold of batches 1-4
+    halfway = read_run(memory_mailbox)
+    assert not halfway.done, "unit a's last batches are not in the run: it is not done"
+    assert "a" in halfway.released  # (b too, when the loader had claimed it ahead)
+
+    train(memory_mailbox, "node-1", consumed)  # another node continues the run (resume)
+    assert sum(consensus(memory_mailbox, torch.nn.Linear(2, 1)).values()) == sum(STEPS.values())
+    counts = Counter(consumed)
+    assert set(counts) == {(u, s) for u, n in STEPS.items() for s in range(n)}
+    assert {pair for pair, n in counts.items() if n > 1} == {("a", 4), ("a", 5)}  # trained, never folded
+    assert len(read_run(memory_mailbox).done) == len(UNITS)
+
+
+def test_a_clean_exit_folds_before_the_records_are_written(memory_mailbox):
+    """The last batches' records wait at the queue's exit: it has the Session fold them, then
+    records every unit done (the Session's final fold then has nothing left)."""
+    consumed: list = []
+    train(memory_mailbox, "node-0", consumed)
+    assert sum(consensus(memory_mailbox, torch.nn.Linear(2, 1)).values()) == 12
+    run = read_run(memory_mailbox)
+    assert len(run.done) == len(UNITS) and not run.released
+    row = run.learner("node-0")
+    assert row is not None and (row.samples, row.samples_in_run) == (12, 12)  # `gradientmail status`
+    assert not list(memory_mailbox.list(WORK_PREFIX))
+    assert not gate_for(describe(memory_mailbox), "node-0").attached  # the Session let go
+
+
+def test_records_wait_for_the_fold_then_follow_it(memory_mailbox):
+    """Inside the loop: nothing is recorded before the first fold; after it, exactly the
+    batches it holds (work records are the last folded step of the unit)."""
+    model = torch.nn.Linear(2, 1)
+    seen_before: dict[str, int] = {}
+    seen_after: dict[str, int] = {}
+    session = Session(model, mailbox=memory_mailbox, learner_id="node-0", every=None, every_steps=4, fragments=1)
+    with (
+        session,
+        shared_queue(
+            UNITS, mailbox=memory_mailbox, learner_id="node-0", load=load, workers=0, lease=timedelta(minutes=5)
+        ) as batches,
+    ):
+        tracker = batches.tracker
+        for count, _ in enumerate(batches, start=1):
+            session.step(samples=1)
+            if count == 3:
+                tracker.flush()
+                seen_before = steps_recorded(memory_mailbox)
+                held = tracker.held
+            if count == 4:
+                session.wait()
+            if count == 5:  # batch 4's consumption is recorded when batch 5 is asked for
+                tracker.flush()
+                seen_after = steps_recorded(memory_mailbox)
+                break
+    assert seen_before == {} and held == 2  # batches 1 and 2 consumed, not yet folded
+    assert seen_after == {"a": 3}  # batches 1-4 folded: unit a's steps 0-3
+
+
+def steps_recorded(box) -> dict[str, int]:
+    """Unit -> the last consumed step its work record holds (records written at a claim hold none)."""
+    records = {key.rsplit("/", 1)[1]: json.loads(box.get(key)) for key in box.list(WORK_PREFIX)}
+    return {unit: record["step"] for unit, record in records.items() if record["step"] is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_a_killed_node_s_unfolded_batches_reach_the_model_once(tmp_path, fragments):
+    """The issue's run: three processes, ``resume=True``, a lease, a Session exchanging every
+    0.3 s; SIGKILL one after 30 batches, then restart it. Every batch is in the run's state
+    (before the gate: the dead node's batches since its last fold were missing), and a batch
+    is counted twice only if the dead node's fold of it landed but its record was not yet
+    written: at most the batches it consumed after its last record known to be written."""
+    box = LocalMailbox(tmp_path / "box")
+    units = named_units(24, steps=6)
+    common = dict(delay=0.002, train=0.01, prefetch=3, workers=0, resume=True, lease_s=1.5, fragments=fragments)
+    specs = [ElasticSpec(box, f"node-{rank}", units, str(tmp_path), session_every=0.3, **common) for rank in range(3)]
+    specs[0].kill_after = 30
+    run_elastic_nodes(specs, killed={"node-0"}, timeout=90)
+    run_elastic_nodes([ElasticSpec(box, "node-0", units, str(tmp_path), run=2, session_every=0.3, **common)])
+
+    total = sum(item.steps for item in units.values())
+    samples = consensus(box, torch.nn.Linear(8, 8))
+    pairs = consumed_pairs(tmp_path)
+    dead = pairs["node-0-1"]
+    written = written_steps(tmp_path, "node-0")
+    in_flight = sum(1 for ident, step in dead if step > written.get(ident, -1))
+    seen = Counter(pair for consumed in pairs.values() for pair in consumed)
+    print(
+        f"\nkill with a Session ({fragments} fragment(s)): {sum(samples.values())} samples in the run "
+        f"of {total}; {sum(n - 1 for n in seen.values())} batches trained twice; the dead node "
+        f"consumed {len(dead)}, {in_flight} after its last written record"
+    )
+    assert set(seen) == {(ident, step) for ident, item in units.items() for step in range(item.steps)}
+    assert total <= sum(samples.values()) <= total + in_flight
+    assert len(read_run(box).done) == len(units)
