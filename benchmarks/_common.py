@@ -71,6 +71,9 @@ TARGETS: dict[str, Target] = {
         "<=", 1.01, "`training --long` (4x the units), ~25 local steps per exchange: consensus loss / DDP's"
     ),
     "long_time_to_ddp_loss": Target("<=", 0.65, "the same run: wall time to DDP's final loss / DDP's wall time"),
+    "int8_loss_over_float32": Target(
+        "<=", 1.003, "the default outer over a simulated 8-bit wire: loss / the same over float32"
+    ),
     "long_makespan_over_ddp": Target("<=", 0.50, "the same run, one pass of the long data: makespan / DDP's"),
     "shared_over_bound_1m": Target("<=", 1.05, "shared-queue makespan / fluid bound, 1M units, 1,024 nodes"),
     "sim_wall_s_1m": Target("<", 120.0, "wall seconds of the 1M-unit, 1,024-node simulation itself"),

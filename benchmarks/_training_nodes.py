@@ -45,8 +45,9 @@ DONE_PREFIX = "bench/done/"
 """``bench/done/{learner}``: the node has left its Session (its progress is in the run)."""
 OUTERS = ("delayed_nesterov", "average")
 """Outer optimizers the benchmark compares (``Session(outer=...)``); the first is the default."""
-WIRE_VARIANTS = ("delayed_nesterov+bf16",)
-"""The default outer with the run's state in bfloat16 (``Session(wire_dtype=torch.bfloat16)``)."""
+WIRE_VARIANTS = ("delayed_nesterov+bf16", "delayed_nesterov+int8")
+"""The default outer with the run's state in bfloat16 (``Session(wire_dtype=torch.bfloat16)``),
+and with it rounded as an 8-bit blockwise wire would (``benchmarks._int8_wire``, simulated)."""
 
 
 @dataclass(frozen=True)
@@ -366,9 +367,20 @@ def session_options(outer: str | None) -> dict[str, Any]:
         return {"outer": outer}
     name, _, wire = outer.partition("+")
     options: dict[str, Any] = {"outer": name}
-    if wire:
-        options["wire_dtype"] = {"bf16": torch.bfloat16}[wire]
+    if wire == "bf16":
+        options["wire_dtype"] = torch.bfloat16
+    elif wire != "int8" and wire:  # int8: the mailbox rounds (session_mailbox), not the Session
+        raise ValueError(f"unknown wire variant {wire!r} in {outer!r}")
     return options
+
+
+def session_mailbox(outer: str | None, box: Any) -> Any:
+    """The mailbox the Session writes through: ``box``, or ``Int8Wire(box)`` for ``+int8``."""
+    if isinstance(outer, str) and outer.partition("+")[2] == "int8":
+        from benchmarks._int8_wire import Int8Wire
+
+        return Int8Wire(box)
+    return box
 
 
 def gradientmail(config: NodeConfig) -> dict[str, Any]:
@@ -382,9 +394,10 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
         raise ValueError("plan.every_s is None: benchmarks.training derives it before starting nodes")
     model = make_model()
     optimizer = adam(model)
+    wire = session_mailbox(config.outer, box)
     session = Session(
         model,
-        mailbox=box,
+        mailbox=wire,
         learner_id=config.name,
         every=timedelta(seconds=config.plan.every_s),
         every_steps=None,
@@ -422,6 +435,8 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
         "merges": getattr(session, "merges", None),
         "stopped": stopped,
         "outer": str(config.outer or "average"),
+        "state_bytes_sent": getattr(wire, "bytes_sent", None),  # Int8Wire: float32 bytes written
+        "state_bytes_int8": getattr(wire, "bytes_int8", None),  # ... and as 8-bit they would be
     }
 
 

@@ -106,15 +106,19 @@ VERDICTS: dict[str, dict[str, str]] = {
         "pass_loss_over_ddp": "loss_over_ddp",
         "makespan_over_ddp": "makespan_over_ddp",
         "time_to_ddp_loss": "time_to_ddp_loss",
+        "int8_loss_over_float32": "int8_loss_over_float32",
     },
     "long": {
         "long_loss_over_ddp": "loss_over_ddp",
         "long_time_to_ddp_loss": "time_to_ddp_loss",
         "long_makespan_over_ddp": "makespan_over_ddp",
+        "int8_loss_over_float32": "int8_loss_over_float32",
     },
 }
 """Per mode: the target judged (a ``TARGETS`` name) and the figure (median) it judges."""
 DEFAULT_OUTER = OUTERS[0]
+INT8_VARIANT = f"{DEFAULT_OUTER}+int8"
+"""The default outer over the simulated 8-bit wire: its loss is judged against float32's."""
 VARIANTS = (*OUTERS, *WIRE_VARIANTS)
 """Every Session variant run for one pass; the time-to-quality runs are for ``OUTERS``."""
 DEFAULT_PNG = Path(__file__).resolve().parent.parent / "docs" / "training-loss.png"
@@ -182,6 +186,7 @@ class Run:
     seconds_to_target: float | None = None  # time-to-quality runs: None = never reached
     detail: str = ""
     fragments: int | None = None  # gradientmail: Session.fragments
+    int8_over_sent: float | None = None  # +int8: bytes as 8-bit values / float32 bytes written
 
 
 def pick_temp_root() -> str | None:
@@ -380,6 +385,9 @@ class Bench:
             reached = watched["reached_at"]
             run = Run(label, curve[-1][1], makespan, curve, None if reached is None else reached - start, detail)
         run.fragments = nodes[0]["fragments"]
+        sent = sum(r.get("state_bytes_sent") or 0 for r in nodes)
+        if sent:
+            run.int8_over_sent = sum(r.get("state_bytes_int8") or 0 for r in nodes) / sent
         shutil.rmtree(run_dir)
         return run
 
@@ -451,6 +459,11 @@ def repeat_figures(runs: dict[str, Run], single: Run) -> dict[str, float | None]
         figures[f"time_to_ddp_loss_{outer}"] = ratio(seconds, ddp.makespan)
     for name in RATIOS:
         figures[name] = figures[f"{name}_{DEFAULT_OUTER}"]
+    int8, float32 = runs.get(f"gradientmail:{INT8_VARIANT}"), runs.get(f"gradientmail:{DEFAULT_OUTER}")
+    figures["int8_loss_over_float32"] = ratio(
+        None if int8 is None else int8.loss, None if float32 is None else float32.loss
+    )
+    figures["int8_bytes_over_float32"] = None if int8 is None else int8.int8_over_sent
     fixed = runs.get("fixed_split")
     figures["fixed_split_loss_over_ddp"] = ratio(None if fixed is None else fixed.loss, ddp.loss)
     figures["fixed_split_makespan_over_ddp"] = ratio(None if fixed is None else fixed.makespan, ddp.makespan)
@@ -653,6 +666,10 @@ def print_tables(figures: dict[str, Any], spreads: dict[str, Spread], outers: Se
     )
     print(f"ratios: median (min-max) over {figures['repeats']} repeat(s)")
     print(table(["variant", "loss_over_ddp", "makespan_over_ddp", "time_to_ddp_loss", "loss_over_single"], spread_rows))
+    print(
+        f"8-bit wire (simulated): loss / float32 {spread_text(spreads['int8_loss_over_float32'])}, "
+        f"bytes / float32 {spread_text(spreads['int8_bytes_over_float32'])}"
+    )
     print(
         f"drag {fmt(figures['drag'])}, read_per_exchange {fmt(figures['read_per_exchange'])}"
         " (benchmarks.session_figures)"

@@ -32,6 +32,8 @@ KEYS = [
     *(f"seconds_to_ddp_loss_{outer}" for outer in OUTERS),
     "drag",
     "read_per_exchange",
+    "int8_loss_over_float32",
+    "int8_bytes_over_float32",
     "repeats",
 ]
 FINITE = [
@@ -63,3 +65,6 @@ def test_quick_training_benchmark_prints_its_figures_as_json_last() -> None:
         assert finite(figures["val_loss_gradientmail_delayed_nesterov"])
     # Never reaching DDP's loss in the quick run is allowed (null), a negative time is not.
     assert figures["time_to_ddp_loss"] is None or figures["time_to_ddp_loss"] > 0
+    # The simulated 8-bit wire trained, and it would send about a byte per value (plus headers).
+    assert finite(figures["int8_loss_over_float32"])
+    assert 0.25 <= figures["int8_bytes_over_float32"] < 0.5, figures["int8_bytes_over_float32"]
