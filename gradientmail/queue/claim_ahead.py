@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.claimer import Claimer, Pick
 
 __all__ = ["BufferGauge", "ClaimAhead", "DEFAULT_CLAIM_AHEAD", "DepthGauge", "TIED_S"]
 
@@ -102,6 +102,10 @@ class BufferGauge:
 class ClaimAhead:
     """Hands out claimed units in order, claiming up to ``limit`` ahead on background threads.
 
+    Each claim started ahead adds a slot to the line the loader takes units from; a claim fills
+    the earliest slot not yet taken, taking it with its first pick under the lock. So the line
+    holds units (or a claim's error) in the order they were picked whatever order the pool runs
+    the claims in: a later claim that runs first takes the earlier slot, not the later one.
     ``count`` is called (under the lock) for every unit won, the moment it is won.
     """
 
@@ -120,7 +124,8 @@ class ClaimAhead:
         self._count = count
         self._name = name
         self._lock = threading.Lock()
-        self._pending: deque[Future[str | None]] = deque()
+        self._pending: deque[Future[str | None]] = deque()  # the line of slots, in order
+        self._untaken: deque[Future[str | None]] = deque()  # its slots no claim has taken yet
         self._pool: ThreadPoolExecutor | None = None
         self._exhausted = False  # a pick found no free unit: start no more claims
         self._closing = False
@@ -134,7 +139,7 @@ class ClaimAhead:
     def next(self) -> str | None:
         """The next claimed unit (claiming it now if none is ready), or None when none is left.
 
-        A claim's error is raised here, in the order the claims were started.
+        A claim's error is raised here, after the units picked before it.
         """
         asked = time.perf_counter()
         unit_s = asked - self._handed_at  # how long the previous unit kept the loader busy
@@ -169,6 +174,7 @@ class ClaimAhead:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
+        self._untaken.clear()  # the slots of claims cancelled before they ran
 
     @property
     def threaded(self) -> bool:
@@ -217,18 +223,46 @@ class ClaimAhead:
         while not self._exhausted and not self._closing and len(self._pending) < self.depth:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=self._limit, thread_name_prefix=self._name)
-            self._pending.append(self._pool.submit(self._claim))
+            slot: Future[str | None] = Future()
+            with self._lock:
+                self._untaken.append(slot)
+            self._pending.append(slot)
+            self._pool.submit(self._claim_ahead)
+
+    def _claim_ahead(self) -> None:
+        """A claim on a pool thread: it fills the earliest untaken slot with its unit or error.
+
+        The slot is taken in the same hold of the lock as the first pick, so the k-th slot gets
+        the k-th unit picked even when the pool runs a later claim first.
+        """
+        started = time.perf_counter()
+        with self._lock:
+            slot = self._untaken.popleft()
+            try:
+                pick = self._pick()
+            except BaseException as exc:
+                slot.set_exception(exc)
+                return
+        try:
+            slot.set_result(self._win(pick, started))
+        except BaseException as exc:
+            slot.set_exception(exc)
 
     def _claim(self) -> str | None:
-        claimer = self._claimer
+        """A claim on demand, on the loader's thread."""
         started = time.perf_counter()
-        while True:
-            with self._lock:
-                if self._closing:
-                    return None
-                pick = claimer.pick()
-            if pick is None:
-                return None
+        with self._lock:
+            pick = self._pick()
+        return self._win(pick, started)
+
+    def _pick(self) -> Pick | None:
+        """The next candidate (under the lock): None when none is left or when closing."""
+        return None if self._closing else self._claimer.pick()
+
+    def _win(self, pick: Pick | None, started: float) -> str | None:
+        """Attempt ``pick``, and the next pick after each lost attempt: the unit won, or None."""
+        claimer = self._claimer
+        while pick is not None:
             won = claimer.attempt(pick)  # the requests, outside the lock
             with self._lock:
                 identifier = claimer.settle(pick, won)
@@ -236,3 +270,5 @@ class ClaimAhead:
                     self._count()
                     self.times.claimed(time.perf_counter() - started)
                     return identifier
+                pick = self._pick()
+        return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from gradientmail import LocalMailbox
 from gradientmail.errors import MailboxError
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, MailboxWrapper
-from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead
+from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead, DepthGauge
 from gradientmail.patterns.claims import Claimer, parse_claim
 from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue, units_claimed_by
 
@@ -56,6 +57,20 @@ class DryGauge:
     def taken(self) -> int:
         self.count += 1  # each look sees one more batch taken since the last
         return self.count
+
+
+class FixedTimes(DepthGauge):
+    """Times set by the test instead of measured, so the depth they imply is exact."""
+
+    def __init__(self, claim_s: float, unit_s: float) -> None:
+        super().__init__()
+        self.claim_s, self.unit_s = claim_s, unit_s
+
+    def claimed(self, seconds: float) -> None:
+        pass
+
+    def loaded(self, seconds: float) -> None:
+        pass
 
 
 class StalledGauge:
@@ -164,6 +179,59 @@ def test_claim_error_arrives_after_the_units_claimed_before_it(box):
             handed.append(ahead.next())
     ahead.close()
     assert handed == order[:6]
+
+
+class NewestFirstPool:
+    """Stands in for the claim thread pool: holds the claims started until ``run``, then runs them
+    newest first on the calling thread, the schedule in which a later claim picks its unit first."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        self.held: list[tuple[Future, functools.partial]] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self.held.append((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def run(self) -> None:
+        held, self.held = self.held, []
+        for future, call in reversed(held):
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.held.clear()
+
+
+def test_units_and_errors_keep_the_pick_order_whatever_order_claims_run_in(box, monkeypatch):
+    pools: list[NewestFirstPool] = []
+
+    def pool(**kwargs) -> NewestFirstPool:
+        pools.append(NewestFirstPool(**kwargs))
+        return pools[-1]
+
+    monkeypatch.setattr("gradientmail.queue.claim_ahead.ThreadPoolExecutor", pool)
+    order = ids(10)
+    bad = f"{CLAIMS_PREFIX}u0003"
+
+    def fault(operation: str, key: str):
+        if operation == "put_if_absent" and key == bad:
+            return MailboxError("store unavailable", operation=operation, key=key, store="test")
+        return None
+
+    ahead = ClaimAhead(Claimer(FaultyMailbox(box, fault), order, "node-0"), limit=3)
+    ahead.times = FixedTimes(claim_s=0.2, unit_s=0.005)  # the second unit's wait starts 3 claims at once
+    handed = []
+    with pytest.raises(MailboxError, match="store unavailable"):
+        while True:
+            for started in pools:
+                started.run()  # the three claims for u0002-u0004 run newest first
+            handed.append(ahead.next())
+    ahead.close()
+    assert ahead.depth == 3
+    assert handed == order[:3], "units handed out in the order they were picked, the error after them"
 
 
 class BlockingMailbox(MailboxWrapper):

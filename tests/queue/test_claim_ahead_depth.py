@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_claim_ahead import DryGauge  # tests/helpers/ is on sys.path (tests/conftest.py)
+from test_claim_ahead import DryGauge, FixedTimes  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail.mailbox.wrappers import DelayedMailbox
 from gradientmail.patterns.claim_ahead import TIED_S, ClaimAhead, DepthGauge
@@ -17,20 +17,6 @@ pytestmark = pytest.mark.timeout(90)
 
 def ids(count: int) -> list[str]:
     return [f"u{i:04d}" for i in range(count)]
-
-
-class FixedTimes(DepthGauge):
-    """Times set by the test instead of measured, so the depth they imply is exact."""
-
-    def __init__(self, claim_s: float, unit_s: float) -> None:
-        super().__init__()
-        self.claim_s, self.unit_s = claim_s, unit_s
-
-    def claimed(self, seconds: float) -> None:
-        pass
-
-    def loaded(self, seconds: float) -> None:
-        pass
 
 
 def test_gauge_target_hides_one_claim_behind_the_units_in_flight():
