@@ -654,9 +654,20 @@ def test_exit_folds_the_final_progress_and_leaves_the_member_list(local_mailbox)
     header = decode(local_mailbox.get(state_key(newest)), key="k", spec=stored_spec(model)).header
     assert header.learners["node-0"].final and header.learners["node-0"].step == 5
     record = json.loads(local_mailbox.get("progress/node-0.json"))
-    assert set(record) == {"learner", "steps", "samples", "samples_per_s", "units", "started", "last_seen", "finished"}
+    assert set(record) == {
+        "learner",
+        "steps",
+        "samples",
+        "samples_in_run",
+        "samples_per_s",
+        "units",
+        "started",
+        "last_seen",
+        "finished",
+    }
     assert record["learner"] == "node-0" and record["finished"] is True
     assert record["steps"] == 5 and record["samples"] == 80 and record["samples_per_s"] > 0
+    assert record["samples_in_run"] == 80  # the final fold holds every sample
     assert record["started"] <= record["last_seen"]
 
 
