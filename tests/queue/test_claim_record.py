@@ -151,6 +151,7 @@ def _both(record: bytes) -> tuple[list[str | None], list[bool]]:
         # A writer clock an hour ahead: only the record standing still can expire it.
         (_lease(written=time.time() + 3600), [LIVE, EXPIRED]),
     ],
+    ids=["stopped", "writer-clock-an-hour-ahead"],  # stable names: the records hold times
 )
 def test_status_and_queue_agree_on_a_lease(record, verdicts):
     shown, expired = _both(record)
