@@ -59,6 +59,8 @@ KEEP = 4
 RETIRE = 10_000
 """Tombstones kept behind the newest (a few bytes each), so that no version is created twice."""
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
+MAX_RETIRED_PER_FOLD = 2 * KEEP
+"""Versions one fold retires at most (a backlog is worked off over the next folds)."""
 MAX_WALK_BACK = 64
 """Unusable versions a reader skips before giving up: a bound on the reads one bad writer costs."""
 STALLED_S = 30.0
@@ -174,6 +176,10 @@ class FragmentChain:
         self.count = count
         self.spec = spec
         self.wire_dtype = wire_dtype
+        # Retiring only what a download proved superseded (see ``_clean_up``):
+        self._good = -1  # the newest version this node downloaded and found usable
+        self._retired: int | None = None  # versions below this one were retired by this node
+        self._reused = 0  # folds built on a version held in memory since the last download
 
     def __repr__(self) -> str:
         return f"FragmentChain({self.index}/{self.count} on {describe(self.mailbox)})"
@@ -231,6 +237,7 @@ class FragmentChain:
                 version -= 1
                 continue
             if state is not None:
+                self._good = max(self._good, version)
                 return state
             if version == newest:
                 return None
@@ -266,6 +273,8 @@ class FragmentChain:
             SessionError: the state kept vanishing for ``READ_ATTEMPTS`` listings.
             MailRejectedError: as ``read_usable``.
         """
+        if self._reused >= KEEP:  # download the base now and then: what this node wrote may
+            known = None  # not be what the store holds (an upload cut short on the way)
         for _ in range(READ_ATTEMPTS):
             after = None if known is None else known.header.version
             listed = time.monotonic()
@@ -320,6 +329,7 @@ class FragmentChain:
         base, contents = results[0], dict(zip(wanted, results[1:]))
         if base is None:
             return None
+        self._reused = self._reused + 1 if base is known else 0
         absorbed: list[Pending] = []
         empty: list[tuple[str, str, int]] = []
         garbage: list[str] = []
@@ -431,17 +441,27 @@ class FragmentChain:
         return newest is not None and newest.header.version > version and newest.header.absorbed(me) < seq
 
     def _clean_up(self, absorbed: list[str], version: int) -> None:
-        """After writing ``version``: delete what it absorbed, tombstone the version ``KEEP``
-        back and delete the one ``RETIRE`` back.
+        """After writing ``version``: delete what it absorbed, tombstone the versions ``KEEP``
+        back and delete those ``RETIRE`` back, but only below the newest version this node
+        downloaded and found usable.
 
-        Best effort: the fold has landed, and whatever is left (absorbed contributions, an old
-        version still readable) is harmless and cleaned up by a later writer.
+        A node trusts what it wrote without reading it back; a peer whose uploads arrive cut
+        short would otherwise retire the last good version after ``KEEP`` wins in a row, and
+        nobody could read the run. Downloading its base every ``KEEP`` folds (``view``) lets a
+        lone writer retire what it superseded, a few versions at once. Best effort: the fold
+        has landed, and whatever is left (absorbed contributions, an old version still
+        readable) is harmless and cleaned up by a later writer.
         """
         jobs: list[Callable[[], None]] = [lambda key=key: self.mailbox.delete(key) for key in absorbed]
-        if version >= KEEP:
-            jobs.append(lambda: self.mailbox.put(state_key(version - KEEP, self.index), TOMBSTONE))
-        if version >= RETIRE:
-            jobs.append(lambda: self.mailbox.delete(state_key(version - RETIRE, self.index)))
+        last = min(version - KEEP, self._good - 1)
+        first = max(0, version - KEEP - MAX_RETIRED_PER_FOLD + 1) if self._retired is None else self._retired
+        first = max(first, last - MAX_RETIRED_PER_FOLD + 1)
+        for old in range(first, last + 1):
+            jobs.append(lambda old=old: self.mailbox.put(state_key(old, self.index), TOMBSTONE))
+            if old >= RETIRE - KEEP:  # tombstones are kept RETIRE versions behind the newest
+                jobs.append(lambda old=old: self.mailbox.delete(state_key(old - (RETIRE - KEEP), self.index)))
+        if last >= first:
+            self._retired = last + 1
         try:
             parallel(lambda job: job(), jobs)
         except Exception as exc:  # the contribution is in; a later writer cleans up
