@@ -24,6 +24,24 @@ ENV_TIMEOUT = "GRADIENTMAIL_SESSION_TIMEOUT_S"
 ENV_OUTER = "GRADIENTMAIL_SESSION_OUTER"
 ENV_FRAGMENTS = "GRADIENTMAIL_SESSION_FRAGMENTS"
 """Environment overrides of the matching argument (seconds or steps; ``none`` disables one)."""
+ENV_RETIRE_AFTER = "GRADIENTMAIL_SESSION_RETIRE_AFTER_S"
+"""Seconds a superseded version stays readable (``session.chain.MIN_AGE_S``, 10 by default):
+more for readers far from the store or reading very large fragments, less to store fewer
+copies of a fast chain."""
+
+
+def retire_after_s(default: float) -> float:
+    """``ENV_RETIRE_AFTER`` when set (seconds, >= 0), else ``default``."""
+    text = os.environ.get(ENV_RETIRE_AFTER, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"{ENV_RETIRE_AFTER}={text!r}: expected seconds >= 0")
+    return value
 
 
 def env_override(name: str, value: Any, parse: Callable[[str], Any], expected: str) -> Any:

@@ -550,8 +550,9 @@ def test_bfloat16_wire_halves_the_bytes_and_rounds_without_bias(memory_mailbox):
             pass
 
 
-def test_concurrent_writers_fold_every_contribution_exactly_once(memory_mailbox):
+def test_concurrent_writers_fold_every_contribution_exactly_once(memory_mailbox, monkeypatch):
     # Eight threads fold at once into one store: versions are lost to each other and re-folded.
+    monkeypatch.setenv("GRADIENTMAIL_SESSION_RETIRE_AFTER_S", "0")  # retire as soon as it is safe
     nodes, exchanges = 8, 6
     models = [scalar() for _ in range(nodes)]
     sessions = [session(m, memory_mailbox, f"t{i}") for i, m in enumerate(models)]

@@ -1,21 +1,27 @@
-"""A fragment chain that a faulty peer writes to stays readable (issue #23, item 6).
+"""A fragment chain stays readable by readers far from the store and despite a faulty peer
+(issue #23, items 2 and 6).
 
 A peer whose uploads reach the store truncated keeps winning versions: each is unusable, and
 every reader walks back past them to the newest good one. Tombstoning ``KEEP`` versions behind
 its own write, such a peer used to retire that good version after ``KEEP`` wins in a row, and
 every reader then raised "the run cannot continue from this prefix". A writer now retires only
-versions older than the one it built on.
+versions older than the newest it downloaded and found usable.
+
+A reader 50 ms from the store, while a peer writes a version every few milliseconds, used to
+find the version it listed already tombstoned at every try and give up. A version is now
+retired only once a newer one has existed for ``MIN_AGE_S`` by the retiring node's clock.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
 from test_session_fragments import exchange, session, values, vector
 
 from gradientmail import MailSkippedWarning
-from gradientmail.mailbox.wrappers import MailboxWrapper
+from gradientmail.mailbox.wrappers import DelayedMailbox, MailboxWrapper
 from gradientmail.session import consensus
 from gradientmail.session.chain import KEEP, TOMBSTONE, FragmentChain
 from gradientmail.session.mail import state_key
@@ -52,3 +58,24 @@ def test_a_peer_whose_uploads_arrive_truncated_never_retires_the_last_good_versi
         samples = consensus(memory_mailbox, result)
     assert samples["good"] == 2
     assert values(result) == [1.5] * 4  # the broken peer's progress never reached the store intact
+
+
+def test_a_reader_far_from_the_store_reads_a_chain_that_moves_fast(memory_mailbox):
+    model = vector(4)
+    stop, folds = threading.Event(), []
+    with session(model, memory_mailbox, "fast", fragments=1) as s:
+
+        def write() -> None:  # the only thread using the session while it runs
+            while not stop.is_set() or len(folds) < 2 * KEEP:
+                exchange(s, model, 1.0)
+                folds.append(1)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            far = DelayedMailbox(memory_mailbox, latency=0.05)
+            samples = consensus(far, vector(4))  # lists, then reads what it listed: 50 ms each
+        finally:
+            stop.set()
+            writer.join(30)
+    assert samples["fast"] >= 1  # before: SessionError, "kept vanishing while being read"

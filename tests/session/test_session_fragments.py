@@ -325,6 +325,7 @@ def test_a_writer_stalled_until_its_version_number_was_retired_leaves_its_contri
     monkeypatch.setattr("gradientmail.session.chain.RETIRE", 2)
     monkeypatch.setattr("gradientmail.session.chain.KEEP", 1)
     monkeypatch.setattr("gradientmail.session.chain.STALLED_S", 0.0)  # every create is checked
+    monkeypatch.setenv("GRADIENTMAIL_SESSION_RETIRE_AFTER_S", "0")  # retired as soon as it is safe
     rival = RivalFirst(memory_mailbox)
     a_model, b_model = vector(2), vector(2)
     with session(a_model, memory_mailbox, "a", fragments=1) as a, session(b_model, rival, "b", fragments=1) as b:
