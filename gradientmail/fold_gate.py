@@ -52,7 +52,7 @@ class FoldGate:
         self._link: SessionLink | None = None
         self._landed: list[int] = []  # per fragment of the attached Session, its newest mark folded
         self._folded = 0
-        self._listeners: list[Callable[[int], None]] = []
+        self._listeners: list[Callable[[int | None], None]] = []
 
     def deliver(self) -> int:
         """Count one batch handed to the loop; its index."""
@@ -67,16 +67,23 @@ class FoldGate:
             return self._link is not None and index > self._folded
 
     @property
+    def folded(self) -> int:
+        """The largest batch index the run holds (every batch, once no Session holds them)."""
+        with self._lock:
+            return self._folded if self._link is not None else self._delivered
+
+    @property
     def attached(self) -> bool:
         with self._lock:
             return self._link is not None
 
-    def listen(self, listener: Callable[[int], None]) -> None:
-        """Call ``listener(folded)`` whenever the folded index advances (from the Session's thread)."""
+    def listen(self, listener: Callable[[int | None], None]) -> None:
+        """Call ``listener(folded)`` whenever the folded index advances (from the Session's
+        thread); ``listener(None)`` when the Session left without folding what is held."""
         with self._lock:
             self._listeners.append(listener)
 
-    def unlisten(self, listener: Callable[[int], None]) -> None:
+    def unlisten(self, listener: Callable[[int | None], None]) -> None:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
@@ -97,9 +104,8 @@ class FoldGate:
                 return
             self._link = None
             folded, listeners = self._delivered, list(self._listeners)
-        if release:
-            for listener in listeners:
-                listener(folded)
+        for listener in listeners:
+            listener(folded if release else None)
 
     def settle(self) -> None:
         """Fold everything delivered so far, when a Session is attached and has not (queue closing)."""

@@ -29,6 +29,10 @@ class Batches(Iterator[Batch]):
     watch: BatchWatch | None = None
     """Times the loop's batches per unit (``unit_timing``) and strips their unit tags."""
 
+    guard: Callable[[], None] | None = None
+    """Called before each batch; raises to stop the loop (``Presence.check``: this process was
+    replaced by another incarnation of its learner)."""
+
     def __init__(self) -> None:
         self._finished = False
 
@@ -38,6 +42,12 @@ class Batches(Iterator[Batch]):
     def __next__(self) -> Batch:
         if self._finished:
             raise StopIteration
+        if self.guard is not None:
+            try:
+                self.guard()
+            except BaseException:
+                self._finished = True
+                raise
         watch = self.watch
         if watch is not None:
             watch.ended()  # the loop asks for a batch: it has trained the previous one
@@ -100,8 +110,9 @@ class ElasticBatches(Batches):
     def _next(self) -> Batch:
         return self._consumption.next_from(self._inner)
 
-    def close(self, consumed_last: bool = False) -> None:
-        """Stop the pump, then record the last batch as consumed (or not) and close the tracker."""
+    def close(self, consumed_last: bool = False, *, replaced: bool = False) -> None:
+        """Stop the pump, then record the last batch as consumed (or not) and close the tracker
+        (``replaced``: another incarnation of this learner took over; write nothing more)."""
         if self._closed:
             return
         self._closed = True
@@ -112,7 +123,7 @@ class ElasticBatches(Batches):
         finally:
             self._consumption.finish(consumed_last=consumed_last)
             try:
-                if consumed_last:  # a clean exit: the Session folds what the records wait for
+                if consumed_last and not replaced:  # a clean exit: the Session folds what records wait for
                     self._tracker.settle()
             finally:
-                self._tracker.close()
+                self._tracker.close(replaced=replaced)

@@ -32,6 +32,11 @@ WINDOW_RENEWALS = 3
 """A record from another machine that did not change for this many of its writer's renewal
 intervals (on the reader's clock) belongs to a dead process."""
 
+LONG_DEAD_S = 600.0
+"""A record whose writer's own time is this much older than the reader's clock (and at least
+``WINDOW_RENEWALS`` renewals plus ``CLOCK_TOLERANCE_S``) is dead without watching it: a reader
+whose clock runs minutes ahead must watch, not take over a live learner."""
+
 CLOCK_TOLERANCE_S = 30.0
 """Clock skew tolerated when a writer's own time already shows its record is long dead."""
 
@@ -192,6 +197,10 @@ class Presence:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
+        self._lock = threading.Lock()  # one renewal at a time (the thread, or ``check``)
+        self._renewed_at = clock()
+        self._checked_at = -float("inf")  # the training thread's last ownership check
+        self._replaced: DuplicateLearnerError | None = None
 
     # -- public ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -211,12 +220,44 @@ class Presence:
                 f"while this process registered ({ATTEMPTS} attempts): another process is "
                 "starting under the same learner_id; use a unique learner_id"
             )
+        self._renewed_at = self._clock()
         with _OPEN_LOCK:
             _OPEN.add(self.incarnation)
         self._thread = threading.Thread(
             target=self._renew, name=f"gradientmail-presence-{self.learner_id}", daemon=True
         )
         self._thread.start()
+
+    def check(self) -> None:
+        """Raise ``DuplicateLearnerError`` once another incarnation has taken this learner's record.
+
+        That happens when this process stood still longer than its peers wait for a record to
+        change (SIGSTOP, a frozen VM) or when the new process's clock ran far ahead: the two must
+        not both train. Called by the consumer before each batch; after a pause longer than
+        that window it confirms ownership with the store before going on.
+        """
+        now = self._clock()
+        if (
+            self._replaced is None
+            and self._thread is not None
+            and now - self._renewed_at > WINDOW_RENEWALS * self.renew_s
+            and now - self._checked_at >= self.renew_s  # at most one check per renewal interval
+            and self._lock.acquire(blocking=False)  # the renewal thread is at it: let it finish
+        ):
+            self._checked_at = now
+            try:
+                self._renew_locked()
+            except Exception:  # a store fault must not stop training (the thread warns)
+                pass
+            finally:
+                self._lock.release()
+        if self._replaced is not None:
+            raise self._replaced
+
+    @property
+    def replaced(self) -> bool:
+        """Whether another incarnation of this learner took the record over."""
+        return self._replaced is not None
 
     def close(self) -> None:
         """Stop renewing and mark the record stopped (unless another incarnation has taken it)."""
@@ -277,7 +318,7 @@ class Presence:
         renew = min(max(renew, 0.01), RENEW_S) if renew is not None else RENEW_S
         window = WINDOW_RENEWALS * renew
         written = _number(record.get("time"))
-        if written is not None and self._wall() - written > window + CLOCK_TOLERANCE_S:
+        if written is not None and self._wall() - written > max(LONG_DEAD_S, window + CLOCK_TOLERANCE_S):
             return None  # long dead, even allowing for clock skew
         _log.info(
             "learner %r: watching the presence record of host %s pid %s for up to %.0f s to see "
@@ -312,10 +353,9 @@ class Presence:
         )
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.renew_s):
-            self._beat += 1
+        while self._replaced is None and not self._stop.wait(self.renew_s):
             try:
-                self.mailbox.put(self.key, _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s))
+                self._renew_once()
             except Exception as exc:  # a store fault must not stop training; the next renewal retries
                 if not self._warned:
                     self._warned = True
@@ -323,3 +363,44 @@ class Presence:
                         f"gradientmail: renewing the presence record {self.key!r} failed: {exc!r}",
                         stacklevel=1,
                     )
+
+    def _renew_once(self) -> None:
+        with self._lock:
+            self._renew_locked()
+
+    def _renew_locked(self) -> None:
+        """Renew the record if it is still this incarnation's (compare-and-swap where the store
+        has it), else note that another incarnation replaced this one."""
+        for _ in range(ATTEMPTS):
+            if self._replaced is not None:
+                return
+            data, version = self._get()
+            record = _parse(self.key, data)
+            if record is not None and record.get("incarnation") != self.incarnation:
+                self._replaced = self._replaced_by(record)
+                _log.warning("%s", self._replaced)
+                return
+            self._beat += 1
+            body = _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s)
+            if data is None:
+                written = self.mailbox.put_if_absent(self.key, body)
+            elif version is not None:
+                written = bool(self.mailbox.replace_if(self.key, body, version))  # type: ignore[attr-defined]
+            else:
+                self.mailbox.put(self.key, body)  # no compare-and-swap: checked just before
+                written = True
+            if written:
+                self._renewed_at = self._clock()
+                return
+
+    def _replaced_by(self, record: dict[str, Any]) -> DuplicateLearnerError:
+        return DuplicateLearnerError(
+            f"learner {self.learner_id!r}: this process (pid {os.getpid()}) was replaced by another "
+            f"process under the same learner_id (host {record['host']} pid {record['pid']}), which "
+            "judged it dead: it stood still longer than its peers wait (SIGSTOP, a frozen VM) or "
+            "that process's clock is far ahead; this one stops so that the two do not take each "
+            "other's units",
+            learner=self.learner_id,
+            host=record["host"],
+            pid=record["pid"],
+        )

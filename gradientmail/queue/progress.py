@@ -111,9 +111,14 @@ class ProgressTracker:
                 self._finished.append((identifier, token))
             self._changed.notify_all()
 
-    def _folded(self, folded: int) -> None:
-        """The gate's listener: records of batches up to ``folded`` may be written now."""
+    def _folded(self, folded: int | None) -> None:
+        """The gate's listener: records of batches up to ``folded`` may be written now (None:
+        the Session left without folding them; they are never written, and whoever continues
+        those units trains them again)."""
         with self._changed:
+            if folded is None:
+                self._held.clear()
+                return
             while self._held and self._held[0][0] <= folded:
                 _, record = self._held.popleft()
                 if len(record) == 4:
@@ -127,6 +132,7 @@ class ProgressTracker:
         """Before a clean close: have the Session fold what is held, so every record is written."""
         if self._held:
             self.gate.settle()
+            self._folded(self.gate.folded)  # not only when the Session's thread tells us
 
     def waiting(self, waiting: bool) -> None:
         """The loop enters (True) or leaves (False) ``next()``. Leaving waits for a fold that the
@@ -137,8 +143,10 @@ class ProgressTracker:
                 if self._held:  # the writer thread times the wait only while records wait
                     self._changed.notify_all()
             else:
-                self._changed.wait_for(lambda: not self._settling)
-                self._waiting_since = None
+                try:
+                    self._changed.wait_for(lambda: not self._settling)
+                finally:
+                    self._waiting_since = None
 
     def _settle_due(self) -> float | None:
         """Seconds until the writer thread has the Session fold for a waiting loop (None: never)."""
@@ -163,16 +171,21 @@ class ProgressTracker:
         with self._changed:
             self._changed.wait_for(lambda: self._idle() or self._thread is None or not self._thread.is_alive())
 
-    def close(self, *, release: bool = True) -> None:
+    def close(self, *, release: bool = True, replaced: bool = False) -> None:
         """Flush, stop the writer, release unfinished units of this incarnation, stop the lease.
 
         Records still held (batches whose progress is not in the run) are dropped: the units
         are released at the last batch the run holds, and whoever continues them trains the
-        rest again.
+        rest again. ``replaced``: another incarnation of this learner owns its records and its
+        lease now; nothing more is written.
         """
         self.gate.unlisten(self._folded)
         with self._changed:
             dropped, self._held = len(self._held), deque()
+            if replaced:
+                self._progress.clear()
+                self._finished.clear()
+                self._beat_consumed = self._consumed  # no heartbeat either
         if dropped:
             log.info(
                 "%s: %d batch record(s) not written: their progress is not in the run's state; "
@@ -186,6 +199,8 @@ class ProgressTracker:
                 self._changed.notify_all()
             self._thread.join()
             self._thread = None
+        if replaced:
+            return
         if release:
             self.release()
         if self.options.lease_s is not None:
@@ -352,14 +367,15 @@ class Consumption:
             while True:
                 step, tensor, tag = next(items)
                 identifier, token, kind = tag[0], tag[1], tag[2]
-                if kind == END:
-                    self.tracker.finished(identifier, token, self._index)
-                    continue
-                self._index = self.tracker.gate.deliver()
-                self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None, self._index)
-                return step, tensor
+                if kind != END:
+                    break
+                self.tracker.finished(identifier, token, self._index)
         finally:
-            self.tracker.waiting(False)
+            self.tracker.waiting(False)  # waits for a fold the writer thread started meanwhile
+        # Counted only now: a fold under way when the batch arrived did not train on it.
+        self._index = self.tracker.gate.deliver()
+        self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None, self._index)
+        return step, tensor
 
     def finish(self, *, consumed_last: bool) -> None:
         if consumed_last and self._last is not None:
@@ -385,6 +401,8 @@ def consume_inline(
         raise
     try:
         while True:
+            if presence is not None:
+                presence.check()  # replaced by another incarnation of this learner: stop
             try:
                 item = consumption.next_from(items)
             except StopIteration:  # every unit done: the Session folds what the records wait for
@@ -397,7 +415,7 @@ def consume_inline(
             close()
         consumption.finish(consumed_last=False)
         try:
-            tracker.close()
+            tracker.close(replaced=presence is not None and presence.replaced)
         finally:
             if presence is not None:
                 presence.close()

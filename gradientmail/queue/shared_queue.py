@@ -215,6 +215,7 @@ def shared_queue(
             )
         batches.watch = watch
         if tracker is None:
+            batches.guard = presence.check
             try:
                 batches.on_end = _warn_if_nothing_claimed(dataset)
                 yield batches
@@ -223,6 +224,7 @@ def shared_queue(
                 batches.close()
             return
         consumed = ElasticBatches(batches, tracker, dataset.stop_claiming)
+        consumed.guard = presence.check
         clean = False
         try:
             consumed.on_end = _warn_if_nothing_claimed(dataset)
@@ -234,7 +236,7 @@ def shared_queue(
                 consumed.close(consumed_last=True)
             else:
                 try:
-                    consumed.close(consumed_last=False)
+                    consumed.close(consumed_last=False, replaced=presence.replaced)
                 except Exception as exc:  # do not hide the error that is leaving the block
                     warnings.warn(f"shared_queue: recording progress on exit failed: {exc!r}", stacklevel=3)
     finally:

@@ -278,12 +278,14 @@ class Session:
             return False
         self._state = "closed"
         job, self._job = self._job, None
+        folded_all = False  # the final fold landed: every batch delivered is in the run
         try:
             if exc is None:
                 if job is not None:
                     self._finish(self._wait(job, "the last exchange"))
                 final = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=True))
                 self._finish(self._wait(final, "folding the final progress"))
+                folded_all = True
                 what = "%s left the run at version %s after %d steps, %d exchanges, %d conflicts"
                 log.info(what, self.learner_id, self.version, self._steps, self._exchanges, self.conflicts)
             else:
@@ -305,7 +307,7 @@ class Session:
             # After the final fold every batch delivered is in the run; after a failure nothing
             # more is released (the queue drops those records: their batches are trained again).
             if self._link is not None:
-                gate_for(describe(self.mailbox), self.learner_id).detach(self._link, release=exc is None)
+                gate_for(describe(self.mailbox), self.learner_id).detach(self._link, release=folded_all)
             # An idle thread ends at once; a stuck one (a store that never answers) is a daemon
             # and is left behind rather than waited for again.
             self._worker.close(0 if self._stuck else self._timeout_s)

@@ -204,3 +204,43 @@ def test_an_open_queue_in_this_process_is_alive_until_closed(memory_mailbox):
     second = _presence(memory_mailbox, fake, "two")
     second.start()
     second.close()
+
+
+# -- an incarnation that was replaced stops (issue #23, item 10) ---------------------------------
+def test_a_reader_whose_clock_runs_minutes_ahead_watches_before_taking_over(memory_mailbox):
+    """Two minutes of skew used to make a fresh record look 'long dead' at once."""
+    fake = FakeTime()
+    _elsewhere(memory_mailbox, fake, age=120)  # written 2 s ago by its clock, 120 s by ours
+    began = fake.now
+    presence = _presence(memory_mailbox, fake)
+    presence.start()  # the record does not change while watched: then, and only then, dead
+    assert fake.now - began >= 30
+    presence.close()
+
+
+def test_a_paused_incarnation_replaced_meanwhile_stops_at_its_next_batch(memory_mailbox):
+    """SIGSTOP for longer than its peers wait, a replacement registered meanwhile: on resuming,
+    the first check confirms ownership with the store, finds the record taken, and raises."""
+    fake = FakeTime()
+    paused = _presence(memory_mailbox, fake, "paused")
+    paused.start()
+    paused.check()  # fresh: no request, no error
+    replacement = _presence(memory_mailbox, FakeTime(), "replacement")
+    _take_over(memory_mailbox, replacement)
+    fake.now += 4 * 3600  # the pause, longer than three renewals
+    with pytest.raises(DuplicateLearnerError, match="was replaced by another process") as caught:
+        paused.check()
+    assert caught.value.learner == "node-1"
+    with pytest.raises(DuplicateLearnerError):
+        paused.check()  # for good
+    paused.close()
+    record = json.loads(memory_mailbox.get(learner_key("node-1")))
+    assert (record["incarnation"], record["state"]) == ("replacement", "running")  # left alone
+    replacement.close()
+
+
+def _take_over(box, presence: Presence) -> None:
+    """Register ``presence`` over the live record, as a replacement that judged it dead does."""
+    record = json.loads(box.get(learner_key("node-1")))
+    box.put(learner_key("node-1"), json.dumps({**record, "state": "stopped"}).encode())
+    presence.start()
