@@ -28,11 +28,13 @@ from benchmarks._common import TARGETS
 
 SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_figures")
 """What ``python -m benchmarks`` runs (within its 3-minute budget)."""
-FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale")
+FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults")
 """What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
 with the 1M-unit, 1,024-node simulation itself (``--direct``: about 17 minutes), and the Session at
-4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes)."""
+4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), and
+50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
+about a minute)."""
 FULL_OPTIONS: dict[str, tuple[str, ...]] = {"scale": ("--direct",)}
 """Options a script gets in a full (not ``--quick``) run: the 1M rows are measured, not estimated."""
 
@@ -64,6 +66,8 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("session_scale", "scale_read_per_exchange_64", "model sizes read per learner per exchange, 64 learners"),
     ("session_scale", "scale_written_per_exchange_64", "model sizes written per learner per exchange, 64 learners"),
     ("session_scale", "scale_errors_64", "learner errors, 64 learners"),
+    ("faults", "faults_lost", "samples missing from the model after 50 kill-and-restart trials"),
+    ("faults", "faults_doubled", "samples the model holds twice, same trials"),
     (
         "training",
         "pass_loss_over_ddp",

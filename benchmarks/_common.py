@@ -86,6 +86,8 @@ TARGETS: dict[str, Target] = {
     ),
     "scale_read_per_exchange_64": Target("<=", 3.0, "model sizes read per learner per exchange, 64 learners"),
     "scale_written_per_exchange_64": Target("<=", 2.0, "model sizes written per learner per exchange, 64 learners"),
+    "faults_lost": Target("<=", 0.0, "samples missing from the model after kill-and-restart trials"),
+    "faults_doubled": Target("<=", 0.0, "samples the model holds twice after kill-and-restart trials"),
     "scale_errors_64": Target("<=", 0.0, "exceptions raised by the 64 learners' sessions (enter, step, wait, exit)"),
 }
 """The issue's targets, by figure name (the figures every script names in its JSON line)."""

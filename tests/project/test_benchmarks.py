@@ -93,7 +93,20 @@ S3_LATENCY = [
     "store_cpu_ms_per_request_small",
     "idle_request_ms",
 ]
+FAULTS = [
+    "faults_trials",
+    "faults_injected",
+    "faults_samples_dataset",
+    "faults_samples_in_model",
+    "faults_lost",
+    "faults_doubled",
+    "faults_retrained",
+    "faults_errors",
+]
+
+
 SLOW = {
+    "faults": FAULTS,  # its quick run: test_quick_kill_trials_lose_no_sample_from_the_model
     "s3_latency": S3_LATENCY,
     "training": ["loss_over_ddp", "pass_loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
     "scale": SCALE,
@@ -177,3 +190,15 @@ def test_results_table_marks_targets() -> None:
     assert "| `stall_fraction` | 0.5000 | < 0.01 | **missed** |" in text
     assert "| `step_overhead` | n/a | < 0.01 | not measured |" in text
     assert "`python -m benchmarks.session` **failed (exit code 1)**" in text
+
+
+@pytest.mark.slow
+def test_quick_kill_trials_lose_no_sample_from_the_model() -> None:
+    """Two SIGKILL-and-restart trials (benchmarks.faults): every sample of the dataset is in the
+    run's state (issue #23 item 1; before the fold gate a kill lost the node's unfolded batches)."""
+    lines, figures = quick_run("faults")
+    assert len(lines) >= 3, lines  # a table before the JSON line
+    assert all(finite(figures[name]) for name in FAULTS), figures
+    assert figures["faults_errors"] == 0, figures
+    assert figures["faults_lost"] == 0, figures
+    assert figures["faults_samples_in_model"] >= figures["faults_samples_dataset"] > 0
