@@ -165,14 +165,7 @@ def test_concurrent_claimers_split_every_unit_exactly_once(box):
 
 def test_claim_error_arrives_after_the_units_claimed_before_it(box):
     order = ids(10)
-    bad = f"{CLAIMS_PREFIX}u0006"
-
-    def fault(operation: str, key: str):
-        if operation == "put_if_absent" and key == bad:
-            return MailboxError("store unavailable", operation=operation, key=key, store="test")
-        return None
-
-    ahead = ClaimAhead(Claimer(FaultyMailbox(box, fault), order, "node-0"), limit=3)
+    ahead = ClaimAhead(Claimer(failing_claim(box, "u0006"), order, "node-0"), limit=3)
     handed = []
     with pytest.raises(MailboxError, match="store unavailable"):
         while True:
@@ -214,14 +207,7 @@ def test_units_and_errors_keep_the_pick_order_whatever_order_claims_run_in(box, 
 
     monkeypatch.setattr("gradientmail.queue.claim_ahead.ThreadPoolExecutor", pool)
     order = ids(10)
-    bad = f"{CLAIMS_PREFIX}u0003"
-
-    def fault(operation: str, key: str):
-        if operation == "put_if_absent" and key == bad:
-            return MailboxError("store unavailable", operation=operation, key=key, store="test")
-        return None
-
-    ahead = ClaimAhead(Claimer(FaultyMailbox(box, fault), order, "node-0"), limit=3)
+    ahead = ClaimAhead(Claimer(failing_claim(box, "u0003"), order, "node-0"), limit=3)
     ahead.times = FixedTimes(claim_s=0.2, unit_s=0.005)  # the second unit's wait starts 3 claims at once
     handed = []
     with pytest.raises(MailboxError, match="store unavailable"):
@@ -364,3 +350,15 @@ def test_claim_ahead_zero_is_on_demand(tmp_path):
 
 def _one(item: Item, tag: int):
     yield 0, torch.tensor([item.index, tag])
+
+
+def failing_claim(box, unit: str) -> FaultyMailbox:
+    """``box`` whose claim of ``unit`` fails with a store error (every other request passes)."""
+    bad = f"{CLAIMS_PREFIX}{unit}"
+
+    def fault(operation: str, key: str):
+        if operation == "put_if_absent" and key == bad:
+            return MailboxError("store unavailable", operation=operation, key=key, store="test")
+        return None
+
+    return FaultyMailbox(box, fault)
