@@ -134,6 +134,11 @@ def _rebuild_duplicate(message, learner, host, pid):
     return DuplicateLearnerError(message, learner=learner, host=host, pid=pid)
 
 
+class LeaseLostError(GradientMailError, RuntimeError):
+    """Peers judged this process dead (its lease expired while it stood still) and took over a
+    unit it was training: it stops rather than train those batches a second time."""
+
+
 class RecordError(GradientMailError, ValueError):
     """A record read from the mailbox is too large, too deep, not a JSON object, or has a bad field.
 

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 
@@ -53,6 +54,8 @@ class FoldGate:
         self._landed: list[int] = []  # per fragment of the attached Session, its newest mark folded
         self._folded = 0
         self._listeners: list[Callable[[int | None], None]] = []
+        self._owner_check: Callable[[], None] | None = None
+        self.pause_limit_s = math.inf  # a Session that stood still this long asks _owner_check
 
     def deliver(self) -> int:
         """Count one batch handed to the loop; its index."""
@@ -87,6 +90,20 @@ class FoldGate:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
+
+    def guard(self, check: Callable[[], None] | None, pause_limit_s: float = math.inf) -> None:
+        """The queue's ``check()`` raises when peers took this learner's units over; a Session
+        that stood still ``pause_limit_s`` or more calls it before its next exchange, so that
+        a process frozen past its lease folds nothing more (None: no check)."""
+        with self._lock:
+            self._owner_check, self.pause_limit_s = check, pause_limit_s if check is not None else math.inf
+
+    def check_owner(self) -> None:
+        """Raise ``LeaseLostError`` if the queue finds this learner's units taken over."""
+        with self._lock:
+            check = self._owner_check
+        if check is not None:
+            check()
 
     def attach(self, sync: Callable[[], None], fragments: int) -> SessionLink:
         """A Session joins: from now on records wait for its folds. ``sync()`` folds every

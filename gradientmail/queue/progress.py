@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gradientmail.errors import LeaseLostError
 from gradientmail.fold_gate import gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
@@ -67,6 +68,8 @@ class ProgressTracker:
         self.gate = gate_for(describe(mailbox), learner_id)
         self._held: deque[tuple[int, tuple[str, str, int, int | None] | tuple[str, str]]] = deque()
         self._waiting_since: float | None = None  # the loop is inside next() since (monotonic)
+        self._handed_at: float | None = None  # when the loop last got a batch (monotonic)
+        self._current: tuple[str, str] | None = None  # the unit (and claim token) being trained
         self._settling = False  # the writer thread has the Session fold; the loop must not resume
         lease = options.lease_s
         self._settle_after_s = SETTLE_AFTER_S if lease is None else min(SETTLE_AFTER_S, lease / 4)
@@ -84,6 +87,8 @@ class ProgressTracker:
     # -- called by the consumer -----------------------------------------------------------
     def start(self) -> None:
         self.gate.listen(self._folded)
+        if self.options.lease_s is not None:
+            self.gate.guard(self.check_owner, self.options.lease_s / 2)
         if self.options.lease_s is not None:
             self._write_lease(RUNNING)
         self._thread = threading.Thread(target=self._run, name=f"gradientmail-progress-{self.learner_id}", daemon=True)
@@ -148,6 +153,43 @@ class ProgressTracker:
                 finally:
                     self._waiting_since = None
 
+    def confirm(self, identifier: str, token: str) -> None:
+        """Before handing a batch of ``identifier`` after the loop stood still for half a lease
+        or more: check that no peer took this learner's units over meanwhile.
+
+        Peers reclaim a unit once its owner's lease has not changed for ``lease``; a process
+        paused that long (SIGSTOP, a frozen VM) would otherwise finish the unit beside the node
+        that took it over, and its Session would fold those batches a second time.
+
+        Raises:
+            LeaseLostError: that unit, or one whose records wait for the Session, was taken over.
+        """
+        lease = self.options.lease_s
+        now = time.monotonic()
+        handed, self._handed_at = self._handed_at, now
+        self._current = (identifier, token)
+        if lease is not None and handed is not None and now - handed >= lease / 2:
+            self.check_owner(now - handed)
+
+    def check_owner(self, paused_s: float | None = None) -> None:
+        """Raise ``LeaseLostError`` if the unit being trained, or one whose records wait for the
+        Session, was taken over by a peer (one read per such unit). The Session calls it (through
+        the ``FoldGate``) before exchanging after standing still for half a lease."""
+        with self._changed:
+            units = {record[0]: record[1] for _, record in self._held}
+        if self._current is not None:
+            units[self._current[0]] = self._current[1]
+        for unit, owned in units.items():
+            claim = load_claim(self.mailbox.get(claim_key(unit)))
+            if claim is not None and claim.token != owned:
+                still = f" for {paused_s:.1f} s" if paused_s is not None else ""
+                raise LeaseLostError(
+                    f"learner {self.learner_id!r}: unit {unit!r} was taken over by {claim.learner!r} while "
+                    f"this process stood still{still} (lease {self.options.lease_s:g} s: its peers judged "
+                    "it dead); it stops so that no batch is trained twice. Restart it with resume=True to "
+                    "continue the run; give it a longer lease if such pauses are expected"
+                )
+
     def _settle_due(self) -> float | None:
         """Seconds until the writer thread has the Session fold for a waiting loop (None: never)."""
         if not self._held or self._waiting_since is None or not self.gate.attached:
@@ -180,6 +222,7 @@ class ProgressTracker:
         lease now; nothing more is written.
         """
         self.gate.unlisten(self._folded)
+        self.gate.guard(None)
         with self._changed:
             dropped, self._held = len(self._held), deque()
             if replaced:
@@ -372,6 +415,7 @@ class Consumption:
                 self.tracker.finished(identifier, token, self._index)
         finally:
             self.tracker.waiting(False)  # waits for a fold the writer thread started meanwhile
+        self.tracker.confirm(identifier, token)  # after a long pause: are its units still its own?
         # Counted only now: a fold under way when the batch arrived did not train on it.
         self._index = self.tracker.gate.deliver()
         self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None, self._index)

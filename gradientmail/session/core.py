@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import SessionError
-from gradientmail.fold_gate import SessionLink, gate_for
+from gradientmail.fold_gate import FoldGate, SessionLink, gate_for
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
@@ -160,6 +160,8 @@ class Session:
         self._merges = 0
         self._job: Job | None = None
         self._link: SessionLink | None = None  # to this learner's queue in this process, once entered
+        self._gate = FoldGate()  # the real one once entered
+        self._stepped_at = 0.0
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
@@ -261,7 +263,9 @@ class Session:
             self._worker.close(0)
             raise
         # The queue of this learner in this process records a batch as done once folded.
-        self._link = gate_for(describe(self.mailbox), self.learner_id).attach(self._fold_now, len(plan))
+        self._gate = gate_for(describe(self.mailbox), self.learner_id)
+        self._link = self._gate.attach(self._fold_now, len(plan))
+        self._stepped_at = time.monotonic()
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._next_fragment = random.randrange(len(plan))
         self._due_step = self._steps + self._every_steps / len(plan)
@@ -307,7 +311,7 @@ class Session:
             # After the final fold every batch delivered is in the run; after a failure nothing
             # more is released (the queue drops those records: their batches are trained again).
             if self._link is not None:
-                gate_for(describe(self.mailbox), self.learner_id).detach(self._link, release=folded_all)
+                self._gate.detach(self._link, release=folded_all)
             # An idle thread ends at once; a stuck one (a store that never answers) is a daemon
             # and is left behind rather than waited for again.
             self._worker.close(0 if self._stuck else self._timeout_s)
@@ -332,6 +336,10 @@ class Session:
             raise ValueError(f"samples must be >= 0, not {samples}")
         self._steps += 1
         self._samples += samples
+        now = time.monotonic()
+        stood_still, self._stepped_at = now - self._stepped_at, now
+        if stood_still >= self._gate.pause_limit_s:  # frozen past a lease? fold nothing more then
+            self._gate.check_owner()
         job = self._job
         if job is not None:
             if not job.done.is_set():
@@ -416,9 +424,13 @@ class Session:
         # Progress is written once per round (and on leaving), not once per fragment.
         progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None
 
+        gate, began = self._gate, time.monotonic()
+
         def job() -> list[Merge]:
             merges = []
             for i, snapshot in snapshots:
+                if time.monotonic() - began >= gate.pause_limit_s:  # frozen meanwhile: still ours?
+                    gate.check_owner()
                 merges.append(exchanger.exchange(i, snapshot, totals, final, taken))
                 link.landed(i, mark)
             if final:
