@@ -38,6 +38,7 @@ from gradientmail.session.options import (
     ENV_TIMEOUT,
     env_override,
     positive_seconds,
+    retire_after_s,
     seconds,
 )
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
@@ -124,6 +125,7 @@ class Session:
         max_staleness = env_override(ENV_MAX_STALENESS, max_staleness, seconds, "a number of seconds")
         timeout = env_override(ENV_TIMEOUT, timeout, seconds, "a number of seconds")
         fragments = env_override(ENV_FRAGMENTS, fragments, int, "a fragment count")
+        retire_after_s(0.0)  # a malformed GRADIENTMAIL_SESSION_RETIRE_AFTER_S fails here, not at enter
         if fragments is not None and (
             isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= MAX_FRAGMENTS
         ):

@@ -79,3 +79,10 @@ def test_a_reader_far_from_the_store_reads_a_chain_that_moves_fast(memory_mailbo
             stop.set()
             writer.join(30)
     assert samples["fast"] >= 1  # before: SessionError, "kept vanishing while being read"
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf", "nan"])
+def test_a_malformed_retire_after_is_refused_when_the_session_is_made(memory_mailbox, monkeypatch, value):
+    monkeypatch.setenv("GRADIENTMAIL_SESSION_RETIRE_AFTER_S", value)
+    with pytest.raises(ValueError, match="GRADIENTMAIL_SESSION_RETIRE_AFTER_S"):
+        session(vector(2), memory_mailbox, "a")
