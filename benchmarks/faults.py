@@ -20,8 +20,9 @@ otherwise, or a unit was not done), ``faults_injected`` (trials whose victim was
 share of the units ran out).
 
 Before issue #23 item 1 a killed node's batches since its last exchange were lost; the
-``FoldGate`` records a batch only once the run holds its progress. A frozen node's fold in
-flight at the freeze lands when it resumes: those batches reach the model twice (the bound).
+``FoldGate`` records a batch only once the run holds its progress. A frozen node checks its claims before folding
+again; a fold that landed just before the freeze, its records not yet written, reaches the
+model twice (the bound).
 
 Usage: ``python -m benchmarks.faults [--quick] [--trials N] [--seed S] [--fragments F]``
 (default 50 trials, about 2 minutes on 2 cores; ``--quick``: one of each, CI). Not covered:

@@ -312,8 +312,14 @@ class ProgressTracker:
                 self._error = exc
 
     def _settle_for_waiting_loop(self) -> None:
-        """Have the Session fold while the loop waits inside ``next()`` (it cannot train now)."""
+        """Have the Session fold while the loop waits inside ``next()`` (it cannot train now).
+
+        A wait of half a lease or more may have been a freeze: the units must still be this
+        learner's, else folding them would count batches its peers are training again."""
         try:
+            since, lease = self._waiting_since, self.options.lease_s
+            if since is not None and lease is not None and time.monotonic() - since >= lease / 2:
+                self.check_owner(time.monotonic() - since)
             self.gate.settle()
         except Exception as exc:  # surfaced to the consumer by check()
             self._error = exc

@@ -389,7 +389,15 @@ class FragmentChain:
             )
         return view.base
 
-    def fold(self, view: View, me: str, contribution: Mapping[str, Tensor], entry: Contribution) -> Folded:
+    def fold(
+        self,
+        view: View,
+        me: str,
+        contribution: Mapping[str, Tensor],
+        entry: Contribution,
+        *,
+        before_create: Callable[[float], None] | None = None,
+    ) -> Folded:
         """Fold ``contribution`` (this learner's, ``entry.seq``) into the fragment, exactly once.
 
         Creates the version after ``view.newest`` holding the base, every contribution in
@@ -401,6 +409,8 @@ class FragmentChain:
             me: this learner.
             contribution: what to add, in the summing dtype (float32 or float64).
             entry: this learner's line once it is absorbed.
+            before_create: called with ``view.listed`` just before anything is written; it may
+                raise to fold nothing (a process frozen meanwhile whose units were taken over).
 
         Raises:
             SessionError: this learner's contribution ``entry.seq`` exists already (two
@@ -422,6 +432,8 @@ class FragmentChain:
         )
         key = state_key(header.version, self.index)
         stored = {name: to_wire(value, self.wire_dtype) for name, value in summed.items()}
+        if before_create is not None:
+            before_create(view.listed)
         created = self.mailbox.put_if_absent(key, encode(stored, header))
         if created and time.monotonic() - view.listed > STALLED_S and self._orphaned(header.version, me, entry.seq):
             # Created after the chain had moved on and retired that number: nobody will read it.

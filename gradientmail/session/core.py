@@ -268,6 +268,13 @@ class Session:
         self._gate = gate_for(describe(self.mailbox), self.learner_id)
         self._link = self._gate.attach(self._fold_now, len(plan))
         self._stepped_at = time.monotonic()
+        gate = self._gate
+
+        def still_ours(listed: float) -> None:  # a fold that took half a lease: frozen meanwhile?
+            if time.monotonic() - listed >= gate.pause_limit_s:
+                gate.check_owner()
+
+        exchanger.before_create = still_ours
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._next_fragment = random.randrange(len(plan))
         self._due_step = self._steps + self._every_steps / len(plan)

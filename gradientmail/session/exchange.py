@@ -151,6 +151,7 @@ class Exchanger:
     ) -> None:
         self.mailbox = mailbox
         self.learner_id = learner_id
+        self.before_create: Callable[[float], None] | None = None  # see FragmentChain.fold
         self.outer = outer
         self.wire_dtype = wire_dtype
         self.catch_up = catch_up
@@ -268,7 +269,7 @@ class Exchanger:
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
         entry = Contribution(seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final)
-        folded = chain.fold(view, me, contribution, entry)
+        folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
         self._unsure[index] = None
         self._seqs[index] = seq + 1
         self.conflicts += folded.conflicts
