@@ -22,7 +22,6 @@ import logging
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,18 +54,13 @@ from gradientmail.session.mail import (
 )
 from gradientmail.session.options import retire_after_s
 from gradientmail.session.overlap import parallel
+from gradientmail.session.retirement import MIN_AGE_S, Retirement
 
 KEEP = 4
 """Versions kept behind the newest: a reader that listed an older one can usually still read it."""
 RETIRE = 10_000
 """Tombstones kept behind the newest (a few bytes each), so that no version is created twice."""
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
-MIN_AGE_S = 10.0
-"""A version is retired only once a newer one has existed this long (by the retiring node's own
-clock): a reader far from the store, or reading a large fragment, has that long between its
-listing and its read, however fast the chain moves (more copies are kept while it moves fast)."""
-MAX_OWED = 1024
-"""Deferred retirements a node remembers (beyond that the oldest are left to ``RETIRE``)."""
 MAX_WALK_BACK = 64
 """Unusable versions a reader skips before giving up: a bound on the reads one bad writer costs."""
 STALLED_S = 30.0
@@ -183,12 +177,8 @@ class FragmentChain:
         self.spec = spec
         self.wire_dtype = wire_dtype
         # Retiring only what a download proved superseded (see ``_clean_up``):
-        self._good = -1  # the newest version this node downloaded and found usable
-        self._owed: deque[int] = deque()  # versions this node must retire once safe (ascending)
+        self._retirement = Retirement(KEEP, retire_after_s(MIN_AGE_S))
         self._reused = 0  # folds built on a version held in memory since the last download
-        self.min_age_s = retire_after_s(MIN_AGE_S)
-        self._sightings: deque[tuple[float, int]] = deque()  # (when, newest version known then)
-        self._aged = -1  # the newest version known to have existed for MIN_AGE_S
 
     def __repr__(self) -> str:
         return f"FragmentChain({self.index}/{self.count} on {describe(self.mailbox)})"
@@ -201,16 +191,8 @@ class FragmentChain:
         found = (parse_state_key(key, self.index) for key in self.mailbox.list(prefix, start_after=start))
         versions = sorted(v for v in found if v is not None)
         if versions:
-            self._sighted(versions[-1])
+            self._retirement.sighted(versions[-1])
         return versions
-
-    def _sighted(self, version: int) -> None:
-        """Version ``version`` exists now: older ones may be retired ``MIN_AGE_S`` from now."""
-        now = time.monotonic()
-        if not self._sightings or version > self._sightings[-1][1]:
-            self._sightings.append((now, version))
-        while self._sightings and now - self._sightings[0][0] >= self.min_age_s:
-            self._aged = max(self._aged, self._sightings.popleft()[1])
 
     def list_pending(self) -> dict[str, dict[int, str]]:
         """``{learner: {seq: key}}`` of the contributions waiting beside the versions."""
@@ -257,7 +239,7 @@ class FragmentChain:
                 version -= 1
                 continue
             if state is not None:
-                self._good = max(self._good, version)
+                self._retirement.downloaded(version)
                 return state
             if version == newest:
                 return None
@@ -474,27 +456,14 @@ class FragmentChain:
         return newest is not None and newest.header.version > version and newest.header.absorbed(me) < seq
 
     def _clean_up(self, absorbed: list[str], version: int) -> None:
-        """After writing ``version``: delete what it absorbed, and retire the version ``KEEP``
-        back (a tombstone; the one ``RETIRE`` back is deleted), once that is safe.
+        """After writing ``version``: delete what it absorbed, and retire what is due
+        (``session.retirement``: tombstones; the version ``RETIRE`` behind each is deleted).
 
-        Safe means: older than the newest version this node *downloaded* and found usable, and
-        superseded for ``MIN_AGE_S`` on this node's clock. A node trusts what it wrote without
-        reading it back, so a peer whose uploads arrive cut short would otherwise retire the last
-        good version after ``KEEP`` wins in a row; and a reader far from the store has
-        ``MIN_AGE_S`` between its listing and its read however fast the chain moves. A retirement
-        not yet safe is owed, and paid at a later fold (each version is retired by one writer:
-        the one ``KEEP`` after it). Best effort: the fold has landed, and whatever is left
-        (absorbed contributions, an old version still readable) is harmless.
+        Best effort: the fold has landed, and whatever is left (absorbed contributions, an old
+        version still readable) is harmless.
         """
         jobs: list[Callable[[], None]] = [lambda key=key: self.mailbox.delete(key) for key in absorbed]
-        self._sighted(version)
-        if version >= KEEP:
-            self._owed.append(version - KEEP)
-            while len(self._owed) > MAX_OWED:
-                self._owed.popleft()
-        safe = min(self._good, self._aged)  # retire below this
-        while self._owed and self._owed[0] < safe:
-            old = self._owed.popleft()
+        for old in self._retirement.wrote(version):
             jobs.append(lambda old=old: self.mailbox.put(state_key(old, self.index), TOMBSTONE))
             if old >= RETIRE - KEEP:  # tombstones are kept RETIRE versions behind the newest
                 jobs.append(lambda old=old: self.mailbox.delete(state_key(old - (RETIRE - KEEP), self.index)))
