@@ -9,6 +9,13 @@ every fragment has folded a snapshot taken after that batch was trained; a learn
 leaves records that end at the last batch whose progress is in the run, and whoever continues
 its units trains the rest again. Nothing is held without a Session (the queue alone).
 
+A record written after its fold leaves a window: a node frozen or killed after the fold landed
+and before the record was written would have the batches trained again by whoever continues. So
+each snapshot also carries the *unit marks* (``UnitMark``): for every unit whose latest batch
+delivered is not yet in a written record, that batch's position. The Session stores them in the
+learner's line of the run's state, and a takeover continues after the further of the record and
+the marks every fragment holds (``gradientmail.session.folded_units``).
+
 One gate per store and learner id in this process: the Session and the queue of one learner
 find each other by those two names (``gate_for``), so the documented loop needs no new argument.
 
@@ -23,6 +30,8 @@ Example:
     >>> third = gate.deliver()
     >>> gate.holds(third), link.mark()
     (True, 3)
+    >>> _ = gate.deliver(UnitMark("u", "t", 7, 0)); link.snapshot()
+    (4, {'u': UnitMark(unit='u', token='t', step=7, position=0)})
     >>> link.landed(0, 3); gate.holds(third)
     True
     >>> link.landed(1, 3); gate.holds(third), released
@@ -34,8 +43,54 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
-__all__ = ["FoldGate", "SessionLink", "gate_for"]
+__all__ = ["MAX_UNIT_MARKS", "FoldGate", "SessionLink", "UnitMark", "gate_for", "unit_marks_from_json"]
+
+MAX_UNIT_MARKS = 64
+"""Unit marks one snapshot carries at most (the most recent): a learner has one unit in training
+and a few whose records wait; a mark left out only means those batches may be trained twice."""
+
+
+class UnitMark(NamedTuple):
+    """The last batch of ``unit`` (claimed under ``token``) a snapshot holds: ``step`` label,
+    ``position`` in the unit's ``load()`` iteration."""
+
+    unit: str
+    token: str
+    step: int
+    position: int | None
+
+
+MAX_MARK_CHARS = 1024
+"""Longest unit id or claim token a unit mark may hold (both are key segments or hex tokens)."""
+
+
+def unit_marks_from_json(value: object, limit: int) -> tuple[UnitMark, ...]:
+    """Unit marks read back from the store (untrusted): at most ``MAX_UNIT_MARKS``, strings
+    short, steps and positions within ``limit``.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if not isinstance(value, list) or len(value) > MAX_UNIT_MARKS:
+        raise ValueError(f"units is not a list of at most {MAX_UNIT_MARKS} marks")
+    marks = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 4):
+            raise ValueError("a unit mark is not [unit, token, step, position]")
+        unit, token, step, position = item
+        for name, text in (("unit", unit), ("token", token)):
+            if not isinstance(text, str) or not 0 < len(text) <= MAX_MARK_CHARS:
+                raise ValueError(f"a unit mark's {name} is not a short string")
+        if isinstance(step, bool) or not isinstance(step, int) or not -limit <= step <= limit:
+            raise ValueError(f"unit mark step {str(step)[:40]!r} is not a step label")
+        if position is not None and (
+            isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= limit
+        ):
+            raise ValueError(f"unit mark position {str(position)[:40]!r} is not a position")
+        marks.append(UnitMark(unit, token, step, position))
+    return tuple(marks)
 
 
 class FoldGate:
@@ -53,15 +108,26 @@ class FoldGate:
         self._link: SessionLink | None = None
         self._landed: list[int] = []  # per fragment of the attached Session, its newest mark folded
         self._folded = 0
+        self._unwritten: dict[str, tuple[int, UnitMark]] = {}  # unit -> (index, its latest batch)
         self._listeners: list[Callable[[int | None], None]] = []
         self._owner_check: Callable[[], None] | None = None
         self.pause_limit_s = math.inf  # a Session that stood still this long asks _owner_check
 
-    def deliver(self) -> int:
-        """Count one batch handed to the loop; its index."""
+    def deliver(self, mark: UnitMark | None = None) -> int:
+        """Count one batch handed to the loop (``mark``: which unit and where); its index."""
         with self._lock:
             self._delivered += 1
+            if mark is not None:
+                self._unwritten.pop(mark.unit, None)  # re-inserted last: the dict keeps delivery order
+                self._unwritten[mark.unit] = (self._delivered, mark)
             return self._delivered
+
+    def written(self, unit: str, index: int) -> None:
+        """The records of ``unit`` up to batch ``index`` are on the store: no mark needed for them."""
+        with self._lock:
+            entry = self._unwritten.get(unit)
+            if entry is not None and entry[0] <= index:
+                del self._unwritten[unit]
 
     def holds(self, index: int) -> bool:
         """Whether the record of batch ``index`` must wait: a Session is attached and has not
@@ -105,11 +171,14 @@ class FoldGate:
         if check is not None:
             check()
 
-    def attach(self, sync: Callable[[], None], fragments: int) -> SessionLink:
+    def attach(
+        self, sync: Callable[[], None], fragments: int, revoke: Callable[[], None] = lambda: None
+    ) -> SessionLink:
         """A Session joins: from now on records wait for its folds. ``sync()`` folds every
-        fragment now and waits (the queue calls it while the training loop is not training)."""
+        fragment now and waits (the queue calls it while the training loop is not training);
+        ``revoke()`` makes it fold nothing more and waits for a fold under way (``revoke``)."""
         with self._lock:
-            self._link = SessionLink(self, sync)
+            self._link = SessionLink(self, sync, revoke)
             self._landed = [self._delivered] * fragments
             self._folded = self._delivered
             return self._link
@@ -121,8 +190,28 @@ class FoldGate:
                 return
             self._link = None
             folded, listeners = self._delivered, list(self._listeners)
+            if release:
+                self._folded = folded
         for listener in listeners:
             listener(folded if release else None)
+
+    def revoke(self) -> bool:
+        """The queue stops without recording every batch delivered (an error, a replaced or
+        frozen process): the Session folds nothing more, so that no batch the queue leaves to be
+        trained again reaches the run from here too. Returns once a fold under way has ended;
+        True if a Session was attached (its last fold may have landed unbeknown to the gate)."""
+        with self._lock:
+            link = self._link
+        if link is not None:
+            link.revoke()
+        return link is not None
+
+    def folded_mark(self, unit: str) -> UnitMark | None:
+        """The latest batch delivered of ``unit`` if the run holds it and its record is not
+        written (where a release of the unit must say it stands), else None."""
+        with self._lock:
+            entry = self._unwritten.get(unit)
+            return entry[1] if entry is not None and entry[0] <= self._folded else None
 
     def settle(self) -> None:
         """Fold everything delivered so far, when a Session is attached and has not (queue closing)."""
@@ -136,6 +225,13 @@ class FoldGate:
         """The index of the last batch delivered: a snapshot taken now holds its progress."""
         with self._lock:
             return self._delivered
+
+    def snapshot(self) -> tuple[int, dict[str, UnitMark]]:
+        """``mark()`` and the unit marks of the batches it holds whose records are not written
+        (the ``MAX_UNIT_MARKS`` most recently delivered)."""
+        with self._lock:
+            marks = [mark for _, mark in self._unwritten.values()][-MAX_UNIT_MARKS:]
+            return self._delivered, {mark.unit: mark for mark in marks}
 
     def landed(self, link: SessionLink, fragment: int, mark: int) -> None:
         """``link``'s fragment ``fragment`` folded (or left pending) a snapshot taken at ``mark``."""
@@ -155,12 +251,16 @@ class FoldGate:
 class SessionLink:
     """A Session's handle on its gate: marks its snapshots, reports the folds that landed."""
 
-    def __init__(self, gate: FoldGate, sync: Callable[[], None]) -> None:
+    def __init__(self, gate: FoldGate, sync: Callable[[], None], revoke: Callable[[], None]) -> None:
         self.gate = gate
         self.sync = sync
+        self.revoke = revoke
 
     def mark(self) -> int:
         return self.gate.mark()
+
+    def snapshot(self) -> tuple[int, dict[str, UnitMark]]:
+        return self.gate.snapshot()
 
     def landed(self, fragment: int, mark: int) -> None:
         self.gate.landed(self, fragment, mark)

@@ -1,5 +1,5 @@
-"""Shared fixtures: real HTTP S3 endpoints on 127.0.0.1 (moto's server, and SeaweedFS, a real S3
-implementation whose conditional writes are atomic) and fresh mailboxes.
+"""Shared fixtures: real HTTP S3 endpoints on 127.0.0.1 (moto's server, and SeaweedFS and Ceph's
+radosgw, real S3 implementations whose conditional writes are atomic) and fresh mailboxes.
 
 ``any_mailbox`` runs a test once per backend (the conformance suite uses it; any test that only
 needs "a mailbox" can too). ``mailbox_factory(backend, run)`` opens further mailboxes: the same
@@ -117,7 +117,43 @@ def seaweedfs_bucket(seaweedfs_endpoint: str) -> str:
     return name
 
 
-S3_SERVERS = ("moto", "seaweedfs")
+@pytest.fixture(scope="session")
+def radosgw_endpoint(aws_test_env, tmp_path_factory) -> Iterator[str]:
+    """URL of Ceph's radosgw on a throwaway one-node cluster, shared by the whole session.
+
+    Its one S3 user has the session's test keys, so that boto3's normal chain (here and in child
+    processes) reaches it as it reaches the other servers. Skipped, with the reason, when the
+    Debian packages are missing; set GRADIENTMAIL_REQUIRE_RADOSGW=1 to make that a failure.
+    """
+    from radosgw_server import INSTALL_HINT, RadosgwServer, find_ceph
+
+    binaries, missing = find_ceph()
+    if missing:
+        reason = (
+            f"Ceph's radosgw not installed ({INSTALL_HINT}; not on PATH: {', '.join(missing)}): "
+            "the tests against radosgw did not run"
+        )
+        if os.environ.get("GRADIENTMAIL_REQUIRE_RADOSGW"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    server = RadosgwServer(binaries, tmp_path_factory.mktemp("radosgw"))
+    try:
+        yield server.start(AWS_TEST_ENV["AWS_ACCESS_KEY_ID"], AWS_TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def radosgw_bucket(radosgw_endpoint: str) -> str:
+    """The session's one bucket on radosgw; tests isolate themselves by prefix, as on SeaweedFS."""
+    import boto3
+
+    name = "gm-tests"
+    boto3.client("s3", endpoint_url=radosgw_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name
+
+
+S3_SERVERS = ("moto", "seaweedfs", "radosgw")
 
 
 @dataclass(frozen=True)
@@ -137,13 +173,14 @@ class S3Target:
 
 @pytest.fixture(params=S3_SERVERS)
 def s3_target(request) -> S3Target:
-    """Each S3 server in turn: moto (a fresh bucket) and SeaweedFS (a fresh prefix)."""
-    if request.param == "moto":
+    """Each S3 server in turn: moto (a fresh bucket), SeaweedFS and radosgw (a fresh prefix)."""
+    server = request.param
+    if server == "moto":
         return S3Target("moto", request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket"), "")
     return S3Target(
-        "seaweedfs",
-        request.getfixturevalue("seaweedfs_endpoint"),
-        request.getfixturevalue("seaweedfs_bucket"),
+        server,
+        request.getfixturevalue(f"{server}_endpoint"),
+        request.getfixturevalue(f"{server}_bucket"),
         f"t-{uuid.uuid4().hex[:12]}/",
     )
 
@@ -176,11 +213,16 @@ def memory_mailbox() -> Iterator[MemoryMailbox]:
     mailbox.clear()
 
 
-MAILBOX_BACKENDS = ("local", "memory", "s3", "fsspec-local", "fsspec-s3", "s3-seaweedfs")
+MAILBOX_BACKENDS = ("local", "memory", "s3", "fsspec-local", "fsspec-s3", "s3-seaweedfs", "s3-radosgw")
 """Every backend of the conformance suite: directory, in-process, boto3 S3, fsspec on local disk
-and s3fs (these two S3 ones against moto's server), and boto3 S3 against SeaweedFS."""
+and s3fs (these two S3 ones against moto's server), and boto3 S3 against SeaweedFS and radosgw."""
 
-S3_BACKEND_SERVERS = {"s3": "s3_endpoint", "fsspec-s3": "s3_endpoint", "s3-seaweedfs": "seaweedfs_endpoint"}
+S3_BACKEND_SERVERS = {
+    "s3": "s3_endpoint",
+    "fsspec-s3": "s3_endpoint",
+    "s3-seaweedfs": "seaweedfs_endpoint",
+    "s3-radosgw": "radosgw_endpoint",
+}
 """The endpoint fixture of each S3 backend."""
 
 
@@ -203,11 +245,12 @@ def mailbox_factory(request, tmp_path) -> Iterator[Callable[..., Any]]:
             endpoint = request.getfixturevalue("s3_endpoint")
             bucket = request.getfixturevalue("s3_bucket")
             return S3Mailbox(bucket, run, endpoint_url=endpoint, backoff=0.01)
-        if backend == "s3-seaweedfs":
+        if backend in ("s3-seaweedfs", "s3-radosgw"):  # one bucket each, a prefix per test
             from gradientmail.mailbox.s3 import S3Mailbox
 
-            endpoint = request.getfixturevalue("seaweedfs_endpoint")
-            bucket = request.getfixturevalue("seaweedfs_bucket")
+            server = backend.removeprefix("s3-")
+            endpoint = request.getfixturevalue(f"{server}_endpoint")
+            bucket = request.getfixturevalue(f"{server}_bucket")
             return S3Mailbox(bucket, f"t-{token}/{run}", endpoint_url=endpoint, backoff=0.01)
         if backend == "fsspec-local":
             pytest.importorskip("fsspec")
@@ -239,19 +282,25 @@ def any_mailbox(mailbox_backend: str, mailbox_factory) -> Any:
     return mailbox_factory(mailbox_backend)
 
 
-PROCESS_FIXTURES = {"seaweedfs_endpoint", "seaweedfs_bucket"}
-"""Fixtures that start a server process (moto runs in a thread of this one)."""
+PROCESS_FIXTURES = {"seaweedfs_endpoint", "seaweedfs_bucket", "radosgw_endpoint", "radosgw_bucket"}
+"""Fixtures that start server processes (moto runs in a thread of this one)."""
+
+PROCESS_SERVERS = ("seaweedfs", "radosgw")
+"""Names that, in a test's parameters, mean it uses a server process."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``slow`` what starts processes without saying so: DataLoader workers and SeaweedFS.
+    """Mark ``slow`` what starts processes without saying so: DataLoader workers, SeaweedFS and
+    radosgw.
 
     Everything else that starts processes or takes >= 0.3 s is marked where it is written.
     """
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         workers = params.get("workers")
-        seaweedfs = any(isinstance(value, str) and "seaweedfs" in value for value in params.values())
+        server = any(
+            isinstance(value, str) and any(name in value for name in PROCESS_SERVERS) for value in params.values()
+        )
         fixtures = PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
-        if (isinstance(workers, int) and workers > 0) or seaweedfs or fixtures:
+        if (isinstance(workers, int) and workers > 0) or server or fixtures:
             item.add_marker(pytest.mark.slow)

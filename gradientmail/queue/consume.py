@@ -126,4 +126,4 @@ class ElasticBatches(Batches):
                 if consumed_last and not replaced:  # a clean exit: the Session folds what records wait for
                     self._tracker.settle()
             finally:
-                self._tracker.close(replaced=replaced)
+                self._tracker.close(replaced=replaced, clean=consumed_last and not replaced)

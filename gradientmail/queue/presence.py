@@ -23,7 +23,7 @@ from gradientmail.errors import DuplicateLearnerError
 from gradientmail.layout import learner_key
 from gradientmail.mailbox.base import Mailbox, supports_replace_if
 
-__all__ = ["Presence", "RENEW_S", "presence_renew_s"]
+__all__ = ["Presence", "RENEW_S", "machine", "presence_renew_s"]
 
 RENEW_S = 10.0
 """Seconds between renewals of a presence record (a quarter of the lease if that is shorter)."""
@@ -68,7 +68,7 @@ def _read(path: str) -> str | None:
 
 
 @functools.cache
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     """Host name, boot id and PID namespace: equal for two processes that can see each other."""
     try:
         namespace: str | None = os.readlink("/proc/self/ns/pid")
@@ -124,7 +124,7 @@ def _body(learner_id: str, incarnation: str, state: str, beat: int, renew_s: flo
             "beat": beat,
             "time": time.time(),
             "renew_s": renew_s,
-            **_machine(),
+            **machine(),
             "pid": pid,
             "pid_start": _process_start(pid),
         },
@@ -162,7 +162,7 @@ def _number(value: Any) -> float | None:
 
 
 def _same_machine(record: dict[str, Any]) -> bool:
-    return all(record.get(name) == value for name, value in _machine().items())
+    return all(record.get(name) == value for name, value in machine().items())
 
 
 # -- the record's owner ------------------------------------------------------------------------
@@ -242,15 +242,14 @@ class Presence:
             and self._thread is not None
             and now - self._renewed_at > WINDOW_RENEWALS * self.renew_s
             and now - self._checked_at >= self.renew_s  # at most one check per renewal interval
-            and self._lock.acquire(blocking=False)  # the renewal thread is at it: let it finish
         ):
-            self._checked_at = now
-            try:
-                self._renew_locked()
-            except Exception:  # a store fault must not stop training (the thread warns)
-                pass
-            finally:
-                self._lock.release()
+            with self._lock:  # a renewal under way (woken by the same resume) ends first
+                self._checked_at = now
+                if self._clock() - self._renewed_at > WINDOW_RENEWALS * self.renew_s:
+                    try:
+                        self._renew_locked()
+                    except Exception:  # a store fault must not stop training (the thread warns)
+                        pass
         if self._replaced is not None:
             raise self._replaced
 
@@ -374,6 +373,8 @@ class Presence:
         for _ in range(ATTEMPTS):
             if self._replaced is not None:
                 return
+            # Stamped before reading: a freeze after the write must not make the record look fresh.
+            began = self._clock()
             data, version = self._get()
             record = _parse(self.key, data)
             if record is not None and record.get("incarnation") != self.incarnation:
@@ -390,7 +391,7 @@ class Presence:
                 self.mailbox.put(self.key, body)  # no compare-and-swap: checked just before
                 written = True
             if written:
-                self._renewed_at = self._clock()
+                self._renewed_at = began
                 return
 
     def _replaced_by(self, record: dict[str, Any]) -> DuplicateLearnerError:

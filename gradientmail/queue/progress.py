@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gradientmail.errors import LeaseLostError
-from gradientmail.fold_gate import gate_for
+from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
 from gradientmail.queue.claims import load_claim
@@ -32,6 +32,7 @@ from gradientmail.queue.leases import (
 )
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.records import WORK, SkippedRecords
+from gradientmail.session.folded_units import folded_mark
 
 __all__ = ["BATCH", "END", "Consumption", "ProgressTracker", "Tagged", "consume_inline", "tagged_items"]
 
@@ -63,8 +64,9 @@ class ProgressTracker:
         self.learner_id = learner_id
         self.options = options
         self._changed = threading.Condition()
-        self._progress: dict[str, tuple[str, int, int | None]] = {}
-        self._finished: list[tuple[str, str]] = []
+        # unit -> (token, step, position, gate index) and [(unit, token, gate index)]: to write
+        self._progress: dict[str, tuple[str, int, int | None, int]] = {}
+        self._finished: list[tuple[str, str, int]] = []
         self.gate = gate_for(describe(mailbox), learner_id)
         self._held: deque[tuple[int, tuple[str, str, int, int | None] | tuple[str, str]]] = deque()
         self._waiting_since: float | None = None  # the loop is inside next() since (monotonic)
@@ -81,6 +83,7 @@ class ProgressTracker:
         self._writing = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._ask_state = False  # releases read the units' marks from the run's state (close)
         self.writes: dict[str, int] = {"progress": 0, "done": 0, "lease": 0, "released": 0}
         self.skipped = SkippedRecords(f"learner {learner_id!r}")
 
@@ -104,7 +107,7 @@ class ProgressTracker:
             if index is not None and (self._held or self.gate.holds(index)):
                 self._held.append((index, (identifier, token, step, position)))
             else:
-                self._progress[identifier] = (token, step, position)
+                self._progress[identifier] = (token, step, position, index or 0)
             self._changed.notify_all()
 
     def finished(self, identifier: str, token: str, index: int | None = None) -> None:
@@ -113,7 +116,7 @@ class ProgressTracker:
             if index is not None and (self._held or self.gate.holds(index)):
                 self._held.append((index, (identifier, token)))
             else:
-                self._finished.append((identifier, token))
+                self._finished.append((identifier, token, index or 0))
             self._changed.notify_all()
 
     def _folded(self, folded: int | None) -> None:
@@ -125,12 +128,12 @@ class ProgressTracker:
                 self._held.clear()
                 return
             while self._held and self._held[0][0] <= folded:
-                _, record = self._held.popleft()
+                index, record = self._held.popleft()
                 if len(record) == 4:
                     identifier, token, step, position = record
-                    self._progress[identifier] = (token, step, position)
+                    self._progress[identifier] = (token, step, position, index)
                 else:
-                    self._finished.append(record)
+                    self._finished.append((record[0], record[1], index))
             self._changed.notify_all()
 
     def settle(self) -> None:
@@ -213,14 +216,19 @@ class ProgressTracker:
         with self._changed:
             self._changed.wait_for(lambda: self._idle() or self._thread is None or not self._thread.is_alive())
 
-    def close(self, *, release: bool = True, replaced: bool = False) -> None:
+    def close(self, *, release: bool = True, replaced: bool = False, clean: bool = False) -> None:
         """Flush, stop the writer, release unfinished units of this incarnation, stop the lease.
 
         Records still held (batches whose progress is not in the run) are dropped: the units
         are released at the last batch the run holds, and whoever continues them trains the
-        rest again. ``replaced``: another incarnation of this learner owns its records and its
-        lease now; nothing more is written.
+        rest again. Unless ``clean`` (every batch delivered was recorded and folded), the Session
+        first stops folding (``FoldGate.revoke``), so that those batches cannot reach the run
+        from here as well. ``replaced``: another incarnation of this learner owns its records
+        and its lease now; nothing more is written.
         """
+        # A fold under way lands (its records follow) or is stopped; one that failed may still
+        # have landed (a create whose answer was lost): releases then ask the run's state.
+        self._ask_state = not clean and self.gate.revoke()
         self.gate.unlisten(self._folded)
         self.gate.guard(None)
         with self._changed:
@@ -261,12 +269,22 @@ class ProgressTracker:
             got = self.mailbox.get_versioned(claim_key(identifier))
             claim = load_claim(got[0]) if got is not None else None
             if claim is not None and claim.token == record.get("token"):
-                claim = claim.replace(
-                    state=RELEASED,
-                    step=step_value(record.get("step")),
-                    position=position_value(record.get("position")),
-                    released_at=time.time(),
-                )
+                step, position = step_value(record.get("step")), position_value(record.get("position"))
+                marks = [self.gate.folded_mark(identifier)]  # the run holds a batch not recorded (the last)
+                if self._ask_state:
+                    try:
+                        marks.append(folded_mark(self.mailbox, self.learner_id, identifier, claim.token))
+                    except Exception as exc:  # released at the record: its batches may be trained twice
+                        log.warning(
+                            "%s: reading unit %r's marks from the run's state failed: %r",
+                            self.learner_id,
+                            identifier,
+                            exc,
+                        )
+                for mark in marks:
+                    if mark is not None and mark.token == claim.token and (mark.position or 0) > (position or -1):
+                        step, position = mark.step, mark.position
+                claim = claim.replace(state=RELEASED, step=step, position=position, released_at=time.time())
                 if self.mailbox.replace_if(claim_key(identifier), claim.to_bytes(), got[1]):
                     released += 1
             self.mailbox.delete(key)
@@ -331,26 +349,32 @@ class ProgressTracker:
                 self._changed.notify_all()
 
     def _write(
-        self, progress: dict[str, tuple[str, int, int | None]], finished: list[tuple[str, str]], beat: bool
+        self,
+        progress: dict[str, tuple[str, int, int | None, int]],
+        finished: list[tuple[str, str, int]],
+        beat: bool,
     ) -> None:
-        done = {identifier for identifier, _ in finished}
+        """Write records; each one written tells the gate that its unit needs no mark up to there."""
+        done = {identifier for identifier, _, _ in finished}
         if beat:
             self._write_lease(RUNNING)
-        for identifier, (token, step, position) in progress.items():
+        for identifier, (token, step, position, index) in progress.items():
             if identifier in done:
                 continue  # the done record below supersedes it
             self.mailbox.put(
                 work_key(self.learner_id, identifier),
                 work_body(self.learner_id, token, self.options.incarnation, step, position=position),
             )
+            self.gate.written(identifier, index)
             self.writes["progress"] += 1
-        for identifier, token in finished:
+        for identifier, token, index in finished:
             claim = load_claim(self.mailbox.get(claim_key(identifier)))
             if claim is not None and claim.token == token:
                 # Another node that took the unit over (this one was judged dead) finishes it.
                 record = {"learner": self.learner_id, "token": token, "at": time.time()}
                 self.mailbox.put_if_absent(done_key(identifier), dumps(record))
                 self.writes["done"] += 1
+            self.gate.written(identifier, index)
             self.mailbox.delete(work_key(self.learner_id, identifier))
 
     def _write_lease(self, state: str) -> None:
@@ -422,9 +446,10 @@ class Consumption:
         finally:
             self.tracker.waiting(False)  # waits for a fold the writer thread started meanwhile
         self.tracker.confirm(identifier, token)  # after a long pause: are its units still its own?
+        position = tag[3] if len(tag) > 3 else None
         # Counted only now: a fold under way when the batch arrived did not train on it.
-        self._index = self.tracker.gate.deliver()
-        self._last = (identifier, token, step, tag[3] if len(tag) > 3 else None, self._index)
+        self._index = self.tracker.gate.deliver(UnitMark(identifier, token, step, position))
+        self._last = (identifier, token, step, position, self._index)
         return step, tensor
 
     def finish(self, *, consumed_last: bool) -> None:
@@ -449,6 +474,7 @@ def consume_inline(
         if presence is not None:
             presence.close()
         raise
+    settled = False  # every unit done and every record folded: nothing for the Session to hold back
     try:
         while True:
             if presence is not None:
@@ -457,6 +483,7 @@ def consume_inline(
                 item = consumption.next_from(items)
             except StopIteration:  # every unit done: the Session folds what the records wait for
                 tracker.settle()
+                settled = True
                 return
             yield item
     finally:
@@ -465,7 +492,7 @@ def consume_inline(
             close()
         consumption.finish(consumed_last=False)
         try:
-            tracker.close(replaced=presence is not None and presence.replaced)
+            tracker.close(replaced=presence is not None and presence.replaced, clean=settled)
         finally:
             if presence is not None:
                 presence.close()

@@ -2,7 +2,9 @@
 
 A takeover swaps the claim with ``replace_if`` (compare-and-swap: exactly one of several racing
 nodes wins) and reads it back like a claim; the new owner continues after the last batch the
-previous owner recorded as consumed (``work/{learner}/{identifier}``).
+previous owner recorded as consumed (``work/{learner}/{identifier}``), or after the last one the
+run's state holds from it when that is further (``session.folded_units``: a learner that died
+after a fold, before writing its record).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradientmail.claim_record import ClaimRecord
-from gradientmail.layout import claim_key, work_key
+from gradientmail.layout import claim_key, done_key, work_key
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.queue.claims import claim_record, load_claim, read_back
 from gradientmail.queue.leases import ACTIVE, RELEASED, position_value, read_record, step_value, work_body
 from gradientmail.records import WORK
+from gradientmail.session.folded_units import folded_mark
 
 __all__ = ["Assignment", "recorded_progress", "recorded_step", "take_over"]
 
@@ -101,6 +104,16 @@ def take_over(
         return None
     if not read_back(mailbox, key, token, action="replaced", what="takeovers"):
         return None  # replaced again meanwhile, by someone else
+    if mailbox.get(done_key(identifier)) is not None:
+        # Finished meanwhile: its owner writes ``done`` after checking the claim is still its own,
+        # so a unit done before the swap is seen here (a scan's listing of done units ages).
+        return None
+    if after is None and owner is not None and record.state != RELEASED and record.token:
+        # Read only now that the claim is ours: a frozen owner that resumes checks its claim
+        # before folding again, so nothing it folds after this read goes unseen.
+        mark = folded_mark(mailbox, owner, identifier, record.token)
+        if mark is not None and (start_position is None or (mark.position or 0) > start_position):
+            start, start_position = mark.step, mark.position
     mailbox.put(
         work_key(learner_id, identifier), work_body(learner_id, token, incarnation, start, position=start_position)
     )

@@ -158,7 +158,8 @@ class FragmentChain:
         mailbox: the run's store.
         index: which fragment.
         count: how many fragments the run's state is cut into (checked in every header).
-        spec: what its versions and contributions hold (dtype None: any floating dtype).
+        spec: what its versions and contributions hold (dtype None: any floating dtype; None:
+            any tensors, for a reader that wants the headers and has no model).
         wire_dtype: the dtype written versions and contributions are stored in (None: as summed).
     """
 
@@ -167,7 +168,7 @@ class FragmentChain:
         mailbox: Mailbox,
         index: int,
         count: int,
-        spec: Spec,
+        spec: Spec | None,
         *,
         wire_dtype: torch.dtype | None = None,
     ) -> None:
@@ -269,7 +270,7 @@ class FragmentChain:
         version: an ``exact`` reader (``consensus``) then reads again; a learner's view may lag.
         ``absorb`` bounds the other learners' pending contributions read (``me``'s are always
         read): a writer takes that many, chosen at random, or a quarter of the backlog when that
-        is more; the rest wait for the next writer. None reads every one.
+        is more; the rest wait for the next writer. None reads every one, 0 only ``me``'s.
 
         Raises:
             SessionError: the state kept vanishing for ``READ_ATTEMPTS`` listings.
@@ -318,7 +319,7 @@ class FragmentChain:
         others = [learner for learner, keys in candidates.items() if keys]
         if absorb is None:
             wanted += [key for learner in others for key in candidates[learner]]
-        else:  # a bounded share, at random: every pending contribution is soon some writer's pick
+        elif absorb > 0:  # a bounded share, at random: every pending contribution is soon some writer's pick
             budget = max(absorb, math.ceil(sum(len(candidates[learner]) for learner in others) / BACKLOG_SHARE))
             random.shuffle(others)
             for learner in others:
@@ -361,7 +362,8 @@ class FragmentChain:
         """Version 0: this learner's tensors if it is first, else the winner's."""
         header = StateHeader(version=0, learner=me, time=time.time(), fragment=self.index, fragments=self.count)
         key = state_key(0, self.index)
-        stored = {name: tensor.to(self.spec[name][1] or tensor.dtype) for name, tensor in tensors.items()}
+        spec = self.spec or {}  # a writer always has a spec
+        stored = {name: tensor.to(spec[name][1] or tensor.dtype) for name, tensor in tensors.items()}
         if self.mailbox.put_if_absent(key, encode(stored, header)):
             return State(key=key, header=header, tensors=stored)
         view = self.view()
@@ -391,8 +393,9 @@ class FragmentChain:
             me: this learner.
             contribution: what to add, in the summing dtype (float32 or float64).
             entry: this learner's line once it is absorbed.
-            before_create: called with ``view.listed`` just before anything is written; it may
-                raise to fold nothing (a process frozen meanwhile whose units were taken over).
+            before_create: called with ``view.listed`` just before each write (the create, and
+                the pending contribution after a lost race); it may raise to fold nothing (a
+                process frozen meanwhile whose units were taken over).
 
         Raises:
             SessionError: this learner's contribution ``entry.seq`` exists already (two
@@ -414,9 +417,10 @@ class FragmentChain:
         )
         key = state_key(header.version, self.index)
         stored = {name: to_wire(value, self.wire_dtype) for name, value in summed.items()}
+        data = encode(stored, header)  # before the check: the window from check to create stays short
         if before_create is not None:
             before_create(view.listed)
-        created = self.mailbox.put_if_absent(key, encode(stored, header))
+        created = self.mailbox.put_if_absent(key, data)
         if created and time.monotonic() - view.listed > STALLED_S and self._orphaned(header.version, me, entry.seq):
             # Created after the chain had moved on and retired that number: nobody will read it.
             self.mailbox.delete(key)
@@ -432,7 +436,10 @@ class FragmentChain:
         pending = PendingHeader(learner=me, contribution=entry, fragment=self.index, fragments=self.count)
         own = pending_key(self.index, me, entry.seq)
         wire = {name: to_wire(value, self.wire_dtype) for name, value in contribution.items()}
-        if not self.mailbox.put_if_absent(own, encode(wire, pending)):
+        data = encode(wire, pending)
+        if before_create is not None:  # again: the process may have been frozen inside the create
+            before_create(view.listed)
+        if not self.mailbox.put_if_absent(own, data):
             raise SessionError(
                 f"learner {me!r}: its contribution {own!r} already exists; two processes run under "
                 "one learner id (give each process its own)"

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import SessionError
-from gradientmail.fold_gate import FoldGate, SessionLink, gate_for
+from gradientmail.fold_gate import FoldGate, gate_for
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
@@ -42,6 +42,7 @@ from gradientmail.session.options import (
     seconds,
 )
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
+from gradientmail.session.queue_guard import QueueGuard
 
 LATEST_JOIN = 10**13 - 0.001
 """A joining time (unix seconds) with as many digits as any this code will see: the longest member key."""
@@ -161,9 +162,7 @@ class Session:
         self._exchanges = 0
         self._merges = 0
         self._job: Job | None = None
-        self._link: SessionLink | None = None  # to this learner's queue in this process, once entered
-        self._gate = FoldGate()  # the real one once entered
-        self._stepped_at = 0.0
+        self._guard = QueueGuard(FoldGate(), learner_id)  # to this learner's queue, once entered
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
@@ -265,16 +264,9 @@ class Session:
             self._worker.close(0)
             raise
         # The queue of this learner in this process records a batch as done once folded.
-        self._gate = gate_for(describe(self.mailbox), self.learner_id)
-        self._link = self._gate.attach(self._fold_now, len(plan))
-        self._stepped_at = time.monotonic()
-        gate = self._gate
-
-        def still_ours(listed: float) -> None:  # a fold that took half a lease: frozen meanwhile?
-            if time.monotonic() - listed >= gate.pause_limit_s:
-                gate.check_owner()
-
-        exchanger.before_create = still_ours
+        self._guard = QueueGuard(gate_for(describe(self.mailbox), self.learner_id), self.learner_id)
+        self._guard.attach(self._fold_now, len(plan), self._wait_for_fold)
+        exchanger.before_create = self._guard.before_write
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._next_fragment = random.randrange(len(plan))
         self._due_step = self._steps + self._every_steps / len(plan)
@@ -293,7 +285,16 @@ class Session:
         job, self._job = self._job, None
         folded_all = False  # the final fold landed: every batch delivered is in the run
         try:
-            if exc is None:
+            if exc is None and self._guard.revoked:
+                log.warning(
+                    "%s left the run without a final fold: its queue stopped without recording its last "
+                    "batches, which whoever continues its units trains again",
+                    self.learner_id,
+                )
+                if job is not None and job.done.wait(self._timeout_s) and job.error is None:
+                    self._finish(job.result)
+                self._worker.submit(self._exchanger.leave).done.wait(self._timeout_s)
+            elif exc is None:
                 if job is not None:
                     self._finish(self._wait(job, "the last exchange"))
                 final = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=True))
@@ -319,8 +320,7 @@ class Session:
         finally:
             # After the final fold every batch delivered is in the run; after a failure nothing
             # more is released (the queue drops those records: their batches are trained again).
-            if self._link is not None:
-                self._gate.detach(self._link, release=folded_all)
+            self._guard.detach(release=folded_all)
             # An idle thread ends at once; a stuck one (a store that never answers) is a daemon
             # and is left behind rather than waited for again.
             self._worker.close(0 if self._stuck else self._timeout_s)
@@ -345,16 +345,15 @@ class Session:
             raise ValueError(f"samples must be >= 0, not {samples}")
         self._steps += 1
         self._samples += samples
-        now = time.monotonic()
-        stood_still, self._stepped_at = now - self._stepped_at, now
-        if stood_still >= self._gate.pause_limit_s:  # frozen past a lease? fold nothing more then
-            self._gate.check_owner()
+        self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
         job = self._job
         if job is not None:
             if not job.done.is_set():
                 return
             self._job = None
             self._finish(self._result(job, "a background exchange"))
+        if self._guard.revoked:
+            return  # the queue stopped uncleanly: nothing more is folded
         if self._steps >= self._due_step or time.monotonic() >= self._due_time:
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
@@ -380,10 +379,16 @@ class Session:
                 self._job = None
                 self._finish(self._result(job, "the exchange in flight"))
 
+    def _wait_for_fold(self) -> None:
+        """Until the fold under way (if any) ended: the queue stopped uncleanly (``QueueGuard``)."""
+        job = self._job
+        if job is not None and not job.done.wait(self._timeout_s):
+            self._stuck = True
+
     def _fold_now(self) -> None:
         """Fold every fragment now and wait: the queue's records of the last batches wait for it
         when the queue closes before the Session (called from the training thread)."""
-        if self._state != "active":
+        if self._state != "active" or self._guard.revoked:
             return
         job, self._job = self._job, None
         if job is not None:
@@ -425,22 +430,20 @@ class Session:
     def _exchange_job_for_now(self, indices: range | list[int], *, final: bool) -> Callable[[], list[Merge]]:
         plan, model, exchanger = self._plan, self.model, self._exchanger
         snapshots = [(i, plan.fragments[i].snapshot_into(self._buffers[i], model)) for i in indices]
-        link = self._link
+        guard = self._guard
+        mark, units, since = guard.snapshot()  # the batches it holds; where, in unwritten units
+        link = guard.link
         assert link is not None
-        mark = link.mark()  # the batches this snapshot holds
         taken = time.time()
         totals = (self._steps, self._samples)
         # Progress is written once per round (and on leaving), not once per fragment.
         progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None
 
-        gate, began = self._gate, time.monotonic()
-
         def job() -> list[Merge]:
             merges = []
             for i, snapshot in snapshots:
-                if time.monotonic() - began >= gate.pause_limit_s:  # frozen meanwhile: still ours?
-                    gate.check_owner()
-                merges.append(exchanger.exchange(i, snapshot, totals, final, taken))
+                guard.fold_started(since)  # frozen since the last step, units taken over? stop
+                merges.append(exchanger.exchange(i, snapshot, totals, final, taken, units))
                 link.landed(i, mark)
             if final:
                 exchanger.leave()

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import GradientMailError, SessionError
+from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.session.chain import ABSORB, FragmentChain, View
@@ -222,10 +223,16 @@ class Exchanger:
         return values, held
 
     def exchange(
-        self, index: int, snapshot: Mapping[str, Tensor], totals: tuple[int, int], final: bool, taken: float
+        self,
+        index: int,
+        snapshot: Mapping[str, Tensor],
+        totals: tuple[int, int],
+        final: bool,
+        taken: float,
+        units: tuple[UnitMark, ...] = (),
     ) -> Merge:
         """Fold the progress in ``snapshot`` (fragment ``index``, taken at wall time ``taken``)
-        into the run; ``totals`` is ``(steps, samples)``."""
+        into the run; ``totals`` is ``(steps, samples)``, ``units`` the snapshot's unit marks."""
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         for name, tensor in local.items():  # never spread a diverged model to every node
@@ -268,7 +275,7 @@ class Exchanger:
         seq = self._seqs[index]
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
-        entry = Contribution(seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final)
+        entry = Contribution(seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final, units=units)
         folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
         self._unsure[index] = None
         self._seqs[index] = seq + 1

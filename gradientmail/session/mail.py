@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError  # re-exported: its old home
+from gradientmail.fold_gate import UnitMark, unit_marks_from_json
 from gradientmail.layout import SESSION_PREFIX
 
 FORMAT = "gradientmail.session/3"
@@ -151,6 +152,9 @@ class Contribution:
         samples: samples the learner processed in the whole run, all folded in.
         time: the learner's wall clock (unix seconds) at its last fold.
         final: True once the learner's session ended cleanly.
+        units: where this fold's snapshot stood in each unit whose consumption record was not
+            written yet (``gradientmail.fold_gate``): a node that continues such a unit after
+            this learner died skips what the run holds (``session.folded_units``).
     """
 
     seq: int
@@ -158,15 +162,19 @@ class Contribution:
     samples: int
     time: float
     final: bool = False
+    units: tuple[UnitMark, ...] = ()
 
     def to_json(self) -> list:
-        return [self.seq, self.step, self.samples, self.time, self.final]
+        line: list = [self.seq, self.step, self.samples, self.time, self.final]
+        if self.units:
+            line.append([list(mark) for mark in self.units])
+        return line
 
     @classmethod
     def from_json(cls, value: object, *, where: str) -> Contribution:
-        if not (isinstance(value, list) and len(value) == 5):
-            raise UnusableStateError(f"{where}: expected [seq, step, samples, time, final]")
-        seq, step, samples, time, final = value
+        if not (isinstance(value, list) and len(value) in (5, 6)):
+            raise UnusableStateError(f"{where}: expected [seq, step, samples, time, final(, units)]")
+        seq, step, samples, time, final = value[:5]
         for name, count in (("seq", seq), ("step", step), ("samples", samples)):
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
                 raise UnusableStateError(f"{where}: {name} {count!r} is not a count")
@@ -174,7 +182,11 @@ class Contribution:
             raise UnusableStateError(f"{where}: time {time!r} is not a finite number")
         if not isinstance(final, bool):
             raise UnusableStateError(f"{where}: final {final!r} is not a boolean")
-        return cls(seq=seq, step=step, samples=samples, time=float(time), final=final)
+        try:
+            units = unit_marks_from_json(value[5], MAX_COUNT) if len(value) == 6 else ()
+        except ValueError as exc:
+            raise UnusableStateError(f"{where}: {exc}") from None
+        return cls(seq=seq, step=step, samples=samples, time=float(time), final=final, units=units)
 
 
 @dataclass(frozen=True)
@@ -224,7 +236,7 @@ class StateHeader:
             raw = metadata["learners"]
             if not isinstance(learner, str) or not isinstance(raw, str):
                 raise ValueError("learner and learners must be strings")
-            table = json.loads(raw)  # flat by construction: a list of 5 scalars per learner
+            table = json.loads(raw)  # shallow by construction: one line of scalars (and unit marks) per learner
         except (KeyError, TypeError, ValueError, RecursionError) as exc:
             raise UnusableStateError(f"state {key!r} has an unreadable metadata header: {exc!r}") from exc
         if not math.isfinite(time):
@@ -381,14 +393,15 @@ def read_format(data: bytes) -> object:
         return None
 
 
-def _tensors(data: bytes, *, key: str, spec: Spec, learner: str) -> dict[str, Tensor]:
+def _tensors(data: bytes, *, key: str, spec: Spec | None, learner: str) -> dict[str, Tensor]:
     from safetensors.torch import load
 
     try:
         tensors = load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types for every corruption
         raise UnusableStateError(f"state {key!r} (written by {learner!r}) is corrupt: {exc}") from exc
-    check(tensors, spec, key=key, learner=learner)
+    if spec is not None:  # None: a reader of headers, which has no model to compare with
+        check(tensors, spec, key=key, learner=learner)
     check_finite(tensors, key=key, learner=learner)
     return tensors
 
@@ -405,8 +418,9 @@ def _check_cut(fragment: int, fragments: int, key: str, expected: tuple[int, int
         raise UnusableStateError(f"{key!r} says it is fragment {fragment}, expected {expected[0]}")
 
 
-def decode(data: bytes, *, key: str, spec: Spec, fragment: tuple[int, int] | None = None) -> State:
-    """Parse and check one version; raise ``MailRejectedError`` unless it fits ``spec`` exactly.
+def decode(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int] | None = None) -> State:
+    """Parse and check one version; raise ``MailRejectedError`` unless it fits ``spec`` exactly
+    (None: any tensors, still finite).
 
     ``fragment`` is ``(index, count)`` as this node cuts the state (None: not checked).
     """
@@ -415,7 +429,7 @@ def decode(data: bytes, *, key: str, spec: Spec, fragment: tuple[int, int] | Non
     return State(key=key, header=header, tensors=_tensors(data, key=key, spec=spec, learner=header.learner))
 
 
-def decode_pending(data: bytes, *, key: str, spec: Spec, fragment: tuple[int, int] | None = None) -> Pending:
+def decode_pending(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int] | None = None) -> Pending:
     """Parse and check one pending contribution, as ``decode`` does a version."""
     header = PendingHeader.from_metadata(metadata_of(data, key), key=key)
     _check_cut(header.fragment, header.fragments, key, fragment)

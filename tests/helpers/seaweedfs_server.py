@@ -74,7 +74,7 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the test process dies without a teardown
     (pytest-timeout's os._exit, a SIGKILL), so that no server outlives its session (Linux)."""
     try:
@@ -142,7 +142,7 @@ class SeaweedServer:
                 stdin=subprocess.DEVNULL,
                 env=_server_env(access_key, secret_key),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.endpoint = f"http://127.0.0.1:{s3_port}"
         self._wait_until_s3_answers(access_key, secret_key)

@@ -59,7 +59,7 @@ def _seaweedfs_lists_by_directory(request, backend) -> None:
 
 def _fill_many(mailbox, backend, keys) -> None:
     """Create many keys; on moto straight into its in-process store (1,000 HTTP PUTs take ~10 s);
-    SeaweedFS takes real PUTs."""
+    SeaweedFS and radosgw take real PUTs."""
     if backend in ("s3", "fsspec-s3"):
         if backend == "s3":
             bucket, prefix = mailbox.bucket, mailbox.prefix
@@ -80,7 +80,7 @@ def _fill_many(mailbox, backend, keys) -> None:
 
 
 def _count_list_requests(mailbox, backend):
-    if backend not in ("s3", "s3-seaweedfs"):
+    if backend not in ("s3", "s3-seaweedfs", "s3-radosgw"):
         return None
     calls: list[int] = []
     mailbox.client.meta.events.register("before-send.s3.ListObjectsV2", lambda **kwargs: calls.append(1))

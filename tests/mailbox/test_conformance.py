@@ -31,3 +31,8 @@ class TestFsspecOnMoto(MailboxConformance):
 @pytest.mark.slow
 class TestS3MailboxOnSeaweedFS(MailboxConformance):
     backend = "s3-seaweedfs"
+
+
+@pytest.mark.slow
+class TestS3MailboxOnRadosgw(MailboxConformance):
+    backend = "s3-radosgw"

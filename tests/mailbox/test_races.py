@@ -81,8 +81,8 @@ def test_one_winner_per_key_and_whole_values_across_processes(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_one_winner_per_key_across_processes_on_s3(s3_target):
-    """The same race through S3 (If-None-Match: *): moto, and SeaweedFS, a real implementation
-    whose conditional create is atomic; 60 keys keep it to seconds."""
+    """The same race through S3 (If-None-Match: *): moto, and SeaweedFS and radosgw, real
+    implementations whose conditional create is atomic; 60 keys keep it to seconds."""
     mailbox = s3_target.mailbox("race", backoff=0.01)
     keys = KEYS[:60]
     winners, reads, processes = _race_processes(mailbox, keys)
@@ -90,7 +90,7 @@ def test_one_winner_per_key_across_processes_on_s3(s3_target):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["local", "memory", "s3-seaweedfs"])
+@pytest.mark.parametrize("backend", ["local", "memory", "s3-seaweedfs", "s3-radosgw"])
 def test_one_winner_per_key_across_threads(backend, mailbox_factory):
     mailbox = mailbox_factory(backend)
     keys = KEYS if backend in ("local", "memory") else KEYS[:60]  # seconds, not tens

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from queue_nodes import (
     NodeSpec,
@@ -15,6 +17,7 @@ from queue_nodes import (
 )
 
 from gradientmail import LocalMailbox
+from gradientmail.layout import learner_key
 from gradientmail.patterns.units import rotated_order, unit_grid
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # every test here starts processes
@@ -82,7 +85,7 @@ def test_exactly_once_six_processes_two_workers_each(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_exactly_once_on_s3(tmp_path, s3_target):
-    """On moto and on SeaweedFS (a real S3 implementation whose conditional writes are atomic)."""
+    """On moto, SeaweedFS and radosgw (real S3 implementations whose conditional writes are atomic)."""
     mailbox = s3_target.mailbox("runs/queue")
     lanes = 3
     units = unit_grid(steps=12, unit_steps=1, lanes=lanes)
@@ -107,6 +110,9 @@ def test_exactly_once_on_s3(tmp_path, s3_target):
     # which a loaded machine decides (lane preference is tested on the virtual clock instead:
     # test_shared_queue_claims.py, test_claim_conflicts.py).
     check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
+    # A clean exit leaves each node's presence record "stopped" (a plain overwrite over S3).
+    for spec in specs:
+        assert json.loads(mailbox.get(learner_key(spec.learner)))["state"] == "stopped"
 
 
 @pytest.mark.timeout(120)

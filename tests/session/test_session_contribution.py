@@ -166,3 +166,82 @@ def test_a_killed_node_s_unfolded_batches_reach_the_model_once(tmp_path, fragmen
     assert set(seen) == {(ident, step) for ident, item in units.items() for step in range(item.steps)}
     assert total <= sum(samples.values()) <= total + in_flight
     assert len(read_run(box).done) == len(units)
+
+
+def die_after_fold(box_path: str, learner: str, consumed_path: str, fragments: int, kill_at: int | None) -> None:
+    """A node process: the documented loop (Session every 4 steps, ``resume=True``, a lease);
+    with ``kill_at`` it SIGKILLs itself the moment the run holds ``kill_at`` batches, before
+    the queue's writer can record them (the listener runs first: registered before the queue's)."""
+    import os
+    import signal
+
+    box = LocalMailbox(box_path)
+    model = torch.nn.Linear(2, 1)
+    session = Session(model, mailbox=box, learner_id=learner, every=None, every_steps=4, fragments=fragments)
+    with session, open(consumed_path, "a", encoding="ascii") as log:
+        if kill_at is not None:
+            gate = gate_for(describe(box), learner)
+            gate.listen(
+                lambda folded: folded is not None and folded >= kill_at and os.kill(os.getpid(), signal.SIGKILL)
+            )
+        with shared_queue(
+            UNITS, mailbox=box, learner_id=learner, load=load, workers=0, resume=True, lease=timedelta(seconds=30)
+        ) as batches:
+            for step, batch in batches:
+                log.write(f"{chr(int(batch[0]))} {step}\n")
+                log.flush()
+                with torch.no_grad():
+                    model.bias.add_(1.0)
+                session.step(samples=1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_a_node_killed_after_its_fold_landed_before_its_records_are_not_counted_twice(tmp_path, fragments):
+    """The window after a fold: the run holds batches 1-4, the node dies before recording them.
+    Its fold's line carries its unit marks, so the restarted node (``resume=True``) continues
+    after them. Before the marks its records said nothing was consumed: batches 1-4 were trained
+    again and the run held 16 samples of 12."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    box, consumed = str(tmp_path / "box"), str(tmp_path / "consumed.txt")
+    first = context.Process(target=die_after_fold, args=(box, "node-0", consumed, fragments, 4))
+    first.start()
+    first.join(60)
+    assert first.exitcode == -9, "the node was to die right after its first fold landed"
+    assert steps_recorded(LocalMailbox(box)).get("a", -1) < 3, "batch 4 (step 3) is in the run, not recorded"
+    second = context.Process(target=die_after_fold, args=(box, "node-0", consumed, fragments, None))
+    second.start()
+    second.join(60)
+    assert second.exitcode == 0
+
+    samples = consensus(LocalMailbox(box), torch.nn.Linear(2, 1))
+    trained = Counter(tuple(line.split()) for line in open(consumed, encoding="ascii").read().splitlines())
+    assert sum(samples.values()) == sum(STEPS.values())  # 12: none lost, none counted twice
+    assert set(trained) == {(u, str(s)) for u, n in STEPS.items() for s in range(n)}
+    assert len(read_run(LocalMailbox(box)).done) == len(UNITS)
+
+
+def test_unit_marks_travel_in_the_learner_s_line_and_bad_ones_are_refused():
+    """The marks are read back from the store: bounded and checked like every header field."""
+    from gradientmail.errors import UnusableStateError
+    from gradientmail.fold_gate import MAX_UNIT_MARKS, UnitMark
+    from gradientmail.session.mail import Contribution
+
+    line = Contribution(3, 9, 12, 1.5, units=(UnitMark("a", "t0", 7, 2), UnitMark("b", "t1", -4, None)))
+    assert Contribution.from_json(json.loads(json.dumps(line.to_json())), where="w") == line
+    assert len(Contribution(1, 1, 1, 1.0).to_json()) == 5  # no marks: the line stays as it was
+    bad = [
+        "not a list",
+        [["a", "t0", 7]],
+        [["", "t0", 7, 0]],
+        [["a", "t" * 2000, 7, 0]],
+        [["a", "t0", 2**63, 0]],
+        [["a", "t0", True, 0]],
+        [["a", "t0", 1, -1]],
+        [["a", "t0", 1, 0]] * (MAX_UNIT_MARKS + 1),
+    ]
+    for units in bad:
+        with pytest.raises(UnusableStateError, match="unit"):
+            Contribution.from_json([1, 1, 1, 1.0, False, units], where="state 'x'")
