@@ -4,7 +4,6 @@ torchrun --standalone --nproc_per_node=4 examples/quickstart.py runs/quickstart-
 """
 
 import os
-import socket
 import sys
 import sysconfig
 from datetime import timedelta
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gradientmail import Session, consensus, open_mailbox
+from gradientmail import Session, consensus, default_learner_id, open_mailbox
 from gradientmail.patterns.shared_queue import shared_queue
 
 CONTEXT, BATCH, UNITS, UNIT_STEPS = 32, 64, int(os.environ.get("UNITS", 48)), 20
@@ -40,7 +39,7 @@ torch.manual_seed(0)  # every node starts from the same model (the first one in 
 model = nn.Sequential(nn.Embedding(256, 32), nn.Flatten(), nn.Linear(32 * CONTEXT, 512), nn.ReLU(), nn.Linear(512, 256))
 optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
 box = open_mailbox(sys.argv[1] if len(sys.argv) > 1 else "runs/quickstart")
-me = f"{socket.gethostname()}-{os.environ.get('RANK', os.environ.get('SLURM_PROCID', '0'))}"  # unique in the run
+me = default_learner_id()  # host name + launcher rank (torchrun, SLURM): unique in the run, kept on restart
 units = {f"{i:05d}": i for i in range(UNITS)}
 
 with (

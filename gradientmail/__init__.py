@@ -29,6 +29,7 @@ from gradientmail.errors import (
     UnsafeStoreError,
     WrongProcessError,
 )
+from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox import (
     LocalMailbox,
     Mailbox,
@@ -72,6 +73,7 @@ __all__ = [
     "SessionError",
     "UnsafeStoreError",
     "WrongProcessError",
+    "default_learner_id",
     "open_mailbox",
     "verify_mailbox",
     *_LAZY,

@@ -42,10 +42,18 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-__all__ = ["MAX_UNIT_MARKS", "FoldGate", "SessionLink", "UnitMark", "gate_for", "unit_marks_from_json"]
+__all__ = [
+    "MAX_UNIT_MARKS",
+    "FoldGate",
+    "SessionLink",
+    "UnitMark",
+    "gate_for",
+    "held_everywhere",
+    "unit_marks_from_json",
+]
 
 MAX_UNIT_MARKS = 64
 """Unit marks one snapshot carries at most (the most recent): a learner has one unit in training
@@ -93,6 +101,19 @@ def unit_marks_from_json(value: object, limit: int) -> tuple[UnitMark, ...]:
     return tuple(marks)
 
 
+def held_everywhere(marks: Sequence[Sequence[UnitMark]], unit: str, token: str) -> UnitMark | None:
+    """The mark of ``unit`` under the claim ``token`` that every fragment's marks (``marks``:
+    one sequence per fragment) hold: the one of fewest batches; None if some fragment has none."""
+    everywhere: UnitMark | None = None
+    for fragment in marks:
+        mark = next((m for m in fragment if m.unit == unit and m.token == token), None)
+        if mark is None or mark.position is None:
+            return None
+        if everywhere is None or mark.position < (everywhere.position or 0):
+            everywhere = mark
+    return everywhere
+
+
 class FoldGate:
     """Counts the batches handed to the training loop and how many of them the run holds.
 
@@ -111,6 +132,7 @@ class FoldGate:
         self._unwritten: dict[str, tuple[int, UnitMark]] = {}  # unit -> (index, its latest batch)
         self._listeners: list[Callable[[int | None], None]] = []
         self._owner_check: Callable[[], None] | None = None
+        self._join_marks: tuple[tuple[UnitMark, ...], ...] | None = None
         self.pause_limit_s = math.inf  # a Session that stood still this long asks _owner_check
 
     def deliver(self, mark: UnitMark | None = None) -> int:
@@ -172,12 +194,19 @@ class FoldGate:
             check()
 
     def attach(
-        self, sync: Callable[[], None], fragments: int, revoke: Callable[[], None] = lambda: None
+        self,
+        sync: Callable[[], None],
+        fragments: int,
+        revoke: Callable[[], None] = lambda: None,
+        joined: Sequence[Sequence[UnitMark]] | None = None,
     ) -> SessionLink:
         """A Session joins: from now on records wait for its folds. ``sync()`` folds every
         fragment now and waits (the queue calls it while the training loop is not training);
-        ``revoke()`` makes it fold nothing more and waits for a fold under way (``revoke``)."""
+        ``revoke()`` makes it fold nothing more and waits for a fold under way (``revoke``);
+        ``joined``: this learner's unit marks per fragment in the state the Session joined from
+        (``take_join_marks``)."""
         with self._lock:
+            self._join_marks = None if joined is None else tuple(tuple(marks) for marks in joined)
             self._link = SessionLink(self, sync, revoke)
             self._landed = [self._delivered] * fragments
             self._folded = self._delivered
@@ -189,11 +218,29 @@ class FoldGate:
             if self._link is not link:
                 return
             self._link = None
+            self._join_marks = None
             folded, listeners = self._delivered, list(self._listeners)
             if release:
                 self._folded = folded
         for listener in listeners:
             listener(folded if release else None)
+
+    def take_join_marks(self) -> tuple[tuple[UnitMark, ...], ...] | None:
+        """This learner's unit marks per fragment as the attached Session read them when it
+        joined, for the first queue that asks (None after, or without a Session).
+
+        A restarted learner's Session continues its counts from the lines it read when joining;
+        the queue that takes the dead incarnation's units back must continue them from the marks
+        of that same read. A fold the dead process had in flight may land later (a request sent
+        before the kill, answered by the store after the restart read the state): with marks read
+        then, its batches would be skipped but never counted. With these, they are trained again
+        and counted once (the fragment that holds the late fold holds them twice, as after a death
+        mid-round). Later queues under the same Session read the store: their claims' marks come
+        from this Session's own folds, which its counts include.
+        """
+        with self._lock:
+            marks, self._join_marks = self._join_marks, None
+            return marks
 
     def revoke(self) -> bool:
         """The queue stops without recording every batch delivered (an error, a replaced or

@@ -17,7 +17,9 @@ from typing import Any, Generic, TypeVar
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gradientmail.errors import UnsafeStoreError
+from gradientmail.fold_gate import gate_for
 from gradientmail.layout import RUN_KEY
+from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
 from gradientmail.queue.batch_checks import (
     Batch,
@@ -86,7 +88,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     Args:
         units: Identifier → unit value, the same on every node (identifiers are key segments).
         mailbox: The mailbox every node shares.
-        learner_id: This node's name, e.g. ``f"node-{rank}"``.
+        learner_id: This process's name in the run; default ``default_learner_id()`` (host
+            name + launcher rank: unique across machines, the same when the process restarts).
         load: ``load(value)`` yields ``(step, batch)`` pairs for one unit, in step order; a
             batch is a tensor, or tuples, lists and dicts of tensors.
         order: This node's preference, a permutation of the identifiers (default: theirs).
@@ -113,7 +116,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         units: Mapping[str, V],
         *,
         mailbox: Mailbox,
-        learner_id: str,
+        learner_id: str | None = None,
         load: Callable[[V], Iterable[tuple[int, TensorTree]]],
         order: Sequence[str] | None = None,
         resume: bool = False,
@@ -130,7 +133,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             raise TypeError(f"units must be a mapping of identifier -> unit value, not {type(units).__name__}")
         self.units: dict[str, V] = dict(units)
         validate_identifiers(self.units)
-        self.learner_id = validate_learner_id(learner_id)
+        self.learner_id = validate_learner_id(default_learner_id() if learner_id is None else learner_id)
         if not callable(load):
             raise TypeError(
                 f"load must be a callable that yields (step, batch) pairs for a unit, not {type(load).__name__}"
@@ -176,6 +179,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         control: WorkerControl | None = None,
         tagged: bool | None = None,
         timed: bool | None = None,
+        elastic: ElasticOptions | None = None,
     ) -> SharedQueueDataset[V]:
         """A copy set up the way ``shared_queue`` runs it (None: as in this dataset).
 
@@ -187,6 +191,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             control: Stops DataLoader workers between operations.
             tagged: Yield elastic items tagged for a ``ProgressTracker`` in the consumer.
             timed: Plain batches carry their unit identifier (for ``unit_timing``).
+            elastic: The resume/lease options its workers take (the queue's, with its Session's
+                marks at join).
         """
         changes = {
             "_verified": self._verified if prepared is None else prepared,
@@ -194,6 +200,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             "_control": control or self._control,
             "_tagged": self._tagged if tagged is None else tagged,
             "_timed": self._timed if timed is None else timed,
+            "_elastic": self._elastic if elastic is None else elastic,
         }
         dataset = copy.copy(self)
         vars(dataset).update(changes)  # a copy of this class: its own state, as dataclasses.replace
@@ -233,7 +240,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     "in the training process, or use state_dict()/load_state_dict() (e.g. "
                     "torchdata's StatefulDataLoader) without these options"
                 )
-            options = dataclasses.replace(self._elastic, incarnation=uuid.uuid4().hex)
+            joined = gate_for(describe(self.mailbox), self.learner_id).take_join_marks()
+            options = dataclasses.replace(self._elastic, incarnation=uuid.uuid4().hex, joined_marks=joined)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
             presence = Presence(
                 self.mailbox, self.learner_id, options.incarnation, renew_s=presence_renew_s(options.lease_s)

@@ -319,9 +319,11 @@ class Presence:
         written = _number(record.get("time"))
         if written is not None and self._wall() - written > max(LONG_DEAD_S, window + CLOCK_TOLERANCE_S):
             return None  # long dead, even allowing for clock skew
-        _log.info(
-            "learner %r: watching the presence record of host %s pid %s for up to %.0f s to see "
-            "whether it is still alive",
+        _log.warning(
+            "learner %r is registered by another process (host %s pid %s): waiting up to %.0f s "
+            "for its presence record to change; if it does, that process is alive and this one "
+            "stops with DuplicateLearnerError (give each process its own learner_id: the default, "
+            "default_learner_id(), is host name + launcher rank), else this one takes over",
             self.learner_id,
             record["host"],
             record["pid"],
@@ -342,7 +344,8 @@ class Presence:
         age = f"{max(0.0, self._wall() - written):.0f} s ago" if written is not None else "recently"
         return DuplicateLearnerError(
             f"learner {self.learner_id!r} is already running in this run (renewed {age} by "
-            f"host {record['host']} pid {record['pid']}); use a unique learner_id. If that "
+            f"host {record['host']} pid {record['pid']}); give each process its own learner_id "
+            "(omit it: the default is host name + launcher rank, or set GRADIENTMAIL_LEARNER_ID). If that "
             "process has stopped, start again: a dead process's record is recognised at once on "
             "its own machine, and from another machine once it has not changed for "
             f"{WINDOW_RENEWALS} renewal intervals",

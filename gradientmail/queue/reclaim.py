@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from gradientmail.claim_record import LIVE, ClaimRecord
+from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import (
     CLAIMS_PREFIX,
     DONE_PREFIX,
@@ -62,6 +63,10 @@ class ElasticOptions:
     resume: bool
     lease_s: float | None
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    joined_marks: tuple[tuple[UnitMark, ...], ...] | None = None
+    """This learner's unit marks per fragment as its Session read them when joining (its counts
+    continue from that read), for taking its earlier incarnation's units back; None: read the
+    store (``FoldGate.take_join_marks``)."""
 
 
 def check_elastic(mailbox: Mailbox, resume: object, lease: timedelta | float | None) -> float | None:
@@ -218,6 +223,7 @@ class ElasticClaimer:
             after=after,
             worker=self.worker,
             position=position,
+            joined_marks=self.options.joined_marks,
         )
         if found is not None:
             self.stats["takeovers"] += 1

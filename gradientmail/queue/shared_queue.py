@@ -7,6 +7,7 @@ lists its guarantees in full.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from gradientmail.fold_gate import gate_for
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.queue.batch_checks import Batch, checked_count
@@ -92,7 +94,7 @@ def shared_queue(
     units: Mapping[str, V],
     *,
     mailbox: Mailbox,
-    learner_id: str,
+    learner_id: str | None = None,
     load: Callable[[V], Iterable[tuple[int, TensorTree]]],
     prefetch: int = 8,
     workers: int = 1,
@@ -196,10 +198,14 @@ def shared_queue(
         )
         tracker: ProgressTracker | None = None
         if elastic is not None:
+            # Its own earlier units continue from the marks its Session's counts continue from.
+            joined = gate_for(describe(mailbox), dataset.learner_id).take_join_marks()
+            elastic = dataclasses.replace(elastic, joined_marks=joined)
             # The lease exists before the first claim.
             tracker = ProgressTracker(mailbox, dataset.learner_id, elastic)
             tracker.start()
         dataset = dataset.configured(
+            elastic=elastic,
             prepared=True,
             timed=True,
             tagged=tracker is not None,

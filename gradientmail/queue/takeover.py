@@ -10,11 +10,12 @@ after a fold, before writing its record).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gradientmail.claim_record import ClaimRecord
+from gradientmail.fold_gate import UnitMark, held_everywhere
 from gradientmail.layout import claim_key, done_key, work_key
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.queue.claims import claim_record, load_claim, read_back
@@ -57,6 +58,7 @@ def take_over(
     after: Callable[[dict[str, Any]], int | None] | None = None,
     worker: int | None = None,
     position: Callable[[dict[str, Any]], int | None] | None = None,
+    joined_marks: Sequence[Sequence[UnitMark]] | None = None,
 ) -> Assignment | None:
     """Replace the claim on ``identifier`` with one of ours if ``expect(claim)`` holds.
 
@@ -66,6 +68,9 @@ def take_over(
     last step consumed before the takeover (default: the owner's work record, else the
     claim's ``step``), ``position(claim)`` that batch's position in ``load``'s iteration
     (default: recorded alongside the step; None when ``after`` is given without it).
+    ``joined_marks``: this learner's unit marks per fragment as its Session read them when
+    joining, used instead of the store's for its own earlier incarnation's claims (see
+    ``FoldGate.take_join_marks``).
 
     Returns:
         The ``Assignment``, or None when the claim changed meanwhile or ``expect`` refused it.
@@ -111,7 +116,10 @@ def take_over(
     if after is None and owner is not None and record.state != RELEASED and record.token:
         # Read only now that the claim is ours: a frozen owner that resumes checks its claim
         # before folding again, so nothing it folds after this read goes unseen.
-        mark = folded_mark(mailbox, owner, identifier, record.token)
+        if owner == learner_id and record.incarnation != incarnation and joined_marks is not None:
+            mark = held_everywhere(joined_marks, identifier, record.token)
+        else:
+            mark = folded_mark(mailbox, owner, identifier, record.token)
         if mark is not None and (start_position is None or (mark.position or 0) > start_position):
             start, start_position = mark.step, mark.position
     mailbox.put(

@@ -21,6 +21,7 @@ from torch import Tensor
 from gradientmail.errors import SessionError
 from gradientmail.fold_gate import FoldGate, gate_for
 from gradientmail.layout import progress_key
+from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
@@ -62,7 +63,8 @@ class Session:
     Args:
         model: the module being trained; its floating-point ``state_dict`` entries are exchanged.
         mailbox: the same store for every node.
-        learner_id: this node's name, one key segment (``node-3``), unique in the run.
+        learner_id: this process's name in the run, one key segment; default
+            ``default_learner_id()`` (host name + launcher rank), as ``shared_queue``'s.
         every: exchange when this much time has passed since the last one (``None``: by steps).
         every_steps: exchange every this many ``step()`` calls (``None``: by time); with both,
             whichever is due first.
@@ -98,7 +100,7 @@ class Session:
         model: torch.nn.Module,
         *,
         mailbox: Mailbox,
-        learner_id: str,
+        learner_id: str | None = None,
         every: timedelta | None = DEFAULT_EVERY,
         every_steps: int | None = None,
         max_staleness: timedelta = DEFAULT_MAX_STALENESS,
@@ -115,6 +117,7 @@ class Session:
                 f"mailbox must have the Mailbox methods (put_if_absent, get, put, list, delete); "
                 f"got {type(mailbox).__name__}"
             )
+        learner_id = default_learner_id() if learner_id is None else learner_id
         if not isinstance(learner_id, str) or "/" in learner_id:
             raise ValueError(f"learner_id must be one key segment without '/', not {learner_id!r}")
         # The longest keys this learner will write, checked now rather than at enter or mid-run.
@@ -265,7 +268,7 @@ class Session:
             raise
         # The queue of this learner in this process records a batch as done once folded.
         self._guard = QueueGuard(gate_for(describe(self.mailbox), self.learner_id), self.learner_id)
-        self._guard.attach(self._fold_now, len(plan), self._wait_for_fold)
+        self._guard.attach(self._fold_now, len(plan), self._wait_for_fold, exchanger.joined_marks)
         exchanger.before_create = self._guard.before_write
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._next_fragment = random.randrange(len(plan))

@@ -8,6 +8,7 @@ imports this module, never the reverse.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -166,6 +167,7 @@ class Exchanger:
         self._outer_states: list[OuterState] = []
         self._anchors: list[dict[str, Tensor]] = []  # where this learner's progress is measured from
         self._tables: list[dict[str, Contribution]] = []  # each learner's line, as last seen
+        self.joined_marks: tuple[tuple[UnitMark, ...], ...] = ()  # this learner's, per fragment, at enter
         self._seqs: list[int] = []  # the sequence number of this learner's next contribution
         self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
         self._since: list[float] = []  # per fragment, when the progress not yet folded began
@@ -219,6 +221,7 @@ class Exchanger:
         # batches folded into some fragments only, before a crash, are trained again by whoever
         # continues their units, and counted once, by that node.
         own = [table.get(me) for table in self._tables]
+        self.joined_marks = tuple(() if line is None else line.units for line in own)
         held = None if None in own or not own else min(own, key=lambda entry: (entry.samples, entry.step))
         return values, held
 
@@ -265,6 +268,17 @@ class Exchanger:
                     local[name] -= tensor
                 self._seqs[index] = seq + 1
             self._unsure[index] = None
+        if view.seq_of(me) >= self._seqs[index]:
+            # A fold of an earlier incarnation that landed after this one joined (a request sent
+            # before it died, answered later): its batches are trained again from the marks
+            # read at enter (``FoldGate.take_join_marks``) and counted once, by this line.
+            logging.getLogger("gradientmail.session").warning(
+                "learner %r: fragment %d holds a fold of its earlier incarnation that landed after "
+                "it joined; continuing after it (those batches are counted once, by this learner)",
+                me,
+                index,
+            )
+            self._seqs[index] = view.seq_of(me) + 1
         # N for the progress made between the previous snapshot and this one, however late
         # this fold runs: learners that left since still count for it.
         since, self._since[index] = self._since[index], taken

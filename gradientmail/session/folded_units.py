@@ -14,7 +14,7 @@ on takeovers only (and one listing when the run has no state).
 
 from __future__ import annotations
 
-from gradientmail.fold_gate import UnitMark
+from gradientmail.fold_gate import UnitMark, held_everywhere
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.session.chain import FragmentChain, run_fragments
 from gradientmail.session.overlap import parallel
@@ -37,12 +37,7 @@ def folded_mark(mailbox: Mailbox, learner: str, unit: str, token: str) -> UnitMa
         return None
     chains = [FragmentChain(mailbox, index, count, None) for index in range(count)]
     views = parallel(lambda chain: chain.view(exact=True, absorb=0, me=learner), chains, lanes=4)
-    everywhere: UnitMark | None = None  # the mark of the fragment that holds the fewest batches
-    for view in views:
-        line = None if view is None else view.learners.get(learner)
-        mark = None if line is None else next((m for m in line.units if m.unit == unit and m.token == token), None)
-        if mark is None or mark.position is None:
-            return None
-        if everywhere is None or mark.position < (everywhere.position or 0):
-            everywhere = mark
-    return everywhere
+    lines = [None if view is None else view.learners.get(learner) for view in views]
+    if None in lines:
+        return None
+    return held_everywhere([line.units for line in lines if line is not None], unit, token)

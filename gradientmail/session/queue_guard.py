@@ -13,7 +13,7 @@ The queue of the same learner in this process counts a batch as done only once a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gradientmail.errors import SessionError
 from gradientmail.fold_gate import FoldGate, SessionLink, UnitMark
@@ -33,14 +33,21 @@ class QueueGuard:
         self._snapshot_at = 0.0  # when the fold under way took its snapshot (time.monotonic())
         self._checked_at = 0.0  # when the queue last found this learner's units its own
 
-    def attach(self, sync: Callable[[], None], fragments: int, wait_for_fold: Callable[[], None]) -> None:
-        """Join the gate: ``sync`` folds everything now; ``wait_for_fold`` waits for a fold under way."""
+    def attach(
+        self,
+        sync: Callable[[], None],
+        fragments: int,
+        wait_for_fold: Callable[[], None],
+        joined: Sequence[Sequence[UnitMark]],
+    ) -> None:
+        """Join the gate: ``sync`` folds everything now; ``wait_for_fold`` waits for a fold under
+        way; ``joined``: this learner's unit marks per fragment in the state the Session joined from."""
 
         def revoke() -> None:
             self.revoked = True
             wait_for_fold()
 
-        self.link = self.gate.attach(sync, fragments, revoke)
+        self.link = self.gate.attach(sync, fragments, revoke, joined)
         self.stepped_at = time.monotonic()
 
     def detach(self, *, release: bool) -> None:

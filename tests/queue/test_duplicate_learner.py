@@ -55,7 +55,7 @@ def test_a_second_process_under_a_live_learner_id_is_refused(tmp_path, mode):
         kind, pid, *message = _event(events)
         assert (kind, pid) == ("refused", duplicate.pid), "the second incarnation was not refused"
         assert "learner 'node-1' is already running in this run" in message[0]
-        assert f"pid {running.pid}" in message[0] and "use a unique learner_id" in message[0]
+        assert f"pid {running.pid}" in message[0] and "give each process its own learner_id" in message[0]
     finally:
         go.set()
         finish([running])
@@ -163,12 +163,16 @@ def test_a_renewed_record_from_another_machine_is_alive(memory_mailbox):
     assert json.loads(memory_mailbox.get(learner_key("node-1")))["incarnation"] == "theirs"
 
 
-def test_an_unchanged_record_from_another_machine_expires(memory_mailbox):
+def test_an_unchanged_record_from_another_machine_expires(memory_mailbox, caplog):
     fake = FakeTime()
     _elsewhere(memory_mailbox, fake)
     began = fake.now
     presence = _presence(memory_mailbox, fake)
-    presence.start()
+    with caplog.at_level("WARNING", logger="gradientmail"):
+        presence.start()
+    # Said right away, at WARNING: what it waits for, how long, and what to do about it.
+    [said] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "host other-host pid 4242" in said and "up to 30 s" in said and "default_learner_id()" in said
     assert fake.now - began >= 30, "watched for three of its renewal intervals first"
     assert json.loads(memory_mailbox.get(learner_key("node-1")))["incarnation"] == "mine"
     presence.close()

@@ -479,7 +479,7 @@ def test_identifier_that_is_a_folder_of_another(memory_mailbox):
 
 @pytest.mark.parametrize(
     ("learner_id", "error"),
-    [("", InvalidKeyError), ("a/b", InvalidKeyError), (".x", InvalidKeyError), (3, TypeError), (None, TypeError)],
+    [("", InvalidKeyError), ("a/b", InvalidKeyError), (".x", InvalidKeyError), (3, TypeError), (b"x", TypeError)],
 )
 def test_bad_learner_id(memory_mailbox, learner_id, error):
     with pytest.raises(error, match="learner_id"):
