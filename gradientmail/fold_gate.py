@@ -132,6 +132,7 @@ class FoldGate:
         self._unwritten: dict[str, tuple[int, UnitMark]] = {}  # unit -> (index, its latest batch)
         self._listeners: list[Callable[[int | None], None]] = []
         self._owner_check: Callable[[], None] | None = None
+        self._owner_confirm: Callable[[], None] | None = None
         self._join_marks: tuple[tuple[UnitMark, ...], ...] | None = None
         self.pause_limit_s = math.inf  # a Session that stood still this long asks _owner_check
 
@@ -179,12 +180,19 @@ class FoldGate:
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
-    def guard(self, check: Callable[[], None] | None, pause_limit_s: float = math.inf) -> None:
+    def guard(
+        self,
+        check: Callable[[], None] | None,
+        pause_limit_s: float = math.inf,
+        confirm: Callable[[], None] | None = None,
+    ) -> None:
         """The queue's ``check()`` raises when peers took this learner's units over; a Session
         that stood still ``pause_limit_s`` or more calls it before its next exchange, so that
-        a process frozen past its lease folds nothing more (None: no check)."""
+        a process frozen past its lease folds nothing more (None: no check). ``confirm()`` does
+        the same and also marks the claims as in use (``confirm_owner``)."""
         with self._lock:
             self._owner_check, self.pause_limit_s = check, pause_limit_s if check is not None else math.inf
+            self._owner_confirm = confirm
 
     def check_owner(self) -> None:
         """Raise ``LeaseLostError`` if the queue finds this learner's units taken over."""
@@ -192,6 +200,16 @@ class FoldGate:
             check = self._owner_check
         if check is not None:
             check()
+
+    def confirm_owner(self) -> None:
+        """Right before a fold that holds batches whose records are not written: raise
+        ``LeaseLostError`` if those units were taken over, else mark their claims as in use, so
+        that no peer takes them over before the fold has landed (a peer that judged this node
+        dead waits for a claim to stand still a whole lease)."""
+        with self._lock:
+            confirm = self._owner_confirm or self._owner_check
+        if confirm is not None:
+            confirm()
 
     def attach(
         self,

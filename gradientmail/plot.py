@@ -1,7 +1,10 @@
 """Gantt charts of a run: one row per learner, one bar per unit, time on the x axis.
 
 Bars are the measured training spans from progress records where there are any, else claim
-to next claim. matplotlib is imported only when a chart is drawn (Agg backend, no display).
+to next claim. Beyond ``MAX_BARS`` units a bar per unit is illegible (and drawing 100k of them
+took minutes), so each learner's row shows its busy time instead: its units merged wherever
+they lie closer than a pixel apart, drawn as one shape per row, with its unit count in the row's
+label. matplotlib is imported only when a chart is drawn (Agg backend, no display).
 """
 
 from __future__ import annotations
@@ -9,7 +12,8 @@ from __future__ import annotations
 import os
 import re
 import statistics
-from collections import defaultdict
+import textwrap
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +21,11 @@ from typing import Any
 from gradientmail.errors import MissingExtraError
 from gradientmail.status import Claim, RunStatus
 
+MAX_BARS = 500
+"""Most units drawn one bar each; a chart of more shows each learner's busy time (``merge_spans``)."""
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class Span:
     """One bar: ``learner`` worked on ``unit`` from ``start`` to ``end`` (seconds)."""
 
@@ -78,13 +85,17 @@ def describe_spans(spans: Sequence[Span]) -> str:
     """What the bars show, for a chart's title and the command's message."""
     measured = sum(span.measured for span in spans)
     if measured == len(spans):
-        return "bars: first to last batch"
-    if measured == 0:
-        return "bars: claim to next claim (no batch times in the progress records)"
-    return (
-        f"bars: first to last batch ({measured}), claim to next claim "
-        f"({len(spans) - measured}, units without batch times)"
-    )
+        what = "bars: first to last batch"
+    elif measured == 0:
+        what = "bars: claim to next claim (no batch times in the progress records)"
+    else:
+        what = (
+            f"bars: first to last batch ({measured}), claim to next claim "
+            f"({len(spans) - measured}, units without batch times)"
+        )
+    if len(spans) > MAX_BARS:
+        what += f"; over {MAX_BARS} units, so each row is its learner's busy time (units merged)"
+    return what
 
 
 def _claim_spans(run: RunStatus) -> list[Span]:
@@ -112,6 +123,31 @@ def _claim_spans(run: RunStatus) -> list[Span]:
                 Span(claim.learner, claim.identifier, claim.claimed_at, claim.claimed_at + typical, estimated=True)
             )
     return sorted(spans, key=lambda s: (s.learner, s.start))
+
+
+def merge_spans(spans: Iterable[Span], gap: float) -> dict[str, list[tuple[float, float]]]:
+    """Each learner's busy time: its spans' ``(start, end)`` merged where less than ``gap`` apart.
+
+    Example:
+        >>> spans = [Span("A", "u0", 0.0, 1.0), Span("A", "u1", 1.05, 2.0), Span("A", "u2", 5.0, 6.0)]
+        >>> merge_spans(spans, gap=0.1)
+        {'A': [(0.0, 2.0), (5.0, 6.0)]}
+    """
+    by_learner: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for span in spans:
+        by_learner[span.learner].append((span.start, max(span.end, span.start)))
+    merged: dict[str, list[tuple[float, float]]] = {}
+    for learner, times in by_learner.items():
+        times.sort()
+        runs = [times[0]]
+        for start, end in times[1:]:
+            low, high = runs[-1]
+            if start - high < gap:
+                runs[-1] = (low, max(high, end))
+            else:
+                runs.append((start, end))
+        merged[learner] = runs
+    return merged
 
 
 def run_origin(run: RunStatus, spans: Sequence[Span]) -> float:
@@ -150,6 +186,9 @@ def draw_gantt(
         title: axes title.
         markers: vertical dashed lines, ``{"fixed split": 24.0}``, in shifted time.
         labels: write each unit's identifier in its bar (default: when there are at most 48).
+
+    More than ``MAX_BARS`` spans are drawn as each row's busy time (``merge_spans``, units
+    closer than 1/1000 of the time axis merged): one shape per row, whatever the units.
     """
     spans = list(spans)
     if ax is None:
@@ -163,6 +202,44 @@ def draw_gantt(
     if labels is None:
         labels = len(spans) <= 48
     extent = max((s.end - origin for s in spans), default=0.0) or 1.0
+    ticks = names
+    if len(spans) > MAX_BARS:
+        _draw_busy(ax, spans, origin, extent, position, colors)
+        units = Counter(span.learner for span in spans)
+        ticks = [f"{name} ({units[name]:,} units)" for name in names]
+    else:
+        _draw_bars(ax, spans, origin, extent, position, colors, labels)
+    end = max((s.end - origin for s in spans), default=0.0)
+    lines = {"makespan": end, **(markers or {})}
+    for index, (label, x) in enumerate(lines.items()):
+        ax.axvline(
+            x,
+            color="black" if index == 0 else f"C{(index + 3) % 10}",
+            linestyle="--",
+            linewidth=1.0,
+            label=f"{label} {x:.3g}",
+        )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False, handlelength=1.5)
+    ax.set_yticks(range(len(names)), ticks)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(0, max([end, *lines.values()]) * 1.04 or 1.0)
+    ax.set_xlabel("time (s)")
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def _draw_bars(
+    ax: Any,
+    spans: list[Span],
+    origin: float,
+    extent: float,
+    position: Mapping[str, int],
+    colors: Sequence[str],
+    labels: bool,
+) -> None:
+    """One bar per span (hatched when its end is a guess), its unit written in it if ``labels``."""
     for span in spans:
         if span.learner not in position:
             continue
@@ -190,25 +267,24 @@ def draw_gantt(
                 color="white",
                 clip_on=True,
             )
-    end = max((s.end - origin for s in spans), default=0.0)
-    lines = {"makespan": end, **(markers or {})}
-    for index, (label, x) in enumerate(lines.items()):
-        ax.axvline(
-            x,
-            color="black" if index == 0 else f"C{(index + 3) % 10}",
-            linestyle="--",
-            linewidth=1.0,
-            label=f"{label} {x:.3g}",
-        )
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False, handlelength=1.5)
-    ax.set_yticks(range(len(names)), names)
-    ax.set_ylim(len(names) - 0.5, -0.5)
-    ax.set_xlim(0, max([end, *lines.values()]) * 1.04 or 1.0)
-    ax.set_xlabel("time (s)")
-    ax.grid(axis="x", alpha=0.3)
-    if title:
-        ax.set_title(title, fontsize=10)
-    return ax
+
+
+def _draw_busy(
+    ax: Any, spans: list[Span], origin: float, extent: float, position: Mapping[str, int], colors: Sequence[str]
+) -> None:
+    """Each row's busy time as one ``broken_barh`` (a second, hatched, for guessed ends)."""
+    for estimated in (False, True):
+        chosen = [span for span in spans if span.estimated == estimated and span.learner in position]
+        for learner, runs in merge_spans(chosen, gap=extent / 1000).items():
+            row = position[learner]
+            ax.broken_barh(
+                [(start - origin, end - start) for start, end in runs],
+                (row - 0.35, 0.7),
+                facecolors=colors[row],
+                edgecolor="none",
+                alpha=0.45 if estimated else 0.9,
+                hatch="//" if estimated else None,
+            )
 
 
 def save_gantt(spans: Iterable[Span], path: str | os.PathLike[str], **options: Any) -> str:
@@ -222,13 +298,18 @@ def save_gantt(spans: Iterable[Span], path: str | os.PathLike[str], **options: A
     return path
 
 
-def plot_run(run: RunStatus, path: str | os.PathLike[str], *, title: str | None = None) -> str:
-    """The Gantt chart of ``run`` (from its mailbox) written to ``path`` as PNG."""
-    spans = spans_from_run(run)
+def plot_run(
+    run: RunStatus, path: str | os.PathLike[str], *, title: str | None = None, spans: Sequence[Span] | None = None
+) -> str:
+    """The Gantt chart of ``run`` (from its mailbox) written to ``path`` as PNG.
+
+    ``spans``: ``spans_from_run(run)`` when the caller already has them (computed when None).
+    """
+    spans = spans_from_run(run) if spans is None else list(spans)
     return save_gantt(
         spans,
         path,
         origin=run_origin(run, spans),
         rows=sorted({*(row.learner for row in run.learners if row.units), *(span.learner for span in spans)}) or None,
-        title=title or f"{run.mailbox}: {len(spans)} units; {describe_spans(spans)}",
+        title=title or textwrap.fill(f"{run.mailbox}: {len(spans)} units; {describe_spans(spans)}", 72),
     )

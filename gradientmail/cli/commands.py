@@ -8,22 +8,21 @@ import time
 from typing import Any
 
 from gradientmail.cli.common import S3_READ_OPTIONS, console, json_document, open_cli_mailbox
+from gradientmail.cli.fitting import compact_count, short_names
 from gradientmail.errors import UsageError
 
 
 # -- formatting -----------------------------------------------------------------------------
 def _ago(then: float | None, now: float) -> str:
+    """How long ago, in at most 10 characters: ``12.5s ago``, ``3.2d ago``, ``2023-11-14``."""
     if then is None or not math.isfinite(then):
         return "-"
     seconds = max(0.0, now - then)
-    if seconds < 60:
-        return f"{seconds:.1f}s ago"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f}m ago"
-    if seconds < 86400:
-        return f"{seconds / 3600:.1f}h ago"
+    for limit, unit, scale in ((60, "s", 1), (3600, "m", 60), (86400, "h", 3600), (30 * 86400, "d", 86400)):
+        if seconds < limit:
+            return f"{seconds / scale:.1f}{unit} ago"
     try:
-        return time.strftime("%Y-%m-%d %H:%M", time.localtime(then))
+        return time.strftime("%Y-%m-%d", time.localtime(then))
     except (OverflowError, OSError, ValueError):  # beyond what this platform's clock can show
         return "?"
 
@@ -34,47 +33,89 @@ def _count(value: float | None, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def status_table(run) -> Any:
-    """A rich renderable of a ``RunStatus``."""
+MIN_NAME_WIDTH = 10
+"""Learner names are shortened (from the middle, kept distinct) to no fewer characters."""
+
+
+def status_table(run, width: int | None = None) -> Any:
+    """A rich renderable of a ``RunStatus``, fitted to ``width`` columns (None: no limit).
+
+    What does not fit is made smaller step by step: large counts written compactly (``1.54M``)
+    and learner names shortened from the middle, each still distinct (``cli.fitting``); then
+    the same without the box's lines. A table still too wide wraps its cells: a name or a state
+    is never cut short.
+    """
+    table = _table(run)
+    if width is None or _natural_width(table) <= width:
+        return table
+    for plain in (False, True):
+        table = _table(run, compact=True, plain=plain)
+        excess = _natural_width(table) - width
+        longest = max((len(row.learner) for row in run.learners), default=0)
+        if excess > 0 and longest > MIN_NAME_WIDTH:
+            names = short_names((row.learner for row in run.learners), max(MIN_NAME_WIDTH, longest - excess))
+            table = _table(run, compact=True, plain=plain, names=names)
+        if _natural_width(table) <= width:
+            break
+    return table
+
+
+def _natural_width(table: Any) -> int:
+    """The width ``table`` takes when nothing limits it."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    wide = Console(width=100_000)
+    return Measurement.get(wide, wide.options, table).maximum
+
+
+def _table(run, *, compact: bool = False, plain: bool = False, names: dict[str, str] | None = None) -> Any:
+    """The status table; ``compact``: counts as ``1.54M`` and a lease on its own line;
+    ``plain``: columns one space apart, no lines but the header's."""
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
+    count = compact_count if compact else _count
     if run.units_total:
         share = 100.0 * run.units_claimed / run.units_total
         units = f"units claimed {run.units_claimed}/{run.units_total} ({share:.0f}%)"
     else:
         units = f"units claimed {run.units_claimed} (total unknown: no run.json)"
     created = f", created {_ago(run.created, run.read_at)}" if run.created else ""
+    units += created
     if run.elastic:
         units += (
             f"\ndone {len(run.done)}, in progress {run.units_in_progress}, "
             f"released {len(run.released)}, orphaned (lease expired) {len(run.orphaned)}"
         )
-    table = Table(title=f"{run.mailbox}\n{units}{created}", title_justify="left")
-    table.add_column("learner")
-    table.add_column("units", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("samples", justify="right")
+    table = Table(title=f"{run.mailbox}\n{units}", title_justify="left")
+    if plain:
+        table.box, table.show_edge, table.padding, table.pad_edge = box.SIMPLE_HEAD, False, (0, 0), False
+    # "fold": a cell too wide for its column wraps whole; rich's default cuts it to "machine…".
+    table.add_column("learner", overflow="fold")
+    for header in ("units", "share", "samples"):
+        table.add_column(header, justify="right", overflow="fold")
     in_run = any(row.samples_in_run is not None for row in run.learners)
     if in_run:  # a Session's learners: how much of what they trained the run's state holds
-        table.add_column("in run", justify="right")
-    table.add_column("samples/s", justify="right")
-    table.add_column("steps", justify="right")
-    table.add_column("last seen", justify="right")
-    table.add_column("state")
+        table.add_column("in run", justify="right", overflow="fold")
+    for header in ("samples/s", "steps", "last seen"):
+        table.add_column(header, justify="right", overflow="fold")
+    table.add_column("state", overflow="fold")
     for row in run.learners:
         share = f"{100.0 * row.units / run.units_claimed:.0f}%" if run.units_claimed else "-"
         state = {True: "finished", False: "running", None: "-"}[row.finished]
         if row.lease is not None:
-            state = f"{state}, lease {row.lease}" if state != "-" else f"lease {row.lease}"
+            joint = "\n" if compact else ", "
+            state = f"{state}{joint}lease {row.lease}" if state != "-" else f"lease {row.lease}"
         table.add_row(
-            Text(row.learner),
+            Text((names or {}).get(row.learner, row.learner)),
             str(row.units),
             share,
-            _count(row.samples),
-            *([_count(row.samples_in_run)] if in_run else []),
-            _count(row.samples_per_s, 1),
-            _count(row.steps),
+            count(row.samples),
+            *([count(row.samples_in_run)] if in_run else []),
+            count(row.samples_per_s, 1),
+            count(row.steps),
             _ago(row.last_seen, run.read_at),
             state,
         )
@@ -120,7 +161,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             print(json_document(run.to_dict(), indent=2))
         else:
-            console().print(status_table(run))
+            screen = console()
+            screen.print(status_table(run, screen.width))
         return 0
 
     # --watch: refresh until Ctrl-C; an empty run is shown as such (it may not have started).
@@ -132,15 +174,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         screen = console()
         if not screen.is_terminal:
             while True:
-                screen.print(status_table(reader.read()))
+                screen.print(status_table(reader.read(), screen.width))
                 screen.file.flush()
                 time.sleep(args.interval)
         from rich.live import Live
 
-        with Live(status_table(reader.read()), console=screen, auto_refresh=False) as live:
+        with Live(status_table(reader.read(), screen.width), console=screen, auto_refresh=False) as live:
             while True:
                 time.sleep(args.interval)
-                live.update(status_table(reader.read()), refresh=True)
+                live.update(status_table(reader.read(), screen.width), refresh=True)
     except KeyboardInterrupt:
         return 0
 
@@ -155,7 +197,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     spans = spans_from_run(run)
     if not spans:
         raise UsageError(f"nothing to plot in {run.mailbox}: no claim records a claimed_at time")
-    path = plot_run(run, args.output, title=args.title)
+    path = plot_run(run, args.output, title=args.title, spans=spans)
     print(f"wrote {path} ({run.units_claimed} units, {len(run.learners)} learners; {describe_spans(spans)})")
     return 0
 
@@ -172,3 +214,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gradientmail.cli.demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_bucket(args: argparse.Namespace) -> int:
+    """``gradientmail bucket s3://BUCKET``: create the bucket unless it is there (idempotent)."""
+    scheme, _, rest = args.url.partition("://")
+    bucket = rest.partition("/")[0]
+    if scheme.lower() not in ("s3", "s3a") or not bucket:
+        raise UsageError(f"{args.url}: expected s3://bucket (a directory mailbox needs no bucket)")
+    from gradientmail.mailbox.s3 import S3Mailbox
+    from gradientmail.mailbox.s3_client import ensure_bucket
+
+    mailbox = S3Mailbox(bucket, endpoint_url=args.endpoint_url)
+    where = f" at {args.endpoint_url}" if args.endpoint_url else ""
+    created = ensure_bucket(mailbox.client, bucket)
+    print(f"{'created' if created else 'already there:'} bucket {bucket!r}{where}")
+    return 0

@@ -292,9 +292,19 @@ def run_demo(args: argparse.Namespace) -> int:
         ("loss", f"{initial:.4f} → {final:.4f} (validation MSE, consensus of {averaged} learners)"),
         ("chart", gantt),
         ("summary", summary_path),
-        ("mailbox", f"{url}  (try: gradientmail status {url})"),
+        ("mailbox", f"{url}  (try: {status_command(url, args.endpoint_url)})"),
         ("wall time", f"{wall:.1f}s"),
     ]
     for label, text in lines:
         screen.print(f"{label:<10} {text}", highlight=False, soft_wrap=True)
     return 0
+
+
+def status_command(url: str, endpoint_url: str | None) -> str:
+    """The ``gradientmail status`` command for this run, with the endpoint it was given.
+
+    Example:
+        >>> status_command("s3://b/demo", "http://127.0.0.1:8333")
+        'gradientmail status s3://b/demo --endpoint-url http://127.0.0.1:8333'
+    """
+    return f"gradientmail status {url}" + (f" --endpoint-url {endpoint_url}" if endpoint_url else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradientmail.cli.commands import check_demo, cmd_demo, cmd_plot, cmd_status
+from gradientmail.cli.commands import check_demo, cmd_bucket, cmd_demo, cmd_plot, cmd_status
 from gradientmail.cli.common import DEBUG_ENV, PROG
 
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     Example:
         >>> args = build_parser().parse_args(["status", "runs/exp-1", "--json"])
         >>> args.command, args.url, args.json, args.threads
-        ('status', 'runs/exp-1', True, 16)
+        ('status', 'runs/exp-1', True, None)
     """
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -200,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="refresh interval for --watch (default 2)",
     )
     status.add_argument(
-        "--threads", type=_positive_int, default=16, metavar="N", help="parallel GETs for claim bodies (default 16)"
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="parallel GETs for claim bodies (default 16; 1 for a directory)",
     )
     _add_store_options(status)
     status.set_defaults(func=cmd_status)
@@ -210,18 +214,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the Gantt chart of a run (learner x time, one bar per unit)",
         description=(
             "Write a Gantt chart of the run in a mailbox: one row per learner, one bar per "
-            "unit from its claim to the next claim by the same thread (a learner's last unit "
-            "ends at its progress record's last_seen). Reads every claim body like status."
+            "unit from its first batch to its last (progress records), else from its claim to "
+            "the next claim by the same thread; beyond 500 units each row shows the learner's "
+            "busy time, its units merged. Reads every claim body like status."
         ),
     )
     plot.add_argument("url", metavar="URL", help="the mailbox: a directory or s3://bucket/prefix")
     plot.add_argument("-o", "--output", default="gantt.png", metavar="PNG", help="output PNG (default gantt.png)")
     plot.add_argument("--title", default=None, help="chart title (default: the mailbox URL)")
     plot.add_argument(
-        "--threads", type=_positive_int, default=16, metavar="N", help="parallel GETs for claim bodies (default 16)"
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="parallel GETs for claim bodies (default 16; 1 for a directory)",
     )
     _add_store_options(plot)
     plot.set_defaults(func=cmd_plot)
+
+    bucket = commands.add_parser(
+        "bucket",
+        help="create an S3 bucket for runs unless it exists (safe to run again, on every machine)",
+        description=(
+            "Create the bucket of s3://BUCKET[/prefix] unless it is there already; a second run, or "
+            "two machines at once, is not an error. Credentials and endpoint as for status."
+        ),
+    )
+    bucket.add_argument("url", metavar="URL", help="s3://bucket (a prefix after it is ignored)")
+    _add_store_options(bucket)
+    bucket.set_defaults(func=cmd_bucket)
 
     from gradientmail.cli.tokens import add_tokens_command  # gradientmail tokens write|stdlib
 

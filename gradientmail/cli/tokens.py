@@ -2,6 +2,9 @@
 
 Bytes only: a tokenizer is a Python callable, so pass it to ``write_tokens`` or
 ``build_stdlib_corpus``. ``python -m gradientmail.data`` runs the same actions.
+
+``gradientmail.data`` (which imports torch) is imported only when a ``tokens`` action runs:
+every command builds this parser, and ``status`` should not pay 2 s and 200 MB for torch.
 """
 
 from __future__ import annotations
@@ -9,9 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gradientmail.data.corpus import build_stdlib_corpus
-from gradientmail.data.formats import DTYPES
-from gradientmail.data.writer import text_files, write_tokens
+DTYPE_NAMES = ("uint16", "uint32")
+"""``gradientmail.data.formats.DTYPES``, named here so building the parser imports no torch."""
 
 
 def _fraction(text: str) -> float:
@@ -19,6 +21,14 @@ def _fraction(text: str) -> float:
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
     return value
+
+
+def _dtype(text: str) -> str:
+    from gradientmail.data.formats import DTYPES
+
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(sorted(DTYPES))})")
+    return text
 
 
 def add_tokens_command(commands: Any) -> argparse.ArgumentParser:
@@ -45,7 +55,7 @@ def add_tokens_command(commands: Any) -> argparse.ArgumentParser:
         metavar=".EXT",
         help="in directories, only files ending so (repeatable; default: all)",
     )
-    write.add_argument("--dtype", choices=sorted(DTYPES), default="uint16")
+    write.add_argument("--dtype", type=_dtype, default="uint16", metavar="{" + ",".join(DTYPE_NAMES) + "}")
     write.add_argument("--eot", type=int, default=None, metavar="ID", help="token appended after each file (e.g. 256)")
     write.set_defaults(func=_cmd_write)
 
@@ -69,6 +79,8 @@ def add_tokens_command(commands: Any) -> argparse.ArgumentParser:
 
 
 def _cmd_write(args: argparse.Namespace) -> int:
+    from gradientmail.data.writer import text_files, write_tokens
+
     files = text_files(args.sources, suffixes=args.suffix)
     info = write_tokens(args.out, files, dtype=args.dtype, eot=args.eot)
     print(f"{info.path}: {info.tokens:,} {info.dtype} tokens from {info.documents:,} files")
@@ -76,6 +88,8 @@ def _cmd_write(args: argparse.Namespace) -> int:
 
 
 def _cmd_stdlib(args: argparse.Namespace) -> int:
+    from gradientmail.data.corpus import build_stdlib_corpus
+
     corpus = build_stdlib_corpus(args.out_dir, validation=args.validation, rebuild=args.rebuild)
     print(f"{corpus.train}: {corpus.train_tokens:,} tokens")
     print(

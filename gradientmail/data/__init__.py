@@ -10,12 +10,13 @@ from __future__ import annotations
 from gradientmail.data.cache import CacheStats
 from gradientmail.data.corpus import Corpus, build_stdlib_corpus, stdlib_files
 from gradientmail.data.errors import SequenceRangeError, TokenFileError
-from gradientmail.data.reader import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_BYTES, TokenReader
+from gradientmail.data.reader import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, TokenReader
 from gradientmail.data.writer import TokenFileInfo, Tokenizer, text_files, write_tokens
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CACHE_BYTES",
+    "DEFAULT_CACHE_DIR_BYTES",
     "CacheStats",
     "Corpus",
     "SequenceRangeError",

@@ -6,7 +6,9 @@ caching and cost").
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +16,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters of one process's cache: ``reads`` ranged requests fetched ``bytes_read`` bytes."""
+    """Counters of one process's cache: ``reads`` ranged requests fetched ``bytes_read`` bytes.
+
+    ``hits``, ``misses``, ``held_bytes`` and ``capacity`` are of the memory cache. With a
+    ``cache_dir``, the memory cache's misses are looked up there: ``disk_hits`` and ``disk_misses``
+    count blocks, ``disk_held_bytes`` is the directory's count (every process and file sharing it)
+    and ``disk_capacity`` its bound; all four are 0 without one.
+    """
 
     hits: int
     misses: int
@@ -22,6 +30,10 @@ class CacheStats:
     bytes_read: int
     held_bytes: int
     capacity: int
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_held_bytes: int = 0
+    disk_capacity: int = 0
 
 
 class BlockCache:
@@ -53,6 +65,12 @@ class BlockCache:
         self._held = 0
         self._lock = threading.Lock()
         self._hits = self._misses = self._reads = self._bytes_read = 0
+        _LIVE.add(self)
+
+    def after_fork(self) -> None:
+        """A forked child (a DataLoader worker) starts with a fresh lock: another thread of the
+        parent may have held this one at the moment of the fork, and would never release it."""
+        self._lock = threading.Lock()
 
     def stats(self) -> CacheStats:
         return CacheStats(self._hits, self._misses, self._reads, self._bytes_read, self._held, self.capacity)
@@ -82,7 +100,7 @@ class BlockCache:
                     found[index] = block
             self._hits += len(found)
             self._misses += len(missing)
-            for run_first, run_last in _runs(missing):
+            for run_first, run_last in consecutive_runs(missing):
                 data = self._fetch(run_first * size, min((run_last + 1) * size, self.size))
                 self._reads += 1
                 self._bytes_read += len(data)
@@ -108,7 +126,7 @@ class BlockCache:
             self._held = 0
 
 
-def _runs(indices: list[int]) -> list[tuple[int, int]]:
+def consecutive_runs(indices: list[int]) -> list[tuple[int, int]]:
     """Sorted block indices grouped into runs of consecutive ones, ``(first, last)`` each."""
     runs: list[tuple[int, int]] = []
     for index in indices:
@@ -117,3 +135,8 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((index, index))
     return runs
+
+
+_LIVE: weakref.WeakSet[BlockCache] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [cache.after_fork() for cache in list(_LIVE)])

@@ -9,21 +9,26 @@ from __future__ import annotations
 import operator
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from gradientmail.data.cache import BlockCache, CacheStats
+from gradientmail.data.disk_cache import DiskCache, remote_identity
 from gradientmail.data.errors import SequenceRangeError, TokenFileError
 from gradientmail.data.formats import FileFormat, TokenLayout, read_layout
-from gradientmail.data.sources import ByteSource, open_source
+from gradientmail.data.sources import ByteSource, FsspecFile, open_source
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 """1 MiB: a few ranged requests per batch on S3, and finer than one lane's share of a step."""
 
 DEFAULT_CACHE_BYTES = 64 << 20
 """Per process: each DataLoader worker holds a cache of its own."""
+
+DEFAULT_CACHE_DIR_BYTES = 16 << 30
+"""A ``cache_dir``'s bound, for every process and file sharing it: a few datasets of a few GB."""
 
 _SIGNED = {"uint16": (torch.int16, 0xFFFF), "uint32": (torch.int32, 0xFFFFFFFF)}
 
@@ -51,6 +56,12 @@ class TokenReader:
             corrupt file fails here, naming the token, instead of deep inside an embedding).
         block_size, cache_bytes: reads are whole blocks of ``block_size`` bytes and at most
             ``cache_bytes`` of them are kept, per process (LRU).
+        cache_dir: a remote file's blocks are also kept in this local directory, so that a second
+            pass, another worker or a restarted node reads them from disk. Processes may share it;
+            entries are keyed by the object's version, so a rewritten object never serves old
+            blocks. Ignored for a local file (its pages are the OS's cache already).
+        cache_dir_bytes: the bound of ``cache_dir``, for all processes and files sharing it
+            (least recently used blocks are evicted first).
         storage_options: passed to fsspec, e.g. ``{"endpoint_url": ...}`` for s3fs.
 
     The file is opened and checked here; a pickled copy (a DataLoader worker) reopens it on
@@ -59,6 +70,7 @@ class TokenReader:
     Raises:
         TokenFileError: the file is not a usable token file, or holds less than one sequence.
         FileNotFoundError: there is no file at ``url``.
+        ValueError: ``cache_dir_bytes`` cannot hold one block.
 
     Example:
         >>> import tempfile
@@ -86,6 +98,8 @@ class TokenReader:
         vocab_size: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if sys.byteorder != "little":  # pragma: no cover
@@ -95,13 +109,39 @@ class TokenReader:
         self._source: ByteSource = open_source(url, storage_options)
         self.url = self._source.name
         self._size = self._source.size()
-        self.layout: TokenLayout = read_layout(self.url, self._size, self._source.read, format=format, dtype=dtype)
-        self._cache = BlockCache(self._source.read, self._size, block_size, cache_bytes)
+        self._disk = self._disk_cache(cache_dir, cache_dir_bytes, block_size)
+        fetch = self._source.read if self._disk is None else self._disk.read
+        self.layout: TokenLayout = read_layout(self.url, self._size, fetch, format=format, dtype=dtype)
+        self._cache = BlockCache(fetch, self._size, block_size, cache_bytes)
         self._pid = os.getpid()
         if self.layout.tokens < seq_len + 1:
             raise TokenFileError(
                 f"{self.url}: {self.layout.tokens:,} tokens, fewer than one sequence of seq_len + 1 = {seq_len + 1:,}"
             )
+
+    def _disk_cache(self, cache_dir: str | os.PathLike[str] | None, capacity: int, block_size: int) -> DiskCache | None:
+        """The ``cache_dir`` layer of a remote file (None for a local one, or a store without versions)."""
+        if cache_dir is None or not isinstance(self._source, FsspecFile):
+            return None
+        if self._source.pinned is None:
+            warnings.warn(
+                f"{self.url}: the store reports no version (ETag, generation or mtime), so blocks on "
+                f"disk could not be told from a rewritten object's: cache_dir={os.fspath(cache_dir)!r} is not used",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        disk = DiskCache(
+            self._source.read,
+            cache_dir,
+            identity=remote_identity(self.url, self._source.storage_options),
+            version=self._source.pinned,
+            size=self._size,
+            block_size=block_size,
+            capacity=capacity,
+        )
+        disk.reconcile()
+        return disk
 
     # -- what the file holds ----------------------------------------------------------------
     @property
@@ -117,8 +157,10 @@ class TokenReader:
         return (self.layout.tokens - 1) // self.seq_len
 
     def cache_stats(self) -> CacheStats:
-        """This process's cache counters (hits, ranged reads, bytes held and its bound)."""
-        return self._cache.stats()
+        """This process's cache counters (hits, ranged reads, bytes held and its bound; the
+        ``cache_dir``'s hits and bytes too)."""
+        memory = self._cache.stats()
+        return memory if self._disk is None else self._disk.stats(memory)
 
     def __repr__(self) -> str:
         return f"TokenReader({self.url!r}, seq_len={self.seq_len}, dtype={self.dtype!r}, tokens={self.num_tokens:,})"
@@ -190,6 +232,8 @@ class TokenReader:
     def close(self) -> None:
         self._source.close()
         self._cache.clear()
+        if self._disk is not None:
+            self._disk.close()
 
     def __enter__(self) -> TokenReader:
         return self
@@ -206,5 +250,6 @@ class TokenReader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         block_size, capacity = state.pop("_cache_args")
-        self.__dict__.update(state)
-        self._cache = BlockCache(self._source.read, self._size, block_size, capacity)
+        self.__dict__.update(state)  # the disk cache, if any, pickled itself (blocks stay on disk)
+        fetch = self._source.read if self._disk is None else self._disk.read
+        self._cache = BlockCache(fetch, self._size, block_size, capacity)

@@ -30,6 +30,8 @@ from gradientmail.mailbox.s3_client import (
     TRANSIENT,
     UNSUPPORTED,
     ProcessClient,
+    bucket_is_missing,
+    denied,
     explain_failure,
     outcome,
 )
@@ -213,6 +215,7 @@ class S3Mailbox(BaseVersionedMailbox):
             endpoint=self._endpoint or "(boto3's default)",
             limits=self._limits(),
             first_contact=self._first_contact(exc),
+            bucket_missing=denied(exc) and bucket_is_missing(self.client, self.bucket),
         )
         attempts = budget.failures if budget is not None else 1
         tries = ""

@@ -37,6 +37,9 @@ __all__ = [
     "TRANSPORT_ERRORS",
     "UNSUPPORTED",
     "ProcessClient",
+    "bucket_is_missing",
+    "denied",
+    "ensure_bucket",
     "explain_failure",
     "make_client",
     "outcome",
@@ -185,24 +188,64 @@ def outcome(exc: BaseException) -> str:
     return FATAL
 
 
-def explain_failure(exc: BaseException, *, bucket: str, endpoint: str, limits: str, first_contact: bool) -> str:
-    """``"<code>: <message> (<likely cause and what to check>)"`` for a final failure."""
+def explain_failure(
+    exc: BaseException,
+    *,
+    bucket: str,
+    endpoint: str,
+    limits: str,
+    first_contact: bool,
+    bucket_missing: bool = False,
+) -> str:
+    """``"<code>: <message> (<likely cause and what to check>)"`` for a final failure.
+
+    ``bucket_missing``: a probe found no such bucket (some stores answer 403 for a missing
+    bucket, which would otherwise read as rejected credentials).
+    """
     code, status, _ = error_fields(exc)
     if isinstance(exc, botocore.exceptions.ClientError):
         detail = f"{code or status}: {(exc.response.get('Error') or {}).get('Message', '')}"
     else:
         detail = f"{type(exc).__name__}: {exc}"
+    if bucket_missing:
+        code = "NoSuchBucket"
     return f"{detail} ({_cause(exc, code, status, bucket, endpoint, limits, first_contact)})"
+
+
+def denied(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal (403, AccessDenied and kin) that may hide a missing bucket."""
+    code, status, _ = error_fields(exc)
+    return isinstance(exc, botocore.exceptions.ClientError) and (code in CREDENTIAL_CODES or status == 403)
+
+
+def bucket_is_missing(client: Any, bucket: str) -> bool:
+    """One ``HeadBucket``: True only when the store says the bucket does not exist (404)."""
+    try:
+        client.head_bucket(Bucket=bucket)
+    except botocore.exceptions.ClientError as exc:
+        code, status, _ = error_fields(exc)
+        return code in ("NoSuchBucket", "404", "NotFound") or status == 404
+    except Exception:  # unreachable, or anything else: keep the first explanation
+        return False
+    return False
 
 
 def _cause(
     exc: BaseException, code: str, status: int, bucket: str, endpoint: str, limits: str, first_contact: bool
 ) -> str:
     if isinstance(exc, CREDENTIAL_ERRORS):
+        compatible = endpoint.startswith(("http://", "https://")) and "amazonaws.com" not in endpoint
         return (
             "no usable AWS credentials: boto3 looks at AWS_ACCESS_KEY_ID / "
             "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or profile_name, ~/.aws/credentials and "
             "instance or container roles"
+            + (
+                f"; an S3-compatible store ({endpoint}) needs them too: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY to its keys (any non-empty values for a store without "
+                "authentication)"
+                if compatible
+                else ""
+            )
         )
     if code == "NoSuchBucket":
         return (
@@ -235,3 +278,33 @@ def _cause(
             f"than the retries allow ({limits}); retry later or raise retry_window"
         )
     return "unexpected answer from the store"
+
+
+def ensure_bucket(client: Any, bucket: str) -> bool:
+    """Create ``bucket`` unless it exists and is yours: True if created, False if it was there.
+
+    Idempotent, so a recipe can run it on every machine: a second call (or a race with another
+    machine) is not an error. Outside ``us-east-1`` the bucket is made in the client's region.
+
+    Raises:
+        botocore.exceptions.ClientError: the name is another account's (``BucketAlreadyExists``)
+            or the credentials may not see or create it.
+    """
+    try:
+        client.head_bucket(Bucket=bucket)
+        return False
+    except botocore.exceptions.ClientError as exc:
+        code, status, _ = error_fields(exc)
+        if not (code in ("NoSuchBucket", "404", "NotFound") or status == 404):
+            raise
+    region = client.meta.region_name
+    options: dict[str, Any] = {}
+    if region and region != "us-east-1":
+        options["CreateBucketConfiguration"] = {"LocationConstraint": region}
+    try:
+        client.create_bucket(Bucket=bucket, **options)
+    except botocore.exceptions.ClientError as exc:
+        if error_fields(exc)[0] == "BucketAlreadyOwnedByYou":
+            return False
+        raise
+    return True

@@ -17,7 +17,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import torch
 
-__all__ = ["MAX_DEPTH", "TensorTree", "first_non_tensor", "map_tensors", "to_device"]
+__all__ = ["MAX_DEPTH", "TensorTree", "batch_size", "first_non_tensor", "map_tensors", "to_device"]
 
 TensorTree: TypeAlias = torch.Tensor | tuple["TensorTree", ...] | list["TensorTree"] | dict[Any, "TensorTree"]
 """A batch: a tensor, or tuples (namedtuples too), lists and dicts of batches."""
@@ -50,6 +50,35 @@ def to_device(batch: T, device: torch.device | str | int, non_blocking: bool = T
     also works.
     """
     return _map(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking), 0)
+
+
+def batch_size(batch: TensorTree) -> int:
+    """The samples in ``batch``: the leading dimension every tensor in it shares.
+
+    For ``session.step(samples=...)``: ``len(batch)`` counts a dict's keys or a tuple's fields,
+    not its rows. Raises ``ValueError`` when the tensors disagree (or one is a scalar) and
+    ``TypeError`` for a leaf that is not a tensor, naming where: count such a batch yourself.
+
+    Example:
+        >>> batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8, 128)})
+        8
+        >>> batch_size((torch.zeros(4, 3), torch.zeros(4)))
+        4
+    """
+    problem = first_non_tensor(batch)
+    if problem is not None:
+        raise TypeError(f"batch_size: {problem}; a batch is a tensor, or tuples, lists and dicts of tensors")
+    sizes: set[int | None] = set()  # None: a scalar, which has no batch dimension
+    _map(batch, lambda tensor: sizes.add(tensor.shape[0] if tensor.dim() else None), 0)
+    if len(sizes) != 1 or None in sizes:
+        found = ", ".join(sorted("a scalar" if size is None else str(size) for size in sizes)) or "no tensor"
+        raise ValueError(
+            f"batch_size: the tensors of this batch do not share a leading (batch) dimension ({found}); "
+            "count its samples yourself"
+        )
+    (size,) = sizes
+    assert size is not None
+    return size
 
 
 def first_non_tensor(batch: object, root: str = "batch") -> str | None:

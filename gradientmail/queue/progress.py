@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gradientmail.errors import LeaseLostError
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
@@ -30,6 +29,7 @@ from gradientmail.queue.leases import (
     step_value,
     work_body,
 )
+from gradientmail.queue.ownership import UnitOwnership
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.records import WORK, SkippedRecords
 from gradientmail.session.folded_units import folded_mark
@@ -86,12 +86,13 @@ class ProgressTracker:
         self._ask_state = False  # releases read the units' marks from the run's state (close)
         self.writes: dict[str, int] = {"progress": 0, "done": 0, "lease": 0, "released": 0}
         self.skipped = SkippedRecords(f"learner {learner_id!r}")
+        self.ownership = UnitOwnership(mailbox, learner_id, options.lease_s, self._owned_units)
 
     # -- called by the consumer -----------------------------------------------------------
     def start(self) -> None:
         self.gate.listen(self._folded)
         if self.options.lease_s is not None:
-            self.gate.guard(self.check_owner, self.options.lease_s / 2)
+            self.gate.guard(self.check_owner, self.options.lease_s / 2, self.confirm_owner)
         if self.options.lease_s is not None:
             self._write_lease(RUNNING)
         self._thread = threading.Thread(target=self._run, name=f"gradientmail-progress-{self.learner_id}", daemon=True)
@@ -176,22 +177,21 @@ class ProgressTracker:
 
     def check_owner(self, paused_s: float | None = None) -> None:
         """Raise ``LeaseLostError`` if the unit being trained, or one whose records wait for the
-        Session, was taken over by a peer (one read per such unit). The Session calls it (through
-        the ``FoldGate``) before exchanging after standing still for half a lease."""
+        Session, was taken over by a peer (``UnitOwnership.check``)."""
+        self.ownership.check(paused_s)
+
+    def confirm_owner(self) -> None:
+        """``check_owner``, marking those claims in use (``UnitOwnership.confirm``): the Session
+        calls it right before a fold that holds batches whose records are not written."""
+        self.ownership.confirm()
+
+    def _owned_units(self) -> dict[str, str]:
+        """The unit being trained and those whose records wait for the Session -> claim token."""
         with self._changed:
             units = {record[0]: record[1] for _, record in self._held}
         if self._current is not None:
             units[self._current[0]] = self._current[1]
-        for unit, owned in units.items():
-            claim = load_claim(self.mailbox.get(claim_key(unit)))
-            if claim is not None and claim.token != owned:
-                still = f" for {paused_s:.1f} s" if paused_s is not None else ""
-                raise LeaseLostError(
-                    f"learner {self.learner_id!r}: unit {unit!r} was taken over by {claim.learner!r} while "
-                    f"this process stood still{still} (lease {self.options.lease_s:g} s: its peers judged "
-                    "it dead); it stops so that no batch is trained twice. Restart it with resume=True to "
-                    "continue the run; give it a longer lease if such pauses are expected"
-                )
+        return units
 
     def _settle_due(self) -> float | None:
         """Seconds until the writer thread has the Session fold for a waiting loop (None: never)."""

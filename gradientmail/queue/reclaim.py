@@ -8,6 +8,7 @@ The consuming side is ``queue.progress``. Details: docs/queue.md.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -154,7 +155,7 @@ class ElasticClaimer:
         self._fresh_left = True
         self._candidates: list[tuple[str, Any]] = []
         self._pending = False
-        self._claims_seen: dict[tuple[str, Any], float] = {}  # (unit, token) -> first seen
+        self._claims_seen: dict[tuple[str, Any, Any], float] = {}  # (unit, token, fold beat) -> first seen
         self.skipped = SkippedRecords(f"learner {learner_id!r}")
         """Unusable claims, work records and leases met (counted, warned once per kind and learner)."""
         self.stats: dict[str, int] = {"claims": 0, "takeovers": 0, "scans": 0}
@@ -178,6 +179,14 @@ class ElasticClaimer:
                 return found
         if self._own is None:
             self._own = self._own_units()
+            if self._own:
+                logging.getLogger("gradientmail.queue").info(
+                    "%s: resuming %d unfinished unit(s) of its earlier run, each after its last batch "
+                    "in the run's state (%s)",
+                    self.learner_id,
+                    len(self._own),
+                    ", ".join(self._own[:3]) + (", ..." if len(self._own) > 3 else ""),
+                )
         while self._own:
             identifier = self._own.pop(0)
             found = self._take(identifier, expect=self._own_earlier)
@@ -312,9 +321,11 @@ class ElasticClaimer:
         if self._watch is None or owner is None:
             return False
         # The claim itself must also have stayed the same for a whole lease: a node that has
-        # just taken a unit over renews its lease only once it consumes from it.
+        # just taken a unit over renews its lease only once it consumes from it, and an owner
+        # marks its claim (``fold_beat``) right before each fold of batches not yet recorded.
         now = self.clock()
-        first_seen = self._claims_seen.setdefault((identifier, record.fields.get("token")), now)
+        seen = (identifier, record.fields.get("token"), record.fields.get("fold_beat"))
+        first_seen = self._claims_seen.setdefault(seen, now)
         if owner not in leases:  # one read per owner and scan
             leases[owner] = self.mailbox.get(lease_key(owner))
             self.skipped.parse(LEASE, leases[owner], lease_key(owner), owner)  # counted and warned

@@ -283,10 +283,21 @@ def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], N
 
     def check() -> None:
         if dataset.units_claimed() == 0:  # claims of this queue, its worker processes included
+            run = f"every unit of this run ({len(dataset.units)} units in {describe(dataset.mailbox)})"
+            if dataset.elastic is None:
+                why = (
+                    f"{run} is already taken or done (claims are permanent: to train these units "
+                    "again, use a fresh prefix)"
+                )
+            else:
+                mine = "none of this learner's earlier units was left unfinished, and " if dataset.resume else ""
+                why = (
+                    f"{mine}{run} is done or held by a live node: nothing is left for this node "
+                    "(a dead node's units go to live ones after its lease; `gradientmail status` "
+                    "shows who holds what)"
+                )
             warnings.warn(
-                f"shared_queue: 0 batches for learner {dataset.learner_id!r}: every unit of this "
-                f"run ({len(dataset.units)} units in {describe(dataset.mailbox)}) is already taken "
-                "or done; use a fresh prefix to train again",
+                f"shared_queue: 0 batches for learner {dataset.learner_id!r}: {why}",
                 stacklevel=3,  # the training loop's line
             )
 

@@ -114,14 +114,19 @@ def take_over(
         # so a unit done before the swap is seen here (a scan's listing of done units ages).
         return None
     if after is None and owner is not None and record.state != RELEASED and record.token:
-        # Read only now that the claim is ours: a frozen owner that resumes checks its claim
-        # before folding again, so nothing it folds after this read goes unseen.
+        # Read only now that the claim is ours: an owner checks its claim before each fold that
+        # holds unrecorded batches, so nothing it folds after these reads goes unseen. The marks
+        # first, then the record again: an owner that was still going (slow, not dead) may have
+        # folded and recorded batches since the read above, and a fold after its record carries
+        # no mark for them: one of the two reads sees every batch it folded before the swap.
         if owner == learner_id and record.incarnation != incarnation and joined_marks is not None:
             mark = held_everywhere(joined_marks, identifier, record.token)
         else:
             mark = folded_mark(mailbox, owner, identifier, record.token)
-        if mark is not None and (start_position is None or (mark.position or 0) > start_position):
-            start, start_position = mark.step, mark.position
+        again, again_position = recorded_progress(mailbox, identifier, record)
+        for step, at in ((mark.step, mark.position) if mark is not None else (None, None), (again, again_position)):
+            if at is not None and (start_position is None or at > start_position):
+                start, start_position = step, at
     mailbox.put(
         work_key(learner_id, identifier), work_body(learner_id, token, incarnation, start, position=start_position)
     )

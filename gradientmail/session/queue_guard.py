@@ -3,9 +3,13 @@
 The queue of the same learner in this process counts a batch as done only once a fold holds it
 (``gradientmail.fold_gate``). So a fold must not land what the queue leaves to be trained again:
 
-- after a pause of half a lease or more since the last step, the snapshot, or the last check
-  (a process frozen past its lease), the queue first checks that no peer took its units over
-  (``LeaseLostError`` otherwise), right before each write of the fold;
+- right before each write of a fold (its create, its pending contribution) the queue checks that
+  no peer took its units over (``LeaseLostError`` otherwise): when the fold holds batches whose
+  records are not written yet, it also marks those units' claims as in use (``FoldGate.
+  confirm_owner``: a compare-and-swap each), so that a peer that judged this node dead while it
+  was merely slow (its lease record late) cannot take them over until the fold has landed; and
+  after a pause of half a lease or more since the last step, the snapshot, or the last check (a
+  process frozen past its lease). On stores that take leases only;
 - once the queue stopped without recording every batch (an error, a replaced process), the
   Session folds nothing more (``revoke``): those batches go back to the run's units.
 """
@@ -32,6 +36,7 @@ class QueueGuard:
         self.stepped_at = time.monotonic()  # the training thread's last step
         self._snapshot_at = 0.0  # when the fold under way took its snapshot (time.monotonic())
         self._checked_at = 0.0  # when the queue last found this learner's units its own
+        self._marked = False  # the fold under way holds batches whose records are not written
 
     def attach(
         self,
@@ -66,6 +71,7 @@ class QueueGuard:
         were last known trained by a live process (the last step)."""
         assert self.link is not None
         mark, marks = self.link.snapshot()
+        self._marked = bool(marks)
         return mark, tuple(marks.values()), min(time.monotonic(), self.stepped_at)
 
     def fold_started(self, since: float) -> None:
@@ -82,6 +88,9 @@ class QueueGuard:
                 "(they are trained again by whoever continues its units); this fold would count them twice"
             )
         since = max(min(listed, self._snapshot_at), self._checked_at)
-        if time.monotonic() - since >= self.gate.pause_limit_s:
+        if self._marked:
+            self.gate.confirm_owner()
+            self._checked_at = time.monotonic()
+        elif time.monotonic() - since >= self.gate.pause_limit_s:
             self.gate.check_owner()
             self._checked_at = time.monotonic()

@@ -338,3 +338,19 @@ def test_unreachable_s3_endpoint_is_an_error(s3_endpoint):
         env=_s3_env(f"http://127.0.0.1:{port}", AWS_MAX_ATTEMPTS="1", AWS_RETRY_MODE="standard"),
     )
     assert_user_error(result)
+
+
+@pytest.mark.slow
+def test_bucket_creates_once_and_is_safe_to_run_again(s3_endpoint):
+    """Issue #25 item 5: the recipe's "once" bucket command tracebacked the second time
+    (``BucketAlreadyOwnedByYou``); ``gradientmail bucket`` is idempotent."""
+    import uuid
+
+    url = f"s3://gm-bucket-{uuid.uuid4().hex[:8]}/runs/x"
+    first = run_cli("bucket", url, "--endpoint-url", s3_endpoint)
+    assert first.returncode == 0, first.stderr
+    assert "created bucket" in first.stdout and s3_endpoint in first.stdout
+    again = run_cli("bucket", url, env=_s3_env(s3_endpoint))
+    assert again.returncode == 0, again.stderr
+    assert "already there" in again.stdout
+    assert_user_error(run_cli("bucket", "runs/local"), "expected s3://bucket")

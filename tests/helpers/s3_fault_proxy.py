@@ -18,6 +18,8 @@ the fate of every request, including botocore's own retries:
   (its read timeout) and closes; nothing is timed here.
 - ``PRECONDITION``: answer ``412 PreconditionFailed`` without forwarding, as a store whose
   conditional check refused the request (Ceph's radosgw does so for a quoted ``If-Match``).
+- ``DENIED``: answer ``403 AccessDenied`` without forwarding, as stores do for a bucket the
+  caller may not see (AWS, when it may not list it; some S3-compatible stores for a missing one).
 
 The rule is called with the request (method, path, query) and the 1-based number of that
 request; it runs on the proxy's threads, so it should only count and decide.
@@ -34,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL, PRECONDITION = (
+PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL, PRECONDITION, DENIED = (
     "pass",
     "truncate",
     "break",
@@ -43,8 +45,12 @@ PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL, PRECONDITION = (
     "drop",
     "stall",
     "precondition",
+    "denied",
 )
-_ACTIONS = frozenset({PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL, PRECONDITION})
+_ACTIONS = frozenset({PASS, TRUNCATE, BREAK, RESET, LOST, DROP, STALL, PRECONDITION, DENIED})
+_ACCESS_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+)
 _PRECONDITION_FAILED = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>PreconditionFailed</Code>'
     b"<Message>At least one of the pre-conditions you specified did not hold</Message></Error>"
@@ -144,10 +150,15 @@ class FaultProxy:
             if action == RESET:
                 _reset(conn)
                 return
-            if action == PRECONDITION:
-                head = "HTTP/1.1 412 Precondition Failed\r\nContent-Type: application/xml\r\n"
-                head += f"Content-Length: {len(_PRECONDITION_FAILED)}\r\nConnection: close\r\n\r\n"
-                conn.sendall(head.encode("latin-1") + _PRECONDITION_FAILED)
+            if action in (PRECONDITION, DENIED):
+                status, error = (
+                    ("412 Precondition Failed", _PRECONDITION_FAILED)
+                    if action == PRECONDITION
+                    else ("403 Forbidden", _ACCESS_DENIED)
+                )
+                head = f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+                head += f"Content-Length: {len(error)}\r\nConnection: close\r\n\r\n"
+                conn.sendall(head.encode("latin-1") + error)
                 return
             status, reason, answer_headers, answer = self._forward(method, target, headers, body)
             if action == LOST:

@@ -245,6 +245,9 @@ def test_missing_credentials_are_named(s3_bucket, s3_endpoint, monkeypatch, tmp_
     with pytest.raises(MailboxError, match="no usable AWS credentials") as caught:
         mailbox.get("units/1")
     assert caught.value.operation == "get"
+    # An S3-compatible endpoint needs keys too, even one without authentication: say what to set.
+    assert f"an S3-compatible store ({s3_endpoint}) needs them too" in str(caught.value)
+    assert "any non-empty values" in str(caught.value)
 
 
 def test_unknown_profile_is_named(s3_bucket, s3_endpoint):

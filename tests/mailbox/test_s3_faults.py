@@ -18,6 +18,7 @@ pytest.importorskip("boto3")
 from queue_nodes import NodeSpec, run_nodes  # noqa: E402
 from s3_fault_proxy import (  # noqa: E402
     BREAK,
+    DENIED,
     DROP,
     LOST,
     PASS,
@@ -309,3 +310,25 @@ def test_replace_if_loses_once_when_the_object_really_changed(proxy, s3_bucket):
     box.put("lease", b"changed")
     assert not box.replace_if("lease", b"v2", version)
     assert box.get("lease") == b"changed"
+
+
+# -- a refusal that hides a missing bucket (issue #25, item 5) -----------------------------------
+def is_object_request(request: Request) -> bool:
+    return "/run/" in request.path
+
+
+def test_a_refused_write_to_a_missing_bucket_names_the_missing_bucket(proxy):
+    """A store that answers 403 AccessDenied for a missing bucket was reported as rejected
+    credentials, while ``status`` (a listing) said NoSuchBucket; one HeadBucket tells them apart."""
+    proxy.rule = lambda request: DENIED if is_object_request(request) else PASS
+    mailbox = through(proxy.url, "gm-no-such-bucket-403")
+    with pytest.raises(MailboxError, match="'gm-no-such-bucket-403' does not exist at this endpoint") as caught:
+        mailbox.put_if_absent("units/1", b"x")
+    assert "AccessDenied" in str(caught.value) and "credentials were rejected" not in str(caught.value)
+
+
+def test_a_refused_write_to_an_existing_bucket_still_names_the_credentials(proxy, s3_bucket):
+    proxy.rule = lambda request: DENIED if is_object_request(request) else PASS
+    mailbox = through(proxy.url, s3_bucket)
+    with pytest.raises(MailboxError, match="credentials were rejected or lack permission"):
+        mailbox.put_if_absent("units/1", b"x")

@@ -9,8 +9,9 @@ import queue
 import pytest
 from elastic_nodes import reclaim_racer
 
-from gradientmail import LocalMailbox, UnsafeStoreError
+from gradientmail import LeaseLostError, LocalMailbox, UnsafeStoreError
 from gradientmail.layout import claim_key, done_key, lease_key, work_key
+from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.patterns.elastic import (
     ElasticClaimer,
     ElasticOptions,
@@ -19,6 +20,7 @@ from gradientmail.patterns.elastic import (
     check_elastic,
     take_over,
 )
+from gradientmail.queue.ownership import UnitOwnership
 
 
 class FakeClock:
@@ -108,6 +110,58 @@ def test_a_unit_done_before_the_takeover_is_not_taken(memory_mailbox):
     memory_mailbox.put_if_absent(done_key("u1"), _body(learner="dead", token="t-u1"))
     assert take_over(memory_mailbox, "u1", "node-1", "inc-1") is None
     assert memory_mailbox.get(work_key("node-1", "u1")) is None  # nothing recorded for it
+
+
+class RecordsBeforeTheSwap(MailboxWrapper):
+    """The owner, alive but slow, writes its record of batches 0-4 between the taker's read of
+    that record and the taker's swap (its folds of them landed, its lines' marks then cleared)."""
+
+    def __init__(self, inner, record: bytes) -> None:
+        super().__init__(inner)
+        self.record = record
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        if self.record is not None:
+            self.inner.put(work_key("dead", "u1"), self.record)
+            self.record = None
+        return self.inner.replace_if(key, data, version)
+
+
+def test_a_record_written_just_before_the_swap_is_seen(memory_mailbox):
+    """Found by benchmarks.faults (`slow` trials, under load): the taker continued after the
+    record it read before the swap, and trained again batches the slow owner had folded and
+    recorded meanwhile (5 of 144 counted twice). The record is read again after the swap."""
+    _orphan(memory_mailbox, "u1", step=None)
+    later = _body(learner="dead", token="t-u1", incarnation="old", step=4, position=4)
+    got = take_over(RecordsBeforeTheSwap(memory_mailbox, later), "u1", "node-1", "inc-1")
+    assert got is not None and (got.after, got.position) == (4, 4)
+    assert json.loads(memory_mailbox.get(work_key("node-1", "u1")))["position"] == 4
+
+
+def test_an_owner_that_marks_its_claim_before_a_fold_is_not_taken_over_for_a_lease(memory_mailbox):
+    """A slow owner (lease record late) confirms its claim right before each fold that holds
+    unrecorded batches: the claim changes (``fold_beat``), so a peer that judged the owner dead
+    waits for the claim to stand still a whole lease again, and the fold lands first."""
+    box = memory_mailbox
+    clock = FakeClock()
+    _orphan(box, "a", step=1)
+    box.put(lease_key("dead"), _body(learner="dead", incarnation="old", beat=5, state="running"))
+    watcher = ElasticClaimer(box, ["a"], "node-1", ElasticOptions(resume=False, lease_s=2.0), clock=clock)
+    claim = lambda: json.loads(box.get(claim_key("a")))  # noqa: E731
+    assert not watcher.takeable("a", claim(), {})  # first sight
+    clock.now += 3  # lease and claim stood still for longer than a lease
+    owner = UnitOwnership(box, "dead", 2.0, lambda: {"a": "t-a"})
+    owner.confirm()  # ...but the owner is about to fold
+    assert claim()["fold_beat"] == 1 and claim()["token"] == "t-a"
+    assert not watcher.takeable("a", claim(), {}), "a claim marked just now was taken over"
+    clock.now += 3
+    assert watcher.takeable("a", claim(), {})
+    got = take_over(box, "a", "node-1", "inc-1")
+    assert got is not None
+    with pytest.raises(LeaseLostError, match="unit 'a' was taken over by 'node-1' because its lease record lagged"):
+        owner.confirm()
+    with pytest.raises(LeaseLostError, match="while this process stood still for 3.0 s"):
+        owner.check(3.0)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
 from gradientmail.patterns.shared_queue import SharedQueueDataset, prepare_mailbox, shared_queue
 from gradientmail.run_record import RunMismatchError, unit_fingerprint
 
-EMPTY_WARNING = "0 batches for learner .* every unit of this run .* already taken or done; use a fresh prefix"
+EMPTY_WARNING = "0 batches for learner .* every unit of this run .* already taken or done .*use a fresh prefix"
 
 
 def _load(value: int):
@@ -129,11 +129,21 @@ def test_joining_a_run_whose_every_unit_is_taken_warns_once(local_mailbox, worke
     assert len(empty) == 1 and empty[0].filename == __file__  # points at the training loop
 
 
-def test_a_finished_elastic_run_warns_too(memory_mailbox):
+RESUMED_WARNING = (
+    "0 batches for learner .* none of this learner's earlier units was left unfinished, and every unit "
+    "of this run .* is done or held by a live node: nothing is left for this node"
+)
+
+
+def test_a_finished_elastic_run_warns_too_without_advising_a_fresh_prefix(memory_mailbox):
+    """Issue #25 item 6: a node restarted with resume=True into a finished run is resuming, not
+    starting over: "use a fresh prefix to train again" was the wrong advice."""
     units = _units(2)
     assert len(_drain(memory_mailbox, units, "node-0", workers=0, resume=True)) == 4
-    with pytest.warns(UserWarning, match=EMPTY_WARNING):
-        assert _drain(memory_mailbox, units, "node-1", workers=0, resume=True) == []
+    for learner in ("node-1", "node-0"):  # a newcomer, and the same learner restarted
+        with pytest.warns(UserWarning, match=RESUMED_WARNING) as caught:
+            assert _drain(memory_mailbox, units, learner, workers=0, resume=True) == []
+        assert not [w for w in caught if "fresh prefix" in str(w.message)]
 
 
 # -- without ``with`` ----------------------------------------------------------------------------

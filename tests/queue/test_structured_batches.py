@@ -371,3 +371,30 @@ def test_first_non_tensor_accepts_tensors_and_empty_containers():
     assert first_non_tensor(make("nested", 0, 0)) is None
     assert first_non_tensor(((), [], {})) is None
     assert first_non_tensor({"a": [T, {1: b"x"}]}) == "batch['a'][1][1] is a bytes b'x'"
+
+
+# -- counting samples (issue #25, item 3) --------------------------------------------------------
+def test_batch_size_counts_rows_not_keys():
+    """``session.step(samples=len(batch))`` counted a dict batch's keys; ``batch_size`` its rows."""
+    from gradientmail.queue.batches import batch_size
+
+    Pair = namedtuple("Pair", "inputs targets")
+    assert batch_size(torch.zeros(5, 3)) == 5
+    assert batch_size({"input_ids": torch.zeros(8, 16), "labels": torch.zeros(8, 16)}) == 8  # len() says 2
+    assert batch_size(Pair(torch.zeros(4, 3), [torch.zeros(4), {"w": torch.zeros(4, 1)}])) == 4
+
+
+@pytest.mark.parametrize(
+    ("batch", "error", "match"),
+    [
+        ({"a": torch.zeros(8), "b": torch.zeros(3)}, ValueError, r"leading \(batch\) dimension \(3, 8\)"),
+        (torch.tensor(1.0), ValueError, "a scalar"),
+        ({}, ValueError, "no tensor"),
+        ({"a": torch.zeros(2), "label": "cat"}, TypeError, r"batch\['label'\] is a str 'cat'"),
+    ],
+)
+def test_batch_size_refuses_what_it_cannot_count(batch, error, match):
+    from gradientmail.queue.batches import batch_size
+
+    with pytest.raises(error, match=match):
+        batch_size(batch)

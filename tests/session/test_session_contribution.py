@@ -11,6 +11,7 @@ counted twice. Deterministic: folds happen where the loop calls ``session.wait()
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ from gradientmail.layout import WORK_PREFIX
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.progress import ProgressTracker
 from gradientmail.session.mail import state_key
 from gradientmail.status import read_run
 
@@ -84,6 +86,54 @@ def test_batches_trained_after_the_last_fold_are_trained_again_after_a_failure(m
     assert set(counts) == {(u, s) for u, n in STEPS.items() for s in range(n)}
     assert {pair for pair, n in counts.items() if n > 1} == {("a", 4), ("a", 5)}  # trained, never folded
     assert len(read_run(memory_mailbox).done) == len(UNITS)
+
+
+class HeldFold(MailboxWrapper):
+    """The Session's store: the create of its first fold (after the base) waits for ``go``."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if "/versions/" in key and not key.endswith(state_key(0, 0).rsplit("/", 1)[1]) and not self.started.is_set():
+            self.started.set()
+            assert self.go.wait(30), "the queue never closed"
+        return super().put_if_absent(key, data)
+
+
+def test_a_fold_in_flight_when_the_loop_raises_counts_before_the_units_are_released(memory_mailbox, monkeypatch):
+    """The loop raises while a fold of batches 1-4 is on its way to the store; it lands as the
+    queue stops. The queue first stops the Session's folds and waits for that one, then releases
+    unit a after batch 4 (the gate's folded mark). Before (released at the records, which waited
+    for that fold): batches 1-4 were trained again, and the run counted 16 samples of 12."""
+    store = HeldFold(memory_mailbox)
+    close = ProgressTracker.close
+
+    def closing(self, *args, **kwargs):  # the fold lands while the queue stops
+        store.go.set()
+        return close(self, *args, **kwargs)
+
+    monkeypatch.setattr(ProgressTracker, "close", closing)
+    model, consumed = torch.nn.Linear(2, 1), []
+    session = Session(model, mailbox=store, learner_id="node-0", every=None, every_steps=4, fragments=1)
+    with pytest.raises(Crash):
+        with (
+            session,
+            shared_queue(UNITS, mailbox=memory_mailbox, learner_id="node-0", load=load, workers=0, resume=True) as b,
+        ):
+            for count, (step, batch) in enumerate(b, start=1):
+                consumed.append((chr(int(batch[0])), step))
+                with torch.no_grad():
+                    model.bias.add_(1.0)
+                session.step(samples=1)
+                if count == 4:
+                    assert store.started.wait(30), "the fold of batches 1-4 started"
+                    raise Crash("the loop fails while that fold is in flight")
+    assert consensus(memory_mailbox, torch.nn.Linear(2, 1)) == {"node-0": 4}  # it landed
+    train(memory_mailbox, "node-0", consumed)  # the restart continues the run (resume)
+    assert sum(consensus(memory_mailbox, torch.nn.Linear(2, 1)).values()) == sum(STEPS.values())
+    assert Counter(consumed)[("a", 0)] == 1, "batches in the run were trained again"
 
 
 def test_a_clean_exit_folds_before_the_records_are_written(memory_mailbox):
