@@ -28,14 +28,15 @@ from benchmarks._common import TARGETS
 
 SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_figures")
 """What ``python -m benchmarks`` runs (within its 3-minute budget)."""
-FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults")
+FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
 """What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
 with the 1M-unit, 1,024-node simulation itself (``--direct``: about 17 minutes), and the Session at
 4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), and
 50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
-about a minute)."""
-FULL_OPTIONS: dict[str, tuple[str, ...]] = {"scale": ("--direct",)}
+about a minute), and two node processes against one on a ``LocalMailbox`` (``local_scale --large``:
+10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes)."""
+FULL_OPTIONS: dict[str, tuple[str, ...]] = {"scale": ("--direct",), "local_scale": ("--large",)}
 """Options a script gets in a full (not ``--quick``) run: the 1M rows are measured, not estimated."""
 
 SUMMARY: tuple[tuple[str, str, str], ...] = (
@@ -66,6 +67,16 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("session_scale", "scale_read_per_exchange_64", "model sizes read per learner per exchange, 64 learners"),
     ("session_scale", "scale_written_per_exchange_64", "model sizes written per learner per exchange, 64 learners"),
     ("session_scale", "scale_errors_64", "learner errors, 64 learners"),
+    *(
+        (
+            "local_scale",
+            f"local_two_over_one_{order}_{size}",
+            f"2 nodes / 1 node wall time, LocalMailbox, {size} units, {words}",
+        )
+        for order, words in (("mapping", "the mapping's order"), ("rotated", "rotated_order"))
+        for size in ("10k", "40k", "100k")
+    ),
+    ("local_scale", "local_list_page_ms_100k", "ms to list 1,000 keys after a key, LocalMailbox of 100k claims"),
     ("faults", "faults_lost", "samples missing from the model after 50 kill-and-restart trials"),
     ("faults", "faults_doubled", "samples the model holds twice, same trials"),
     (

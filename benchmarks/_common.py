@@ -86,6 +86,13 @@ TARGETS: dict[str, Target] = {
     ),
     "scale_read_per_exchange_64": Target("<=", 3.0, "model sizes read per learner per exchange, 64 learners"),
     "scale_written_per_exchange_64": Target("<=", 2.0, "model sizes written per learner per exchange, 64 learners"),
+    **{
+        f"local_two_over_one_{order}_{size}": Target(
+            "<=", 0.6, f"LocalMailbox, 1-batch units, no training: 2 nodes' wall time / 1 node's, {size} units, {words}"
+        )
+        for order, words in (("mapping", "the mapping's order"), ("rotated", "rotated_order"))
+        for size in ("10k", "40k", "100k")
+    },
     "faults_lost": Target("<=", 0.0, "samples missing from the model after kill-and-restart trials"),
     "faults_doubled": Target("<=", 0.0, "samples the model holds twice after kill-and-restart trials"),
     "scale_errors_64": Target("<=", 0.0, "exceptions raised by the 64 learners' sessions (enter, step, wait, exit)"),

@@ -4,7 +4,9 @@ Atomicity: a value is written whole to a hidden temporary file, then published w
 (create: fails if the name exists) or ``os.replace`` (overwrite), so exactly one racing creator
 wins and readers never see a partial value. ``replace_if`` holds a per-key ``fcntl.flock``.
 Nothing is reached through a symbolic link (``local_paths``); stale temporary files of dead
-writers are swept by ``list`` (``local_temp``). Details: docs/mailboxes.md.
+writers are swept by ``list`` (``local_temp``). A listing reads a large directory from an index
+kept current by a journal of changes, not whole each time (``local_index``): every change is
+recorded as begun before it happens and as finished after. Details: docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gradientmail.errors import KeyConflictError, MailboxError, MailSkippedWarni
 from gradientmail.mailbox import local_temp
 from gradientmail.mailbox.base import BaseVersionedMailbox
 from gradientmail.mailbox.keys import is_valid_key, validate_key
+from gradientmail.mailbox.local_index import listing_index
 from gradientmail.mailbox.local_paths import (
     DIR_FLAGS,
     READ_FLAGS,
@@ -77,6 +80,7 @@ class LocalMailbox(BaseVersionedMailbox):
             self.path.mkdir(parents=True, exist_ok=True)
         elif not self.path.is_dir():
             raise FileNotFoundError(f"no mailbox directory at {self.path}")
+        self._listing = listing_index(self.path)
 
     @property
     def url(self) -> str:
@@ -146,7 +150,8 @@ class LocalMailbox(BaseVersionedMailbox):
                 return False
             temp = local_temp.write_temp(fd, leaf, data)
             try:
-                os.link(temp, leaf, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                with self._listing.journal.change(key):
+                    os.link(temp, leaf, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
                 return True
             except FileExistsError:
                 self._created(fd, leaf, key)  # a directory or symlink there: raises
@@ -224,7 +229,8 @@ class LocalMailbox(BaseVersionedMailbox):
             temp = local_temp.write_temp(fd, leaf, data)
             try:
                 # rename() replaces a symlink swapped in since the check; it never follows it.
-                os.replace(temp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
+                with self._listing.journal.change(key):  # it may create the key
+                    os.replace(temp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
             except IsADirectoryError:
                 local_temp.remove(fd, temp)
                 raise self._conflict(operation, key, "other keys live under it") from None
@@ -265,28 +271,36 @@ class LocalMailbox(BaseVersionedMailbox):
             if stat.S_ISLNK(mode):
                 raise UnsafeEntry(key, describe_entry(fd, leaf, key))
             try:
-                os.unlink(leaf, dir_fd=fd)  # never follows a symlink swapped in since
+                with self._listing.journal.change(key):
+                    os.unlink(leaf, dir_fd=fd)  # never follows a symlink swapped in since
             except (FileNotFoundError, IsADirectoryError):
                 pass
 
     def _list(self, prefix: str, start_after: str | None) -> Iterator[str]:
-        # Only the directory named by the prefix's complete segments needs walking.
+        # Only the directory named by the prefix's complete segments needs walking, and only
+        # when it is small or its index is new or old (local_index); otherwise the index serves.
         directory, _, _ = prefix.rpartition("/")
+        skipped: list[tuple[str, str]] = []
         with self._failures("list", prefix):
-            try:
-                fd = open_directory(self.path, directory.split("/") if directory else [], create=False)
-            except UnsafeEntry as exc:
-                _skip(self.url, [(exc.relative, exc.what)])
-                return
-            if fd is None:
-                return
-            skipped: list[tuple[str, str]] = []
-            try:
-                found = list(self._walk(fd, directory, skipped))
-            finally:
-                os.close(fd)
-        _skip(self.url, [(key, why) for key, why in skipped if key.startswith(prefix)])
-        yield from sorted(key for key in found if key.startswith(prefix) and (start_after is None or key > start_after))
+            keys = self._listing.tree(directory, lambda name: self._scan(name, skipped))
+        # The listed directory itself may be the unsafe entry: it is above the prefix.
+        _skip(self.url, [(key, why) for key, why in skipped if key.startswith(prefix) or prefix.startswith(key + "/")])
+        if keys is not None:
+            yield from self._listing.keys(keys, prefix, start_after)
+
+    def _scan(self, directory: str, skipped: list[tuple[str, str]]) -> list[str] | None:
+        """Every key below ``directory`` (None when it is missing); what is not a key goes to ``skipped``."""
+        try:
+            fd = open_directory(self.path, directory.split("/") if directory else [], create=False)
+        except UnsafeEntry as exc:
+            skipped.append((exc.relative, exc.what))
+            return None
+        if fd is None:
+            return None
+        try:
+            return list(self._walk(fd, directory, skipped))
+        finally:
+            os.close(fd)
 
     def _walk(self, fd: int, relative: str, skipped: list[tuple[str, str]]) -> Iterator[str]:
         """Keys under ``fd``; entries that are not keys go to ``skipped`` with the reason."""

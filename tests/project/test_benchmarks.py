@@ -116,6 +116,16 @@ SLOW = {
     "s3_latency": S3_LATENCY,
     "training": ["loss_over_ddp", "pass_loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
     "scale": SCALE,
+    "local_scale": [  # a full run (--large); its quick run: test_local_scale_quick_mode_runs_both_orders
+        *(f"local_{figure}_{size}" for figure in ("list_page_ms", "full_scan_ms") for size in ("40k", "100k")),
+        *(
+            f"local_{figure}_{order}_{size}"
+            for figure in ("two_over_one", "one_node_s")
+            for order in ("mapping", "rotated")
+            for size in ("10k", "40k", "100k")
+        ),
+        "local_scale_wall_s",
+    ],
     "session_scale": [
         "scale_exchange_rate_64",
         "scale_lag_intervals_64",
@@ -149,6 +159,24 @@ def test_scale_quick_mode_measures_every_figure_directly() -> None:
     assert figures["ladder_units"] < figures["target_units"], figures
     assert figures["ladder_nodes"] < figures["target_nodes"], figures
     assert figures["memory_mb_per_node_1m"] > 0, figures
+
+
+@pytest.mark.slow
+def test_local_scale_quick_mode_runs_both_orders() -> None:
+    lines, figures = quick_run("local_scale")
+    assert len(lines) >= 3, lines
+    quick = [  # 2k units, once
+        "local_list_page_ms_2k",
+        "local_full_scan_ms_2k",
+        *(
+            f"local_{figure}_{order}_2k"
+            for figure in ("two_over_one", "one_node_s")
+            for order in ("mapping", "rotated")
+        ),
+        "local_scale_wall_s",
+    ]
+    bad = {name: figures.get(name) for name in quick if not finite(figures.get(name))}
+    assert not bad, f"local_scale reports figures that are missing or not numbers: {bad}"
 
 
 def test_scale_per_claim_extrapolation_is_linear_in_nodes_and_never_below_the_last_row() -> None:
