@@ -31,12 +31,16 @@ SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_fig
 FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
 """What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
-with the 1M-unit, 1,024-node simulation itself (``--direct``: about 17 minutes), and the Session at
+with the 1M-unit, 1,024-node simulation itself (``--direct``: about 4 minutes a run, 3 runs), and the Session at
 4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), and
 50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
 about a minute), and two node processes against one on a ``LocalMailbox`` (``local_scale --large``:
 10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes)."""
-FULL_OPTIONS: dict[str, tuple[str, ...]] = {"scale": ("--direct",), "local_scale": ("--large",)}
+FULL_OPTIONS: dict[str, tuple[str, ...]] = {
+    "scale": ("--direct", "--repeats", "3"),
+    "requests": ("--repeats", "3"),
+    "local_scale": ("--large",),
+}
 """Options a script gets in a full (not ``--quick``) run: the 1M rows are measured, not estimated."""
 
 SUMMARY: tuple[tuple[str, str, str], ...] = (

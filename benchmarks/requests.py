@@ -24,13 +24,17 @@ Simulations run in parallel in ``--jobs`` processes (default 2). At 100k units o
 1 and 16 learners. ``--quick``: 500 and 2,000 units (the headline figures then come from 2,000)
 in one process, and 300 units for the threads.
 
-Usage: ``python -m benchmarks.requests [--quick] [--full] [--jobs N]``; the last line is one JSON
-object.
+``--repeats N`` runs every cell with jitter seeds 0 to N - 1 and each race N times: the tables
+show medians and [min, max], the JSON line the medians and each headline figure's ``_range``.
+
+Usage: ``python -m benchmarks.requests [--quick] [--full] [--repeats N] [--jobs N]``; the last line
+is one JSON object.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 import threading
 import time
 import uuid
@@ -83,15 +87,16 @@ class Outcome:
         return self.conflicts / max(1, self.claims)
 
 
-def run_cell(cell: Cell) -> Outcome:
-    """One simulation (module-level: cells run in worker processes)."""
+def run_cell(job: Cell | tuple[Cell, int]) -> Outcome:
+    """One simulation of a cell, or of ``(cell, seed)`` (module-level: cells run in worker processes)."""
     from benchmarks.balance import grid
     from gradientmail.patterns.simulate import simulate
 
+    cell, seed = job if isinstance(job, tuple) else (job, 0)
     times = [PATTERN[rank % len(PATTERN)] for rank in range(cell.learners)]
     units = grid(cell.units, cell.learners)
     start = time.perf_counter()
-    result = simulate(units, times, rotate_lanes=cell.learners if cell.rotation else None, jitter=JITTER, seed=0)
+    result = simulate(units, times, rotate_lanes=cell.learners if cell.rotation else None, jitter=JITTER, seed=seed)
     seconds = time.perf_counter() - start
     return Outcome(
         cell=cell,
@@ -171,18 +176,30 @@ def race(units_count: int, learners: int, rotation: bool) -> Outcome:
 HEADERS = ["units", "learners", "rotation", "requests/claim", "conflicts/claim", "lists", "creates", "gets", "sim time"]
 
 
-def row(outcome: Outcome) -> list[object]:
-    cell, ops, claims = outcome.cell, outcome.by_operation, max(1, outcome.claims)
+def spread(values: list[float], digits: int) -> str:
+    """The median alone for one value, else ``median [min, max]``."""
+    middle = f"{statistics.median(values):.{digits}f}"
+    return middle if len(values) == 1 else f"{middle} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+
+def row(outcomes: Outcome | list[Outcome]) -> list[object]:
+    """One table row: a cell's figures, medians and ranges over its repeats."""
+    runs = outcomes if isinstance(outcomes, list) else [outcomes]
+    cell = runs[0].cell
+
+    def per_claim(operation: str) -> float:
+        return statistics.median(run.by_operation.get(operation, 0) / max(1, run.claims) for run in runs)
+
     return [
         f"{cell.units:,}",
         cell.learners,
         cell.label,
-        f"{outcome.requests_per_claim:.3f}",
-        f"{outcome.conflicts_per_claim:.4f}",
-        f"{ops.get('list', 0) / claims:.3f}",
-        f"{ops.get('put_if_absent', 0) / claims:.3f}",
-        f"{ops.get('get', 0) / claims:.3f}",
-        f"{outcome.seconds:.1f}s",
+        spread([run.requests_per_claim for run in runs], 3),
+        spread([run.conflicts_per_claim for run in runs], 4),
+        f"{per_claim('list'):.3f}",
+        f"{per_claim('put_if_absent'):.3f}",
+        f"{per_claim('get'):.3f}",
+        f"{statistics.median(run.seconds for run in runs):.1f}s",
     ]
 
 
@@ -197,10 +214,15 @@ def cells(unit_counts: tuple[int, ...], full: bool = True) -> list[Cell]:
     return result
 
 
-def run_all(todo: list[Cell], jobs: int) -> dict[Cell, Outcome]:
+def run_all(todo: list[Cell], jobs: int, repeats: int = 1) -> dict[Cell, list[Outcome]]:
+    """Every cell with jitter seeds ``0 .. repeats - 1``: its outcomes, by seed."""
     # Largest first, so that the slowest cell never starts last.
     ordered = sorted(todo, key=lambda cell: cell.units * max(cell.learners, 4), reverse=True)
-    return dict(zip(ordered, parallel_map(run_cell, ordered, jobs), strict=True))
+    runs = [(cell, seed) for cell in ordered for seed in range(repeats)]
+    outcomes: dict[Cell, list[Outcome]] = {cell: [] for cell in ordered}
+    for (cell, _), outcome in zip(runs, parallel_map(run_cell, runs, jobs), strict=True):
+        outcomes[cell].append(outcome)
+    return outcomes
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -209,47 +231,60 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     options.add_argument(
         "--full", action="store_true", help="also 100k units with 1 and 16 learners (about a minute more)"
     )
+    options.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per cell (jitter seeds 0, 1, ...) and per race: medians and [min, max] (default 1)",
+    )
     args = options.parse_args(argv)
+    if args.repeats < 1:
+        options.error("--repeats must be at least 1")
     jobs = args.jobs or (1 if args.quick else default_jobs())
     unit_counts = QUICK_UNIT_COUNTS if args.quick else UNIT_COUNTS
     todo = cells(unit_counts, full=args.full or args.quick)
     start = time.perf_counter()
-    outcomes = run_all(todo, jobs)
+    outcomes = run_all(todo, jobs, args.repeats)
     wall = time.perf_counter() - start
 
     print(
         f"Mailbox requests per claimed unit (virtual clock, times per unit "
         f"{', '.join(f'{t:g}' for t in PATTERN)} repeated, jitter {JITTER:.0%})"
         f"{' (quick)' if args.quick else ''}"
+        + ("" if args.repeats == 1 else f"; {args.repeats} runs per cell (jitter seeds), median [min, max]")
     )
     print(table(HEADERS, [row(outcomes[cell]) for cell in todo]))
-    print(f"{len(todo)} simulations in {wall:.1f}s on {jobs} process(es)")
+    print(f"{len(todo) * args.repeats} simulations in {wall:.1f}s on {jobs} process(es)")
 
     race_units = QUICK_RACE_UNITS if args.quick else RACE_UNITS
-    raced = [race(race_units, HEADLINE_LEARNERS, rotation) for rotation in (True, False)]
+    raced = [[race(race_units, HEADLINE_LEARNERS, rotation) for _ in range(args.repeats)] for rotation in (True, False)]
     print()
     print(
         f"Racing for real: {HEADLINE_LEARNERS} threads, {RACE_LATENCY_S * 1e3:g} ms per request, "
         f"{RACE_UNIT_S * 1e3:g} ms per unit at relative time 1"
+        + ("" if args.repeats == 1 else f"; {args.repeats} races each, median [min, max]")
     )
-    print(table(HEADERS[:-1] + ["wall time"], [row(outcome) for outcome in raced]))
+    print(table(HEADERS[:-1] + ["wall time"], [row(runs) for runs in raced]))
 
     largest = max(unit_counts)
-    headline = outcomes[Cell(largest, HEADLINE_LEARNERS, True)]
-    unrotated = outcomes[Cell(largest, HEADLINE_LEARNERS, False)]
-    figures = {
-        "requests_per_claim": headline.requests_per_claim,
-        "conflicts_per_claim": headline.conflicts_per_claim,
-        "requests_per_claim_no_rotation": unrotated.requests_per_claim,
-        "conflicts_per_claim_no_rotation": unrotated.conflicts_per_claim,
-        "worst_requests_per_claim": max(outcome.requests_per_claim for outcome in outcomes.values()),
-        "requests_per_claim_threads": raced[0].requests_per_claim,
-        "conflicts_per_claim_threads": raced[0].conflicts_per_claim,
-        "requests_per_claim_threads_no_rotation": raced[1].requests_per_claim,
-        "conflicts_per_claim_threads_no_rotation": raced[1].conflicts_per_claim,
-        "units": largest,
-        "learners": HEADLINE_LEARNERS,
+    named = {
+        "": outcomes[Cell(largest, HEADLINE_LEARNERS, True)],
+        "_no_rotation": outcomes[Cell(largest, HEADLINE_LEARNERS, False)],
+        "_threads": raced[0],
+        "_threads_no_rotation": raced[1],
     }
+    figures: dict[str, object] = {}
+    for suffix, runs in named.items():
+        for name in ("requests_per_claim", "conflicts_per_claim"):
+            values = [getattr(run, name) for run in runs]
+            figures[f"{name}{suffix}"] = statistics.median(values)
+            figures[f"{name}{suffix}_range"] = [min(values), max(values)]
+    figures["worst_requests_per_claim"] = max(
+        statistics.median(run.requests_per_claim for run in runs) for runs in outcomes.values()
+    )
+    figures["units"] = largest
+    figures["learners"] = HEADLINE_LEARNERS
+    figures["repeats"] = args.repeats
     for line in verdicts({name: figures[name] for name in ("requests_per_claim", "conflicts_per_claim")}):
         print(f"{line} (virtual clock, {largest:,} units, {HEADLINE_LEARNERS} learners, rotation)")
     for line in verdicts({"conflicts_per_claim_threads": figures["conflicts_per_claim_threads"]}):

@@ -5,8 +5,8 @@ The balance and requests benchmarks at growing sizes on the virtual clock
 times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter, one lane per node with rotation),
 with what the simulation itself costs: its wall time and memory per simulated node.
 
-- A ladder of sizes at about 1,000 units per node (the ratio of 1M units to 1,024 nodes): each
-  row is one full simulation, with makespan / fluid bound (total work / total speed), requests
+- A ladder of sizes at about 1,000 units per node (the ratio of 1M units to 1,024 nodes: 64k
+  over 64, 256k over 256, 512k over 512): each row is one full simulation, with makespan / fluid bound (total work / total speed), requests
   per claim, its wall time and RSS growth per node (measured in a fresh process).
 - One node's start-up at the target size (1M units, 1,024 lanes), built as ``simulate`` builds
   it: its preference order as sorted positions (``simulate.rotated_positions``: 4 bytes a
@@ -24,8 +24,12 @@ with what the simulation itself costs: its wall time and memory per simulated no
 
 ``--quick``: a ladder of 2k/8 and 4k/16 and a target of 20k units over 64 nodes, run directly.
 
-Usage: ``python -m benchmarks.scale [--quick] [--direct] [--jobs N]``; the last line is one JSON
-object.
+``--repeats N`` runs every size N times with jitter seeds 0 to N - 1: the table shows each
+figure's median and [min, max], the JSON line the medians (and ``_range`` lists); per size the
+figures are also named by nodes (``requests_per_claim_n512``, ``step_spread_n1024``, ...).
+
+Usage: ``python -m benchmarks.scale [--quick] [--direct] [--repeats N] [--jobs N]``; the last line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import resource
+import statistics
 import time
 import tracemalloc
 from collections.abc import Sequence
@@ -43,7 +48,7 @@ from benchmarks._common import default_jobs, emit, parser, table, verdicts
 PATTERN = (1.0, 2.0, 2.0, 4.0)
 JITTER = 0.2
 TARGET = (1_000_000, 1_024)
-LADDER = ((16_000, 16), (64_000, 64), (128_000, 128), (256_000, 256))
+LADDER = ((64_000, 64), (256_000, 256), (512_000, 512))
 QUICK_TARGET = (20_000, 64)
 QUICK_LADDER = ((2_000, 8), (4_000, 16))
 
@@ -72,26 +77,79 @@ class Row:
     rss_mb_per_node: float
     cpu_seconds: float = 0.0
     """CPU time of the simulation's process: on a shared machine, wall time also counts others' work."""
+    step_spread: int = 0
+    """Largest difference between the steps two nodes were processing at the same time."""
+    seed: int = 0
+    """The jitter's seed (one per repeat)."""
 
 
-def run_sizes(sizes: Sequence[tuple[int, int]], jobs: int) -> list[Row]:
-    """``run_size`` for each size, each in a fresh process (spawn, one size per process): the peak
-    RSS of a process that already ran a larger size would hide this one's growth."""
+@dataclass(frozen=True)
+class Repeats:
+    """The rows of one size over its repeats (seeds 0, 1, ...): medians and ranges."""
+
+    rows: tuple[Row, ...]
+
+    @property
+    def units(self) -> int:
+        return self.rows[0].units
+
+    @property
+    def nodes(self) -> int:
+        return self.rows[0].nodes
+
+    def median(self, name: str) -> float:
+        return statistics.median(getattr(row, name) for row in self.rows)
+
+    def range(self, name: str) -> list[float]:
+        values = [getattr(row, name) for row in self.rows]
+        return [min(values), max(values)]
+
+    def text(self, name: str, digits: int) -> str:
+        """``median`` alone for one repeat, else ``median [min, max]``."""
+        middle = f"{self.median(name):.{digits}f}"
+        if len(self.rows) == 1:
+            return middle
+        low, high = self.range(name)
+        return f"{middle} [{low:.{digits}f}, {high:.{digits}f}]"
+
+    def typical(self) -> Row:
+        """A row with each figure's median (for the extrapolation, which takes rows)."""
+        first = self.rows[0]
+        return Row(
+            units=first.units,
+            nodes=first.nodes,
+            shared_over_bound=self.median("shared_over_bound"),
+            requests_per_claim=self.median("requests_per_claim"),
+            conflicts_per_claim=self.median("conflicts_per_claim"),
+            seconds=self.median("seconds"),
+            rss_mb_per_node=self.median("rss_mb_per_node"),
+            cpu_seconds=self.median("cpu_seconds"),
+            step_spread=int(self.median("step_spread")),
+        )
+
+
+def run_sizes(sizes: Sequence[tuple[int, int]], jobs: int, repeats: int = 1) -> list[Repeats]:
+    """``run_size`` for each size and seed ``0 .. repeats - 1``, each in a fresh process (spawn,
+    one simulation per process): the peak RSS of a process that already ran a larger size would
+    hide this one's growth."""
+    runs = [(units, nodes, seed) for units, nodes in sizes for seed in range(repeats)]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=context, max_tasks_per_child=1) as pool:
-        return list(pool.map(run_size, sizes))
+        rows = list(pool.map(run_size, runs))
+    return [Repeats(tuple(rows[at : at + repeats])) for at in range(0, len(rows), repeats)]
 
 
-def run_size(size: tuple[int, int]) -> Row:
-    """One full simulation (module-level: sizes run in fresh worker processes)."""
+def run_size(size: tuple[int, ...]) -> Row:
+    """One full simulation of ``(units, nodes[, seed])`` (module-level: sizes run in fresh
+    worker processes)."""
     from benchmarks.balance import grid
     from gradientmail.patterns.simulate import simulate
 
-    units, nodes = size
+    units, nodes, seed = (*size, 0)[:3]
     mapping = grid(units, nodes)
     before = _max_rss_mb()
     start, cpu = time.perf_counter(), time.process_time()
-    result = simulate(mapping, unit_times(nodes), rotate_lanes=nodes, jitter=JITTER, seed=0)
+    result = simulate(mapping, unit_times(nodes), rotate_lanes=nodes, jitter=JITTER, seed=seed)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if result.claims != units:
         raise RuntimeError(f"{units} units over {nodes} nodes: {result.claims} claimed")
@@ -104,6 +162,8 @@ def run_size(size: tuple[int, int]) -> Row:
         seconds=seconds,
         rss_mb_per_node=(_max_rss_mb() - before) / nodes,
         cpu_seconds=cpu,
+        step_spread=result.step_spread,
+        seed=seed,
     )
 
 
@@ -173,16 +233,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     options.add_argument(
         "--direct", action="store_true", help="also simulate the target size itself (1M units, 1,024 nodes: long)"
     )
+    options.add_argument(
+        "--repeats", type=int, default=1, help="simulations per size, jitter seeds 0, 1, ... (default 1)"
+    )
     args = options.parse_args(argv)
+    if args.repeats < 1:
+        options.error("--repeats must be at least 1")
     ladder = list(QUICK_LADDER if args.quick else LADDER)
     target = QUICK_TARGET if args.quick else TARGET
     jobs = args.jobs or (1 if args.quick else default_jobs())
 
     start = time.perf_counter()
     # Largest first, so that it never starts last.
-    rows = sorted(run_sizes(sorted(ladder, reverse=True), jobs), key=lambda row: row.units)
+    sizes = sorted(run_sizes(sorted(ladder, reverse=True), jobs, args.repeats), key=lambda size: size.units)
+    rows = [size.typical() for size in sizes]
     costs = {size: node_cost(size) for size in [*ladder, target]}
-    direct = run_sizes([target], 1)[0] if args.quick or args.direct else None
+    direct = run_sizes([target], 1, args.repeats)[0] if args.quick or args.direct else None
     wall = time.perf_counter() - start
 
     units, nodes = target
@@ -195,8 +261,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(
         f"Scale on a virtual clock: times per unit {', '.join(f'{t:g}' for t in PATTERN)} repeated, "
         f"jitter {JITTER:.0%}, rotation{' (quick)' if args.quick else ''}"
+        + ("" if args.repeats == 1 else f"; {args.repeats} runs per size (jitter seeds), median [min, max]")
     )
-    shown = [*rows, *([direct] if direct is not None else [])]
+    shown = [*sizes, *([direct] if direct is not None else [])]
     print(
         table(
             [
@@ -205,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 "makespan/bound",
                 "requests/claim",
                 "conflicts/claim",
+                "step spread",
                 "sim time",
                 "sim CPU",
                 "node start-up",
@@ -212,17 +280,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             ],
             [
                 [
-                    f"{row.units:,}",
-                    row.nodes,
-                    f"{row.shared_over_bound:.4f}",
-                    f"{row.requests_per_claim:.3f}",
-                    f"{row.conflicts_per_claim:.4f}",
-                    f"{row.seconds:.1f}s",
-                    f"{row.cpu_seconds:.1f}s",
-                    f"{costs[(row.units, row.nodes)].seconds * 1e3:.0f}ms",
-                    f"{row.rss_mb_per_node:.2f}MB",
+                    f"{size.units:,}",
+                    size.nodes,
+                    size.text("shared_over_bound", 4),
+                    size.text("requests_per_claim", 3),
+                    size.text("conflicts_per_claim", 4),
+                    size.text("step_spread", 0),
+                    f"{size.median('seconds'):.1f}s",
+                    f"{size.median('cpu_seconds'):.1f}s",
+                    f"{costs[(size.units, size.nodes)].seconds * 1e3:.0f}ms",
+                    f"{size.median('rss_mb_per_node'):.2f}MB",
                 ]
-                for row in shown
+                for size in shown
             ],
         )
     )
@@ -239,18 +308,25 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"= {units * per_claim:.0f} s; about {estimate:.0f} s in all ({flat:.0f} s if the cost per "
         f"claim stopped growing at {rows[-1].nodes} nodes), "
         f"{nodes * at_target.memory_bytes / 2**30:.1f} GB of per-node state"
-        + ("" if direct is None else f" (measured directly: {direct.seconds:.1f} s, {direct.cpu_seconds:.1f} s CPU)")
+        + (
+            ""
+            if direct is None
+            else f" (measured directly: {direct.text('seconds', 1)} s, {direct.text('cpu_seconds', 1)} s CPU)"
+        )
     )
-    print(f"{len(shown)} simulations and {len(costs)} start-ups in {wall:.1f}s on {jobs} process(es)")
+    print(
+        f"{sum(len(size.rows) for size in shown)} simulations and {len(costs)} start-ups in {wall:.1f}s on {jobs} process(es)"
+    )
 
     largest = rows[-1]
     figures: dict[str, object] = {
-        "shared_over_bound_1m": None if direct is None else direct.shared_over_bound,
-        "requests_per_claim_1m": None if direct is None else direct.requests_per_claim,
-        "conflicts_per_claim_1m": None if direct is None else direct.conflicts_per_claim,
-        "sim_wall_s_1m": None if direct is None else direct.seconds,
-        "sim_cpu_s_1m": None if direct is None else direct.cpu_seconds,
-        "rss_mb_per_node_1m": None if direct is None else direct.rss_mb_per_node,
+        "shared_over_bound_1m": None if direct is None else direct.median("shared_over_bound"),
+        "requests_per_claim_1m": None if direct is None else direct.median("requests_per_claim"),
+        "conflicts_per_claim_1m": None if direct is None else direct.median("conflicts_per_claim"),
+        "step_spread_1m": None if direct is None else direct.median("step_spread"),
+        "sim_wall_s_1m": None if direct is None else direct.median("seconds"),
+        "sim_cpu_s_1m": None if direct is None else direct.median("cpu_seconds"),
+        "rss_mb_per_node_1m": None if direct is None else direct.median("rss_mb_per_node"),
         "sim_wall_s_1m_estimate": estimate,
         "sim_wall_s_1m_estimate_flat": flat,
         "node_startup_s_1m": at_target.seconds,
@@ -265,7 +341,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "ladder_nodes": largest.nodes,
         "target_units": units,
         "target_nodes": nodes,
+        "repeats": args.repeats,
     }
+    # Per size (medians over the repeats, and [min, max]): ``_n64``, ``_n256``, ... ``_n1024``.
+    for size in shown:
+        for name in ("shared_over_bound", "requests_per_claim", "conflicts_per_claim", "step_spread"):
+            figures[f"{name}_n{size.nodes}"] = size.median(name)
+            figures[f"{name}_n{size.nodes}_range"] = size.range(name)
+    if direct is not None:
+        for name in ("shared_over_bound", "requests_per_claim", "conflicts_per_claim", "sim_wall_s", "sim_cpu_s"):
+            field = {"sim_wall_s": "seconds", "sim_cpu_s": "cpu_seconds"}.get(name, name)
+            figures[f"{name}_1m_range"] = direct.range(field)
     measured = {name: value for name, value in figures.items() if isinstance(value, float)}
     for line in verdicts(
         {

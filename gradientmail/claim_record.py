@@ -22,6 +22,9 @@ from gradientmail.records import parse as parse_record
 
 __all__ = ["EXPIRED", "LIVE", "STOPPED", "ClaimRecord", "RecordError", "Sightings", "judge_lease"]
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+"""``json.dumps(..., separators=(",", ":"))``'s encoder, built once instead of per claim."""
+
 LIVE, EXPIRED, STOPPED = "live", "expired", "stopped"
 """What ``judge_lease`` says of a lease (``STOPPED`` is also the lease record's ``state``)."""
 
@@ -67,7 +70,7 @@ class ClaimRecord:
 
     def to_bytes(self) -> bytes:
         """The body as compact JSON: the bytes a claim is stored as."""
-        return json.dumps(dict(self.fields), separators=(",", ":")).encode()
+        return _ENCODER.encode(dict(self.fields)).encode()
 
     def to_dict(self) -> dict[str, Any]:
         """A mutable copy of the body (the dict ``queue.claims.parse_claim`` returns)."""

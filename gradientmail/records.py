@@ -290,6 +290,11 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+"""What ``json.loads(data, parse_constant=...)`` builds on every call, built once: a claim is read
+back after every create."""
+
+
 def loads_object(data: bytes, *, where: str = "record") -> dict[str, Any]:
     """``data`` as a JSON object, bounded in size and depth; ``RecordError`` saying why not."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -300,7 +305,8 @@ def loads_object(data: bytes, *, where: str = "record") -> dict[str, Any]:
     if _too_deep(data, MAX_DEPTH):
         raise RecordError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
     try:
-        value = json.loads(data, parse_constant=_refuse_constant)
+        raw = bytes(data) if isinstance(data, memoryview) else data
+        value = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))  # json.loads(data)
     except RecursionError:  # belt and braces: the depth check should have caught it
         raise RecordError(f"{where}: JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:

@@ -11,15 +11,16 @@ import itertools
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.mailbox.wrappers import LIST_PAGE
-from gradientmail.queue.claim_index import ClaimIndex
+from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claims import try_claim
-from gradientmail.queue.crowd import CROWD_LIMIT, CROWD_MEMORY, STRETCH, free_run, jump_target, spread
+from gradientmail.queue.crowd import CROWD_LIMIT, CROWD_MEMORY, STRETCH, Settled, free_run, jump_target, spread
+from gradientmail.queue.order_runs import OrderRuns
 
 __all__ = [
     "DEFAULT_LISTING",
@@ -120,15 +121,17 @@ class Claimer:
         if index is None:
             index = ClaimIndex(order)
         self._keys = index.keys
-        self._index = index.positions
+        self._claim_index = index
         self._order = index.order(order)
         if len(self._order) != len(self._keys):
             raise ValueError("order must hold every unit of the claim index exactly once")
+        starts = order.run_starts if isinstance(order, PositionOrder) and order.index is index else None
+        self._runs = OrderRuns(self._order, starts)  # skips known claims a run at a time
         self._next = 0  # position in _order of the next candidate
         self._known = bytearray(len(self._keys))  # 1: known to be claimed (by anyone)
         self._mine = bytearray(len(self._keys))  # 1: claimed by this claimer
         self._low = 0  # first sorted position not known to be claimed
-        self._covered = -1  # last sorted position the latest listing settled...
+        self._settled = Settled(0, -1)  # the sorted positions the latest listing settled...
         self._fresh = False  # ...which holds until the next attempt
         self._listed = False
         self._conflicted = False
@@ -173,16 +176,14 @@ class Claimer:
             stretched = self._stretch_pick()
             if stretched is not None:
                 return stretched
-            index = self._next
-            while index < end and known[order[index]]:
-                index += 1  # claimed by someone: never looked at again
+            index = self._runs.next_free(self._next, known)  # claimed ones: never looked at again
             self._next = index
             if index == end:
                 return None
             position = order[index]
             step = position - order[index - 1] if index else None
             blind = False
-            if not (self._fresh and position <= self._covered):  # no listing since the last attempt settled it
+            if not (self._fresh and position in self._settled):  # no listing since the last attempt settled it
                 near = adaptive and self._listed and self._near_others()
                 if near or self._should_list(step):
                     self._refresh(position)
@@ -199,11 +200,11 @@ class Claimer:
                     self.stats["blind"] += 1
                     blind = True
             if self._losses and not blind:
-                index = spread(order, known, self._covered, index, self._losses, self._seat)
+                index = spread(order, known, self._settled, index, self._losses, self._seat)
                 position = order[index]
                 step = position - order[index - 1] if index else None
             elif stale and adaptive and self._crowd > CROWD_LIMIT:
-                target = jump_target(order, known, self._covered, index)
+                target = jump_target(order, known, self._settled, index)
                 if target != index:
                     self.stats["jumps"] += 1
                     index = target
@@ -240,13 +241,13 @@ class Claimer:
             self._cursor = None
             return None
         position = order[cursor]
-        blind = not (self._fresh and position <= self._covered)
+        blind = not (self._fresh and position in self._settled)
         if blind and self._budget <= 0:
             self._refresh(position)
             if known[position]:
                 self._cursor = None
                 return None
-            self._budget = min(STRETCH, free_run(order, known, self._covered, cursor, STRETCH))
+            self._budget = min(STRETCH, free_run(order, known, self._settled, cursor, STRETCH))
             blind = False
         if blind:
             self.stats["blind"] += 1
@@ -331,23 +332,16 @@ class Claimer:
         start = max(self._low, position - self.page)
         after = self._keys[start - 1] if start > 0 else None
         target = self._keys[position]
-        index = self._index
-        known = self._known
         page = self.page
         last: str | None = None
         complete = True
-        listing = self.mailbox.list(CLAIMS_PREFIX, after)
+        pages = self._pages(after)
         try:
-            iterator = iter(listing)
-            while True:
+            for chunk in pages:
                 # A page at a time: the next page is another request, made only while the
                 # candidate is not yet covered.
-                chunk = list(itertools.islice(iterator, page))
-                for found in map(index.get, chunk):
-                    if found is not None:
-                        if not known[found]:
-                            self._others = True  # new to this claimer, hence not its own
-                        known[found] = 1
+                if self._claim_index.mark(chunk, self._known):
+                    self._others = True  # new to this claimer, hence not its own
                 if len(chunk) < page:
                     break
                 last = chunk[-1]
@@ -355,14 +349,43 @@ class Claimer:
                     complete = False
                     break
         finally:
-            close = getattr(listing, "close", None)
+            close = getattr(pages, "close", None)
             if close is not None:
                 close()
         self.stats["listings"] += 1
         self._listed = True
         self._fresh = True
         if complete or last is None:
-            self._covered = len(self._keys) - 1
+            covered = len(self._keys) - 1
         else:
-            self._covered = bisect.bisect_right(self._keys, last) - 1
+            covered = self._claim_index.positions.get(last)
+            if covered is None:  # not a unit's claim
+                covered = bisect.bisect_right(self._keys, last) - 1
+        self._settled = Settled(start, covered)
         self._advance_low()
+
+    def _pages(self, after: str | None) -> Iterator[Sequence[str]]:
+        """The claims after ``after``, ``page`` keys at a time, fetched as they are asked for.
+
+        A mailbox that hands out its own pages of ``LIST_PAGE`` keys (``list_pages``: the
+        simulator's, whose pages also say which units they name, see ``IndexedPage``) gives
+        them as they are; any other's listing is cut into pages here.
+        """
+        list_pages = getattr(self.mailbox, "list_pages", None)
+        if list_pages is not None and self.page == LIST_PAGE:
+            return list_pages(CLAIMS_PREFIX, after)
+        return self._chunks(after)
+
+    def _chunks(self, after: str | None) -> Iterator[list[str]]:
+        listing = self.mailbox.list(CLAIMS_PREFIX, after)
+        try:
+            iterator = iter(listing)
+            while True:
+                chunk = list(itertools.islice(iterator, self.page))
+                yield chunk
+                if len(chunk) < self.page:
+                    return
+        finally:
+            close = getattr(listing, "close", None)
+            if close is not None:
+                close()

@@ -1,7 +1,7 @@
 """How claimers competing for the same next units part ways (used by ``queue.claimer``).
 
 Pure functions over one claimer's view: ``order`` (sorted positions in preference order),
-``known`` (1 per position known claimed) and ``covered`` (the last position the latest listing
+``known`` (1 per position known claimed) and ``settled`` (the positions the latest listing
 settled). Why each rule exists: docs/queue.md.
 """
 
@@ -9,8 +9,30 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
-__all__ = ["CROWD_LIMIT", "CROWD_MEMORY", "JUMP_WINDOW", "SPREAD", "STRETCH", "free_run", "jump_target", "spread"]
+__all__ = [
+    "CROWD_LIMIT",
+    "CROWD_MEMORY",
+    "JUMP_WINDOW",
+    "SPREAD",
+    "STRETCH",
+    "Settled",
+    "free_run",
+    "jump_target",
+    "spread",
+]
+
+
+class Settled(NamedTuple):
+    """The sorted positions ``first`` to ``last`` (inclusive) a listing showed as they are."""
+
+    first: int
+    last: int
+
+    def __contains__(self, position: object) -> bool:
+        return isinstance(position, int) and self.first <= position <= self.last
+
 
 SPREAD = 64
 """After a lost create, take one of the next 16 free units (doubling per loss in a row, up to
@@ -31,45 +53,51 @@ JUMP_WINDOW = 4096
 """How far along its order (in units) a claimer looks for a free run to jump to."""
 
 
-def free_run(order: Sequence[int], known: bytearray, covered: int, index: int, limit: int) -> int:
+def free_run(order: Sequence[int], known: bytearray, settled: Settled, index: int, limit: int) -> int:
     """How many units from ``order[index]`` on (at most ``limit``) the latest listing shows free.
 
     Example:
-        >>> free_run([0, 1, 2, 3], bytearray([0, 0, 1, 0]), 3, 0, 4)
+        >>> free_run([0, 1, 2, 3], bytearray([0, 0, 1, 0]), Settled(0, 3), 0, 4)
         2
     """
     end = min(len(order), index + limit)
+    first, last = settled
     for later in range(index, end):
-        if known[order[later]] or order[later] > covered:
+        position = order[later]
+        if known[position] or not first <= position <= last:
             return later - index
     return end - index
 
 
-def jump_target(order: Sequence[int], known: bytearray, covered: int, index: int) -> int:
+def jump_target(order: Sequence[int], known: bytearray, settled: Settled, index: int) -> int:
     """Where a crowded claimer goes from free candidate ``index``: ``STRETCH`` units into the
     first run of ``2 * STRETCH`` free units (``index`` if none is near), leaving the start of the
     run to whoever walks into it."""
     segment = order[index : index + JUMP_WINDOW]
-    if covered < len(known) - 1:  # the listing stopped early: nothing past it is known
-        segment = segment[: next((i for i, position in enumerate(segment) if position > covered), len(segment))]
+    first, last = settled
+    if first > 0 or last < len(known) - 1:  # only what the listing showed is known
+        segment = segment[
+            : next((i for i, position in enumerate(segment) if not first <= position <= last), len(segment))
+        ]
     flags = bytes(map(known.__getitem__, segment))  # 1: known claimed
     found = flags.find(bytes(2 * STRETCH))
     return index if found < 0 else index + found + STRETCH
 
 
-def spread(order: Sequence[int], known: bytearray, covered: int, index: int, losses: int, seat: int) -> int:
+def spread(order: Sequence[int], known: bytearray, settled: Settled, index: int, losses: int, seat: int) -> int:
     """One of the first free candidates from ``index`` the latest listing settled, chosen by the
     claimer's ``seat`` and its ``losses`` in a row, so claimers that lost together part.
 
     Example:
-        >>> spread([0, 1, 2, 3], bytearray(4), 3, 0, losses=1, seat=0) in range(4)
+        >>> spread([0, 1, 2, 3], bytearray(4), Settled(0, 3), 0, losses=1, seat=0) in range(4)
         True
     """
     width = min(SPREAD, 8 << losses)
     free = []
+    first, last = settled
     for later in range(index, len(order)):
         position = order[later]
-        if position > covered:
+        if not first <= position <= last:
             break
         if not known[position]:
             free.append(later)

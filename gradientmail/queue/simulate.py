@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import heapq
+import json
 import random
 import uuid
 from array import array
@@ -42,7 +43,7 @@ from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.paged_memory import PagedCountingMailbox, PagedMemoryMailbox
-from gradientmail.queue.units import Unit, rotated_order, unit_grid
+from gradientmail.queue.units import DEFAULT_BLOCK, DEFAULT_LAG, Unit, rotated_order, unit_grid
 
 __all__ = ["SimulationResult", "fixed_split_makespan", "rotated_positions", "simulate"]
 
@@ -137,11 +138,11 @@ def simulate(
     nodes = len(unit_times)
     if nodes < 1:
         raise ValueError("simulate needs at least one node")
-    store = PagedMemoryMailbox(f"simulate-{uuid.uuid4().hex}")
-    mailboxes = [PagedCountingMailbox(store) for _ in range(nodes)]
     # One dataset is built (its identifiers checked) for real; the other nodes are copies with
     # their own mailbox, name and order, sharing the sorted claim index and the claim stats.
     index = ClaimIndex(units)
+    store = PagedMemoryMailbox(f"simulate-{uuid.uuid4().hex}", index=index)
+    mailboxes = [PagedCountingMailbox(store) for _ in range(nodes)]
     template = SharedQueueDataset(
         units, mailbox=mailboxes[0], learner_id="node-0", load=load, listing=listing, claim_index=index, prepared=True
     )
@@ -160,6 +161,7 @@ def simulate(
         datasets.append(dataset)
     iterators = [iter(dataset) for dataset in datasets]
     rng = random.Random(seed)
+    fractions: dict[int, float] = {}
     clock = [(0.0, rank) for rank in range(nodes)]
     heapq.heapify(clock)
     finish: dict[str, float] = {}
@@ -184,13 +186,16 @@ def simulate(
             while current.get(highest[0][1]) != -highest[0][0]:
                 heapq.heappop(highest)
             spread = max(spread, -highest[0][0] - lowest[0][0])
-            cost = unit_times[rank] * float(share)
+            fraction = fractions.get(id(share))
+            if fraction is None:
+                fraction = float(share)
+                if load is _share:  # its tensors live on in _SHARES: a tensor call once per kind
+                    fractions[id(share)] = fraction
+            cost = unit_times[rank] * fraction
             if jitter:
                 cost *= rng.uniform(1 - jitter, 1 + jitter)
             heapq.heappush(clock, (now + cost, rank))
-        claimed: Counter[str] = Counter()
-        for key in store.list(CLAIMS_PREFIX):
-            claimed[_learner(store.get(key))] += 1
+        claimed = _learners(store, list(store.list(CLAIMS_PREFIX)))
     finally:
         store.clear()
     requests: Counter[str] = Counter()
@@ -245,35 +250,96 @@ def rotated_positions(
 ) -> Iterator[PositionOrder]:
     """``rotated_order(identifiers, rank, lanes, ...)`` for each rank, as positions in ``index``.
 
-    ``rotated_order`` walks every unit in Python (about 0.2 s a node at 1M units); its result
-    for rank ``r`` is rank 0's with lane ``l`` of each group replaced by lane ``(l + r) % n``
-    (``n`` the group's length), which numpy computes in milliseconds (single-threaded: torch's
-    thread pool only adds contention on a small machine).
+    ``rotated_order`` walks every unit in Python (about 0.2 s a node at 1M units). Its shape is
+    the same for every rank: a sequence of (group, slot) pairs, slot 0 the node's own unit and
+    slot ``s`` the ``s``-th unit after it in the group's key order. Only which unit is the
+    node's own changes with the rank, so numpy derives each node's positions, and where its
+    runs of consecutive positions start (``order_runs.OrderRuns``), in milliseconds
+    (single-threaded: torch's thread pool only adds contention on a small machine).
     """
     import numpy
 
     shape = {name: value for name, value in (("block", block), ("lag", lag)) if value is not None}
+    rotated_order([], 0, lanes, **shape)  # checks the arguments
+    block, lag = shape.get("block", DEFAULT_BLOCK), shape.get("lag", DEFAULT_LAG)
     count = len(identifiers)
-    base = numpy.array(index.order(identifiers), dtype=numpy.int32)  # mapping index -> position
-    first = numpy.array(rotated_order(range(count), 0, lanes, **shape), dtype=numpy.int64)
-    group = (first // lanes * lanes).astype(numpy.int32)
-    length = numpy.minimum(count - group, lanes).astype(numpy.int32)
-    lane = (first - group).astype(numpy.int32)
-    del first
-    shifted = numpy.empty(count, dtype=numpy.int32)
+    base = numpy.array(index.order(identifiers), dtype=numpy.int64)  # mapping index -> position
+    starts = numpy.arange(0, count, lanes, dtype=numpy.int64)  # each group's first mapping index
+    sizes = numpy.minimum(count - starts, lanes)
+    group_of = numpy.repeat(numpy.arange(len(starts)), sizes)
+    # Each group's positions in key order, and each unit's place in that order.
+    by_key = numpy.lexsort((base, group_of))  # mapping indices, group by group, by position
+    sorted_positions = base[by_key]
+    place = numpy.empty(count, dtype=numpy.int64)
+    place[by_key] = numpy.arange(count) - starts[group_of[by_key]]
+    # The shape: own units of a block, then the other units of the block `lag` earlier, from
+    # its last group.
+    pieces_group, pieces_slot = [], []
+    blocks = -(-len(starts) // block) if count else 0
+    for at in range(blocks + lag):
+        if at < blocks:
+            own = numpy.arange(at * block, min((at + 1) * block, len(starts)))
+            pieces_group.append(own)
+            pieces_slot.append(numpy.zeros(len(own), dtype=numpy.int64))
+        if at >= lag:
+            helped = numpy.arange(min((at - lag + 1) * block, len(starts)) - 1, (at - lag) * block - 1, -1)
+            counts = sizes[helped] - 1
+            pieces_group.append(numpy.repeat(helped, counts))
+            offsets = numpy.arange(int(counts.sum())) - numpy.repeat(numpy.cumsum(counts) - counts, counts)
+            pieces_slot.append(offsets + 1)
+    shape_group = numpy.concatenate(pieces_group) if pieces_group else numpy.zeros(0, dtype=numpy.int64)
+    shape_slot = numpy.concatenate(pieces_slot) if pieces_slot else numpy.zeros(0, dtype=numpy.int64)
+    shape_start, shape_size = starts[shape_group], sizes[shape_group]
+    # Per rank, in int32 and in place: slot = own place + shape slot, wrapped once (both are
+    # below the group's size), then the position at that slot of the group's key order.
+    unwrapped = (shape_slot + shape_start).astype(numpy.int32)
+    limit = (shape_start + shape_size).astype(numpy.int32)
+    wrap = shape_size.astype(numpy.int32)
+    positions_by_slot = sorted_positions.astype(numpy.int32)
     for rank in range(nodes):
-        numpy.add(lane, rank, out=shifted)
-        numpy.remainder(shifted, length, out=shifted)
-        shifted += group
-        positions = array("i")
-        positions.frombytes(base.take(shifted).tobytes())
-        yield PositionOrder(index, positions)
+        own_place = place[starts + rank % sizes].astype(numpy.int32)  # per group: where the node's own unit sorts
+        slots = own_place[shape_group]
+        slots += unwrapped
+        numpy.subtract(slots, wrap, out=slots, where=slots >= limit)
+        positions = positions_by_slot[slots]
+        steps = numpy.subtract(positions[1:], positions[:-1])
+        numpy.abs(steps, out=steps)
+        run_starts = numpy.flatnonzero(steps != 1).astype(numpy.int32) + 1
+        orders = array("i")
+        orders.frombytes(positions.tobytes())
+        runs = array("i", [0] if count else [])
+        runs.frombytes(run_starts.tobytes())
+        yield PositionOrder(index, orders, runs)
 
 
 def _learner(data: bytes | None) -> str:
-    import json
-
     return json.loads(data or b"{}").get("learner", "?")
+
+
+def _learners(store: PagedMemoryMailbox, keys: list[str]) -> Counter[str]:
+    """Claims per learner: a million claim bodies are a million JSON parses, so bodies are
+    grouped by what precedes their first comma (``{"learner":"node-7"`` for the bodies
+    ``claims.claim_body`` writes) and each group is parsed once; a body whose head is not a
+    complete ``learner`` field alone is parsed whole."""
+    heads = Counter(data.partition(b",")[0] for data in map(store.get, keys) if data is not None)
+    claimed: Counter[str] = Counter()
+    whole = set()
+    for head, count in heads.items():
+        try:
+            fields = json.loads(head + b"}")
+        except ValueError:
+            fields = None
+        if isinstance(fields, dict) and list(fields) == ["learner"] and isinstance(fields["learner"], str):
+            claimed[fields["learner"]] += count
+        else:
+            whole.add(head)
+    if whole:
+        for data in map(store.get, keys):
+            if data is None or data.partition(b",")[0] in whole:
+                claimed[_learner(data)] += 1
+    elif len(keys) != sum(heads.values()):
+        claimed["?"] += len(keys) - sum(heads.values())
+    return claimed
 
 
 ORDERS: dict[str, dict[str, int] | None] = {

@@ -79,7 +79,11 @@ def rotated_order(
     A permutation of ``identifiers`` (groups of ``lanes`` consecutive units, ``unit_grid``'s
     order; a mapping's keys): every node still shares every unit. Per ``block`` groups the node
     walks its own lane, then helps the other lanes of the block ``lag`` blocks earlier from its
-    far end, so the claimer can create most units without listing first. Pass it as ``order=``.
+    far end: group by group from the block's last, each group's other units in key order from
+    just after its own one, wrapping around. So nodes that help at the same moment start on
+    different lanes, each on the units their owners reach last; and a group's other units are
+    consecutive claim keys, which one listing covers and the claimer skips in bulk
+    (``order_runs``). Pass it as ``order=``.
 
     Args:
         identifiers: The units, group by group.
@@ -104,18 +108,18 @@ def rotated_order(
     groups: list[list[K]] = []
     for start in range(0, len(items), lanes):
         group = list(items[start : start + lanes])
-        shift = rank % len(group)
-        groups.append(group[shift:] + group[:shift])
+        own = group[rank % len(group)]
+        # The others in key order (a claim key is a common prefix and the identifier, so
+        # identifiers sort as their keys do), from just after this node's own unit.
+        others = sorted(group, key=str)
+        at = others.index(own)
+        groups.append([own, *others[at + 1 :], *others[:at]])
     blocks = [groups[start : start + block] for start in range(0, len(groups), block)]
     order: list[K] = []
     for index in range(len(blocks) + lag):
         if index < len(blocks):
             order.extend([group[0] for group in blocks[index]])
         if index >= lag:
-            helped = blocks[index - lag][::-1]
-            if len(helped) == 1:
-                order.extend(helped[0][1:])
-                continue
-            for lane in range(1, lanes):
-                order.extend([group[lane] for group in helped if lane < len(group)])
+            for group in reversed(blocks[index - lag]):
+                order.extend(group[1:])
     return order

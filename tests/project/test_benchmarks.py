@@ -206,7 +206,7 @@ def test_every_script_is_run_by_python_m_benchmarks() -> None:
 def test_a_full_run_measures_the_1m_simulation_directly() -> None:
     from benchmarks.__main__ import script_command
 
-    assert script_command("scale", quick=False)[-1] == "--direct"
+    assert script_command("scale", quick=False)[-3:] == ["--direct", "--repeats", "3"]
     assert script_command("scale", quick=True)[-1] == "--quick"
     assert script_command("balance", quick=False)[-1] == "benchmarks.balance"
 
