@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,3 +21,16 @@ def join_all(processes: Sequence[Any], timeout: float) -> list[int | None]:
                 process.kill()
                 process.join()
     return [process.exitcode for process in processes]
+
+
+def stop_gently(process: Any, sig: int, timeout: float) -> None:
+    """Send ``sig`` to a ``subprocess.Popen`` still running, wait up to ``timeout`` seconds for
+    it to end, then SIGKILL it if it lingers (servers started by the test harnesses)."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(sig)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from process_harness import stop_gently
 from seaweedfs_server import die_with_parent
 
 BINARIES = ("monmaptool", "ceph-mon", "ceph", "ceph-osd", "radosgw-admin", "radosgw")
@@ -283,14 +284,6 @@ class RadosgwServer:
         """SIGTERM radosgw, the OSD, then the monitor, SIGKILL what lingers; drop the data
         (the monitor's store; the OSD's is in RAM) and keep the logs."""
         for name in ("rgw", "osd", "mon"):
-            process = self.processes.pop(name, None)
-            if process is None or process.poll() is not None:
-                continue
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_gently(self.processes.pop(name, None), signal.SIGTERM, STOP_TIMEOUT)
         for name in ("mon", "osd", "rgw"):
             shutil.rmtree(self.directory / name, ignore_errors=True)

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from process_harness import stop_gently
+
 WEED_ENV = "GRADIENTMAIL_WEED"
 """Environment variable naming the ``weed`` binary to use instead of the one on PATH."""
 
@@ -203,11 +205,4 @@ class SeaweedServer:
     def stop(self) -> None:
         """SIGINT (weed's clean shutdown), then SIGKILL if it lingers."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_gently(process, signal.SIGINT, STOP_TIMEOUT)
