@@ -470,7 +470,25 @@ class FragmentChain:
         version still readable) is harmless.
         """
         jobs: list[Callable[[], None]] = [lambda key=key: self.mailbox.delete(key) for key in absorbed]
-        for old in self._retirement.wrote(version):
+        self._retire(self._retirement.wrote(version), jobs, f"after version {version}")
+
+    def settle(self, newest: int) -> None:
+        """At this learner's last fold: pay the retirements it owes (``session.retirement``), which
+        wait for a version it *downloaded* and would otherwise be left to nobody. One download of
+        the newest version (listed from ``newest``, the last this node saw), only when owed."""
+        if self._retirement.owes:
+            try:
+                versions = self.list_versions(after=newest - 1 if newest > 0 else None)
+                if versions:
+                    self.read_usable(versions[-1])
+            except Exception as exc:  # best effort, as all clean-up
+                logging.getLogger("gradientmail.session").warning("fragment %d: old versions left: %r", self.index, exc)
+                return
+            self._retire(self._retirement.due(), [], "at the last fold")
+
+    def _retire(self, versions: list[int], jobs: list[Callable[[], None]], when: str) -> None:
+        """Run ``jobs``, tombstone each of ``versions`` and delete the one ``RETIRE`` behind each."""
+        for old in versions:
             jobs.append(lambda old=old: self.mailbox.put(state_key(old, self.index), TOMBSTONE))
             if old >= RETIRE - KEEP:  # tombstones are kept RETIRE versions behind the newest
                 jobs.append(lambda old=old: self.mailbox.delete(state_key(old - (RETIRE - KEEP), self.index)))
@@ -478,8 +496,5 @@ class FragmentChain:
             parallel(lambda job: job(), jobs)
         except Exception as exc:  # the contribution is in; a later writer cleans up
             logging.getLogger("gradientmail.session").warning(
-                "fragment %d: cleaning up after version %d failed (left for a later writer): %r",
-                self.index,
-                version,
-                exc,
+                "fragment %d: cleaning up %s failed (left for a later writer): %r", self.index, when, exc
             )

@@ -295,6 +295,8 @@ class Exchanger:
         self._seqs[index] = seq + 1
         self.conflicts += folded.conflicts
         self.known[index] = folded.base
+        if final:
+            chain.settle(folded.base.header.version)
         before, self._tables[index] = self._tables[index], folded.learners
         self._anchors[index] = folded.tensors
         delta = {name: value - snapshot[name].to(value.dtype) for name, value in folded.tensors.items()}

@@ -66,8 +66,17 @@ class Retirement:
             self._owed.append(version - self.keep)
             while len(self._owed) > MAX_OWED:
                 self._owed.popleft()
+        return self.due()
+
+    def due(self) -> list[int]:
+        """The owed versions that became safe to retire, oldest first (and no longer owed)."""
         safe = min(self._good, self._aged)  # retire below this
         due = []
         while self._owed and self._owed[0] < safe:
             due.append(self._owed.popleft())
         return due
+
+    @property
+    def owes(self) -> bool:
+        """Whether retirements are still owed (paid at a later fold, or at ``FragmentChain.settle``)."""
+        return bool(self._owed)

@@ -963,3 +963,18 @@ def test_the_outer_optimizer_can_be_chosen_by_environment(memory_mailbox, monkey
     monkeypatch.setenv("GRADIENTMAIL_SESSION_OUTER", "momentum")
     with pytest.raises(ValueError, match="outer='momentum'"):
         Session(linear(), mailbox=memory_mailbox, learner_id="a")
+
+
+@pytest.mark.parametrize("exchanges", [1, 3, 6, 9])
+def test_a_learner_that_leaves_pays_the_retirements_it_owed(memory_mailbox, monkeypatch, exchanges):
+    # A lone writer builds on the versions it holds and downloads only every KEEP folds: the
+    # versions it wrote since then were not yet proved superseded. Leaving pays them, so the
+    # store keeps the last KEEP versions, as documented, however the last folds fell.
+    monkeypatch.setenv("GRADIENTMAIL_SESSION_RETIRE_AFTER_S", "0")
+    model = scalar()
+    with session(model, memory_mailbox, "alone") as s:
+        for _ in range(exchanges):
+            exchange(s, model, 1.0)
+    versions = FragmentChain(memory_mailbox, 0, 1, {}).list_versions()
+    live = [v for v in versions if memory_mailbox.get(state_key(v)) != TOMBSTONE]
+    assert live == versions[-KEEP:]
