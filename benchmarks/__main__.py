@@ -80,6 +80,15 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
         for order, words in (("mapping", "the mapping's order"), ("rotated", "rotated_order"))
         for size in ("10k", "40k", "100k")
     ),
+    *(
+        (
+            "local_scale",
+            f"local_cpu_floor_{order}_{size}",
+            f"the lowest 2/1 ratio the two nodes' CPU seconds allow on this machine's cores, {size}, {order}",
+        )
+        for order in ("mapping", "rotated")
+        for size in ("10k", "40k", "100k")
+    ),
     ("local_scale", "local_list_page_ms_100k", "ms to list 1,000 keys after a key, LocalMailbox of 100k claims"),
     ("faults", "faults_lost", "samples missing from the model after 50 kill-and-restart trials"),
     ("faults", "faults_doubled", "samples the model holds twice, same trials"),
