@@ -385,8 +385,8 @@ def session_mailbox(outer: str | None, box: Any) -> Any:
 
 def gradientmail(config: NodeConfig) -> dict[str, Any]:
     """The documented loop: ``shared_queue`` + ``Session``; leaves early on the stop marker."""
-    from gradientmail import LocalMailbox, Session
-    from gradientmail.patterns.shared_queue import shared_queue, units_claimed_by
+    from gradientmail import LocalMailbox, Session, units_claimed_by
+    from gradientmail.patterns.shared_queue import shared_queue
 
     box = LocalMailbox(Path(config.run_dir) / "mailbox")
     data = TrainingData(config.data_dir, config.plan)

@@ -120,9 +120,9 @@ def _node(
 ) -> None:
     import torch
 
+    from gradientmail import rotated_order, unit_grid
     from gradientmail.mailbox.local import LocalMailbox
     from gradientmail.patterns.shared_queue import shared_queue
-    from gradientmail.patterns.units import rotated_order, unit_grid
 
     grid = unit_grid(units // LANES, 1, LANES)
     order = rotated_order(list(grid), rank, LANES) if order_name == "rotated" else None

@@ -1,6 +1,6 @@
 """What claiming costs in mailbox requests, as the run grows, with and without lane rotation.
 
-Each cell runs ``gradientmail.patterns.simulate``: real ``SharedQueueDataset`` claimers of
+Each cell runs ``gradientmail.queue.simulate``: real ``SharedQueueDataset`` claimers of
 unequal speed (times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter) on one shared
 ``MemoryMailbox``, each behind a ``CountingMailbox`` that counts requests the way S3 bills them
 (a list page of 1,000 keys is one request; each node's start-up is included). Units are the
@@ -90,7 +90,7 @@ class Outcome:
 def run_cell(job: Cell | tuple[Cell, int]) -> Outcome:
     """One simulation of a cell, or of ``(cell, seed)`` (module-level: cells run in worker processes)."""
     from benchmarks.balance import grid
-    from gradientmail.patterns.simulate import simulate
+    from gradientmail.queue.simulate import simulate
 
     cell, seed = job if isinstance(job, tuple) else (job, 0)
     times = [PATTERN[rank % len(PATTERN)] for rank in range(cell.learners)]
@@ -116,10 +116,9 @@ def _one_batch(unit: object) -> Iterator[tuple[int, torch.Tensor]]:
 def race(units_count: int, learners: int, rotation: bool) -> Outcome:
     """Threads claiming for real through one store with latency; see the module docstring."""
     from benchmarks.balance import grid
+    from gradientmail import SharedQueueDataset, rotated_order
     from gradientmail.mailbox.memory import MemoryMailbox
     from gradientmail.mailbox.wrappers import CountingMailbox, DelayedMailbox
-    from gradientmail.patterns.shared_queue import SharedQueueDataset
-    from gradientmail.patterns.units import rotated_order
 
     units = grid(units_count, learners)
     store = MemoryMailbox(f"bench-race-{uuid.uuid4().hex}")

@@ -1,7 +1,7 @@
 """How the shared queue and its simulation scale, towards 1M units over 1,024 nodes.
 
 The balance and requests benchmarks at growing sizes on the virtual clock
-(``gradientmail.patterns.simulate``: real ``SharedQueueDataset`` claimers on one ``MemoryMailbox``,
+(``gradientmail.queue.simulate``: real ``SharedQueueDataset`` claimers on one ``MemoryMailbox``,
 times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter, one lane per node with rotation),
 with what the simulation itself costs: its wall time and memory per simulated node.
 
@@ -143,7 +143,7 @@ def run_size(size: tuple[int, ...]) -> Row:
     """One full simulation of ``(units, nodes[, seed])`` (module-level: sizes run in fresh
     worker processes)."""
     from benchmarks.balance import grid
-    from gradientmail.patterns.simulate import simulate
+    from gradientmail.queue.simulate import simulate
 
     units, nodes, seed = (*size, 0)[:3]
     mapping = grid(units, nodes)
@@ -190,8 +190,9 @@ def node_cost(size: tuple[int, int]) -> NodeCost:
     builds its ``Claimer``. ``fingerprint_s`` is therefore 0 (kept for the table's shape)."""
     from benchmarks.balance import grid
     from gradientmail.mailbox.memory import MemoryMailbox
-    from gradientmail.patterns.claims import Claimer, ClaimIndex
-    from gradientmail.patterns.simulate import rotated_positions
+    from gradientmail.queue.claim_index import ClaimIndex
+    from gradientmail.queue.claimer import Claimer
+    from gradientmail.queue.simulate import rotated_positions
 
     units, nodes = size
     mapping = grid(units, nodes)

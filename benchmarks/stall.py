@@ -31,10 +31,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from benchmarks._common import emit, median, parser, table, verdicts
+from gradientmail import Unit, unit_grid
 from gradientmail.mailbox.local import LocalMailbox
 from gradientmail.mailbox.wrappers import DelayedMailbox
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.patterns.units import Unit, unit_grid
 
 UNIT_STEPS = 20
 PREFETCH = 8

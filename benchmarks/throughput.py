@@ -26,7 +26,7 @@ machine's rates drift by +-20 % between runs, so it takes eight pairs or more to
 The table also shows the mailbox time per claimed unit, measured where the requests run, and
 the ratio that time would predict if claims were made on demand between two units (the seed's
 design, ``claim_ahead=0``): ``shared_queue`` claims ahead on background threads once the loop
-runs dry during claims (``gradientmail.patterns.claim_ahead``), so the measured ratio beats it.
+runs dry during claims (``gradientmail.queue.claim_ahead``), so the measured ratio beats it.
 
 Usage: ``python -m benchmarks.throughput [--quick] [--repeats N] [--seconds S]``; the last line
 is one JSON object.
@@ -47,10 +47,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from benchmarks._common import emit, median, parser, table, verdicts
+from gradientmail import Unit, unit_grid
 from gradientmail.mailbox.local import LocalMailbox
 from gradientmail.mailbox.wrappers import DelayedMailbox
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.patterns.units import Unit, unit_grid
 
 SIZES = {"small": (16, 128), "large": (256, 2048)}
 """Batch shapes (int64): 16 KiB, and the seed's 256 sequences of 2,048 tokens (4 MiB)."""

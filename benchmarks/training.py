@@ -206,7 +206,7 @@ def node_context() -> multiprocessing.context.BaseContext:
             "torch.distributed",
             "benchmarks._training_nodes",
             "gradientmail.session",
-            "gradientmail.patterns.shared_queue",
+            "gradientmail.queue.shared_queue",
         ]
     )
     return context

@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gradientmail import Session, consensus, open_mailbox
+from gradientmail import Session, Unit, consensus, open_mailbox, rotated_order, unit_grid
 from gradientmail.data import TokenReader, build_stdlib_corpus
 from gradientmail.layout import progress_key
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.patterns.units import Unit, rotated_order, unit_grid
 from gradientmail.status import parse_progress
 
 

@@ -49,8 +49,12 @@ _LAZY = {
     "FsspecMailbox": "gradientmail.mailbox.filesystem",
     "Session": "gradientmail.session",
     "consensus": "gradientmail.session",
-    "SharedQueueDataset": "gradientmail.patterns.shared_queue",
-    "shared_queue": "gradientmail.patterns.shared_queue",
+    "SharedQueueDataset": "gradientmail.queue.dataset",
+    "shared_queue": "gradientmail.queue.shared_queue",
+    "units_claimed_by": "gradientmail.queue.counter",
+    "Unit": "gradientmail.queue.units",
+    "unit_grid": "gradientmail.queue.units",
+    "rotated_order": "gradientmail.queue.units",
 }
 
 __all__ = [

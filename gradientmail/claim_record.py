@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from gradientmail.records import CLAIM, RecordError
+from gradientmail.records import CLAIM
 from gradientmail.records import parse as parse_record
 
-__all__ = ["EXPIRED", "LIVE", "STOPPED", "ClaimRecord", "RecordError", "Sightings", "judge_lease"]
+__all__ = ["EXPIRED", "LIVE", "STOPPED", "ClaimRecord", "Sightings", "judge_lease"]
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 """``json.dumps(..., separators=(",", ":"))``'s encoder, built once instead of per claim."""

@@ -194,12 +194,12 @@ class ParentIsKey(Exception):
     """A directory a local key needs is an existing key (a regular file); internal, as ``UnsafeEntry``."""
 
 
-# -- the claim protocol (moved from patterns/claims.py) -------------------------------------------
+# -- the claim protocol -------------------------------------------
 class KeyTypeError(InvalidKeyError, TypeError):
     """A unit identifier or learner id that is not a ``str`` (also a ``TypeError``)."""
 
 
-# -- the shared queue's worker checks (moved from patterns/shared_queue.py) ------------------------
+# -- the shared queue's worker checks ------------------------
 class InProcessMailboxError(WrongProcessError, ValueError):
     """A ``MemoryMailbox`` was given to worker processes, which would each get a private copy."""
 

@@ -13,10 +13,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
-from gradientmail.records import RecordError, loads_object
-
 RUN_KEY = "run.json"
 """Created once per run: ``{"units", "created", "fingerprint"}`` (``gradientmail.run_record``)."""
 CLAIMS_PREFIX = "units/"
@@ -36,11 +32,6 @@ def claim_key(identifier: str) -> str:
 def progress_key(learner_id: str) -> str:
     """A node's totals, overwritten by its ``Session``."""
     return f"{PROGRESS_PREFIX}{learner_id}.json"
-
-
-def session_prefix(learner_id: str) -> str:
-    """Where format 1 kept a learner's mail; only used to recognise and refuse old runs."""
-    return f"{SESSION_PREFIX}{learner_id}/"
 
 
 def work_prefix(learner_id: str) -> str:
@@ -66,20 +57,3 @@ def lease_key(learner_id: str) -> str:
 def learner_key(learner_id: str) -> str:
     """Which process runs this learner; a live one refuses a second process under its id."""
     return f"{LEARNERS_PREFIX}{learner_id}.json"
-
-
-def json_object(data: bytes | None) -> dict[str, Any] | None:
-    """A record's body as a dict, or None when missing, not a JSON object, or out of bounds.
-
-    ``gradientmail.records`` also validates the fields: prefer it.
-
-    Example:
-        >>> json_object(b'{"learner": "a"}'), json_object(b"[1]"), json_object(None)
-        ({'learner': 'a'}, None, None)
-    """
-    if data is None:
-        return None
-    try:
-        return loads_object(data)
-    except RecordError:
-        return None

@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from gradientmail.errors import RunMismatchError
+from gradientmail.errors import RecordError, RunMismatchError
 from gradientmail.layout import RUN_KEY
-from gradientmail.records import RUN, RecordError, parse
+from gradientmail.records import RUN, parse
 
-__all__ = ["RunMismatchError", "check_run_record", "run_record", "unit_fingerprint"]
+__all__ = ["check_run_record", "run_record", "unit_fingerprint"]
 
 
 def unit_fingerprint(identifiers: Iterable[str]) -> str:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gradientmail.claim_record import STOPPED, ClaimRecord, Sightings, judge_lease
-from gradientmail.errors import RunNotFoundError
+from gradientmail.errors import RecordError, RunNotFoundError
 from gradientmail.layout import (
     CLAIMS_PREFIX,
     DONE_PREFIX,
@@ -26,7 +26,7 @@ from gradientmail.layout import (
     RUN_KEY,
 )
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.records import CLAIM, LEASE, PROGRESS, RUN, RecordError, RecordKind
+from gradientmail.records import CLAIM, LEASE, PROGRESS, RUN, RecordKind
 from gradientmail.records import parse as parse_record
 
 DEFAULT_THREADS = 16

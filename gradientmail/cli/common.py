@@ -15,8 +15,6 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
-LOCAL_SCHEMES = ("file",)
-S3_SCHEMES = ("s3", "s3a")
 """Kept for imports; which backend serves a scheme is ``gradientmail.mailbox.registry``'s table."""
 
 S3_READ_OPTIONS: dict[str, Any] = {

@@ -86,7 +86,7 @@ def validation_loss(model, seed: int) -> float:
 
 # -- the node ---------------------------------------------------------------------------------
 def _open(config: NodeConfig):
-    from gradientmail import open_mailbox
+    from gradientmail.mailbox.url import open_mailbox
 
     options = {"endpoint_url": config.endpoint_url} if config.endpoint_url else {}
     return open_mailbox(config.mailbox, **options)
@@ -96,9 +96,9 @@ def run_node(config: NodeConfig, emit: Callable[..., None], go: Any, start_at: A
     """The node's whole life; ``go`` is an Event the demo sets, ``start_at`` a shared double."""
     import torch
 
-    from gradientmail import Session
-    from gradientmail.patterns.shared_queue import shared_queue
-    from gradientmail.patterns.units import rotated_order, unit_grid
+    from gradientmail.queue.shared_queue import shared_queue
+    from gradientmail.queue.units import rotated_order, unit_grid
+    from gradientmail.session.core import Session
 
     torch.set_num_threads(1)  # several nodes share the demo machine's cores
     mailbox = _open(config)
@@ -214,7 +214,7 @@ def node_process(config: NodeConfig, events: Any, go: Any, start_at: Any) -> Non
 
 def consensus_process(url: str, endpoint_url: str | None, seed: int, events: Any) -> None:
     """The run's result: validation loss before training and of the ``consensus`` model."""
-    from gradientmail import consensus
+    from gradientmail.session.merge import consensus
 
     config = NodeConfig("", "", -1, url, endpoint_url, 0, 1, 1, 0.0, seed=seed)
     model = make_model(seed)

@@ -2,6 +2,6 @@
 
 import sys
 
-from gradientmail.data.cli import main
+from gradientmail.cli.main import tokens_main as main
 
 sys.exit(main())

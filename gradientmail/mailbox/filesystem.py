@@ -20,12 +20,12 @@ from fsspec.core import split_protocol
 from fsspec.implementations.local import make_path_posix
 
 from gradientmail.errors import MailboxError, MissingExtraError, UnsafeStoreError
-from gradientmail.mailbox.base import LIST_PAGE, BaseMailbox
+from gradientmail.mailbox.base import BaseMailbox
 from gradientmail.mailbox.keys import validate_prefix
 from gradientmail.mailbox.local import LocalMailbox
 from gradientmail.mailbox.s3_common import CREDENTIAL_CODES, TOKEN_METADATA, error_code, list_keys
 
-__all__ = ["ATOMIC_CREATE", "LIST_PAGE", "MIN_S3FS_VERSION", "TOKEN_METADATA", "FsspecMailbox"]
+__all__ = ["ATOMIC_CREATE", "MIN_S3FS_VERSION", "FsspecMailbox"]
 
 MIN_S3FS_VERSION = (2025, 7)
 """The first s3fs that sends ``If-None-Match: *`` with ``"xb"`` writes."""

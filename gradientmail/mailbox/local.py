@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from gradientmail.errors import KeyConflictError, MailboxError, MailSkippedWarning
+from gradientmail.errors import KeyConflictError, MailboxError, MailSkippedWarning, ParentIsKey, UnsafeEntry
 from gradientmail.mailbox import local_temp
 from gradientmail.mailbox.base import BaseVersionedMailbox
 from gradientmail.mailbox.keys import is_valid_key, validate_key
@@ -29,8 +29,6 @@ from gradientmail.mailbox.local_index import listing_index
 from gradientmail.mailbox.local_paths import (
     DIR_FLAGS,
     READ_FLAGS,
-    ParentIsKey,
-    UnsafeEntry,
     describe_entry,
     is_unsafe,
     lstat_mode,

@@ -41,16 +41,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradientmail.errors import ParentIsKey, UnsafeEntry
 from gradientmail.mailbox.keys import is_valid_key
-from gradientmail.mailbox.local_paths import (
-    DIR_FLAGS,
-    READ_FLAGS,
-    ParentIsKey,
-    UnsafeEntry,
-    lstat_mode,
-    open_directory,
-    open_root,
-)
+from gradientmail.mailbox.local_paths import DIR_FLAGS, READ_FLAGS, lstat_mode, open_directory, open_root
 from gradientmail.mailbox.local_temp import host_token
 
 __all__ = [

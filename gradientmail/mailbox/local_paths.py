@@ -13,17 +13,7 @@ from pathlib import Path
 
 from gradientmail.errors import ParentIsKey, UnsafeEntry  # defined there, importable from here as before
 
-__all__ = [
-    "DIR_FLAGS",
-    "READ_FLAGS",
-    "ParentIsKey",
-    "UnsafeEntry",
-    "describe_entry",
-    "is_unsafe",
-    "lstat_mode",
-    "open_directory",
-    "open_root",
-]
+__all__ = ["DIR_FLAGS", "READ_FLAGS", "describe_entry", "is_unsafe", "lstat_mode", "open_directory", "open_root"]
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """Opening a directory below the root: never through a symlink."""

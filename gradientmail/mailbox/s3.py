@@ -19,7 +19,7 @@ import botocore.config
 import botocore.exceptions
 
 from gradientmail.errors import MailboxError, UnsafeStoreError
-from gradientmail.mailbox.base import LIST_PAGE, BaseVersionedMailbox
+from gradientmail.mailbox.base import BaseVersionedMailbox
 from gradientmail.mailbox.keys import validate_prefix
 from gradientmail.mailbox.s3_client import (
     CONFLICT,
@@ -39,7 +39,6 @@ from gradientmail.mailbox.s3_common import TOKEN_METADATA, error_fields, list_ke
 from gradientmail.mailbox.s3_retry import (
     CONNECT_ERRORS,
     DEFAULT_RETRY_WINDOW,
-    MAX_BACKOFF,
     RetryBudget,
     check_retry_window,
     log_recovery,
@@ -47,15 +46,7 @@ from gradientmail.mailbox.s3_retry import (
     read_body,
 )
 
-__all__ = [
-    "DEFAULT_BACKOFF",
-    "DEFAULT_MAX_ATTEMPTS",
-    "DEFAULT_RETRY_WINDOW",
-    "LIST_PAGE",
-    "MAX_BACKOFF",
-    "TOKEN_METADATA",
-    "S3Mailbox",
-]
+__all__ = ["DEFAULT_BACKOFF", "DEFAULT_MAX_ATTEMPTS", "S3Mailbox"]
 
 _log = logging.getLogger("gradientmail.mailbox")
 

@@ -15,7 +15,6 @@ from gradientmail.mailbox.keys import is_valid_key, validate_prefix
 __all__ = [
     "CONFLICT_CODES",
     "CREDENTIAL_CODES",
-    "LIST_PAGE",
     "REGION_CODES",
     "TOKEN_METADATA",
     "TRANSIENT_CODES",

@@ -14,7 +14,7 @@ from typing import Any
 
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox, describe, supports_replace_if
 
-__all__ = ["LIST_PAGE", "CountingMailbox", "DelayedMailbox", "FaultyMailbox", "MailboxWrapper"]
+__all__ = ["CountingMailbox", "DelayedMailbox", "FaultyMailbox", "MailboxWrapper"]
 
 
 class MailboxWrapper:
@@ -67,9 +67,6 @@ class MailboxWrapper:
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
         return self._versioned().replace_if(key, data, version)
-
-
-_Wrapper = MailboxWrapper  # the name tests and nodes used before it was public
 
 
 class CountingMailbox(MailboxWrapper):

@@ -1,26 +1,12 @@
-"""Old home of the shared queue, kept so that its import paths keep working.
+"""The seed's documented import path: ``from gradientmail.patterns.shared_queue import shared_queue``.
 
-The code lives in ``gradientmail.queue`` (``shared_queue``, ``dataset``, ``counter``, ...);
-``from gradientmail.patterns.shared_queue import shared_queue`` is the seed's documented import.
+It names the two entry points the seed and its first issue documented here, ``shared_queue``
+and ``SharedQueueDataset``; they live in ``gradientmail.queue`` and are also ``gradientmail``'s.
 """
 
 from __future__ import annotations
 
-from gradientmail.errors import InProcessMailboxError, UnpicklableError
-from gradientmail.queue.batch_checks import Batch
-from gradientmail.queue.counter import units_claimed_by
-from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
-from gradientmail.queue.shared_queue import WITH_HINT, QueueContext, log, shared_queue
+from gradientmail.queue.dataset import SharedQueueDataset
+from gradientmail.queue.shared_queue import shared_queue
 
-__all__ = [
-    "WITH_HINT",
-    "Batch",
-    "InProcessMailboxError",
-    "QueueContext",
-    "SharedQueueDataset",
-    "UnpicklableError",
-    "log",
-    "prepare_mailbox",
-    "shared_queue",
-    "units_claimed_by",
-]
+__all__ = ["SharedQueueDataset", "shared_queue"]

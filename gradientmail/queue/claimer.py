@@ -15,8 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gradientmail.layout import CLAIMS_PREFIX
-from gradientmail.mailbox.base import Mailbox
-from gradientmail.mailbox.wrappers import LIST_PAGE
+from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claims import try_claim
 from gradientmail.queue.crowd import CROWD_LIMIT, CROWD_MEMORY, STRETCH, Settled, free_run, jump_target, spread

@@ -18,15 +18,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from gradientmail.claim_record import ClaimRecord
-from gradientmail.errors import InvalidKeyError, KeyTypeError, UnsafeStoreError, short_repr
+from gradientmail.errors import InvalidKeyError, KeyTypeError, RecordError, UnsafeStoreError, short_repr
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
-from gradientmail.records import RecordError
 
 __all__ = [
-    "KeyTypeError",
-    "ClaimRecord",
     "claim_body",
     "claim_fields",
     "claim_record",

@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from gradientmail.claim_record import LIVE, STOPPED, Sightings, judge_lease
-from gradientmail.records import LEASE, RecordError, RecordKind
+from gradientmail.claim_record import LIVE, Sightings, judge_lease
+from gradientmail.errors import RecordError
+from gradientmail.records import LEASE, RecordKind
 from gradientmail.records import parse as parse_record
 
 __all__ = [
@@ -21,7 +22,6 @@ __all__ = [
     "POLL_S",
     "RELEASED",
     "RUNNING",
-    "STOPPED",
     "LeaseWatch",
     "dumps",
     "lease_body",
@@ -29,7 +29,6 @@ __all__ = [
     "position_value",
     "read_record",
     "step_value",
-    "judge_lease",
     "work_body",
 ]
 

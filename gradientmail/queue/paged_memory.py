@@ -15,9 +15,10 @@ import itertools
 import sys
 from collections.abc import Iterator, Sequence
 
+from gradientmail.mailbox.base import LIST_PAGE
 from gradientmail.mailbox.keys import validate_prefix
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.mailbox.wrappers import LIST_PAGE, CountingMailbox
+from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.queue.claim_index import ClaimIndex, IndexedPage
 
 __all__ = ["PagedCountingMailbox", "PagedMemoryMailbox"]

@@ -15,20 +15,12 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gradientmail.claim_record import STOPPED
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
 from gradientmail.queue.claims import load_claim
-from gradientmail.queue.leases import (
-    RELEASED,
-    RUNNING,
-    STOPPED,
-    dumps,
-    lease_body,
-    position_value,
-    step_value,
-    work_body,
-)
+from gradientmail.queue.leases import RELEASED, RUNNING, dumps, lease_body, position_value, step_value, work_body
 from gradientmail.queue.ownership import UnitOwnership
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.records import WORK, SkippedRecords

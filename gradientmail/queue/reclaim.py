@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from gradientmail.claim_record import LIVE, ClaimRecord
+from gradientmail.claim_record import LIVE, ClaimRecord, judge_lease
 from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import (
     CLAIMS_PREFIX,
@@ -34,7 +34,6 @@ from gradientmail.queue.leases import (
     POLL_S,
     RELEASED,
     LeaseWatch,
-    judge_lease,
     lease_seconds,
     position_value,
     read_record,
@@ -44,12 +43,7 @@ from gradientmail.queue.leases import (
 from gradientmail.queue.takeover import Assignment, take_over
 from gradientmail.records import CLAIM, LEASE, WORK, SkippedRecords
 
-__all__ = [
-    "Assignment",
-    "ElasticClaimer",
-    "ElasticOptions",
-    "check_elastic",
-]
+__all__ = ["ElasticClaimer", "ElasticOptions", "check_elastic"]
 
 
 @dataclass(frozen=True)

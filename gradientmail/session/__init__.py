@@ -23,7 +23,9 @@ Example:
 
 from __future__ import annotations
 
-from gradientmail.session.core import (
+from gradientmail.session.core import Session
+from gradientmail.session.merge import consensus
+from gradientmail.session.options import (
     DEFAULT_EVERY,
     DEFAULT_MAX_STALENESS,
     DEFAULT_TIMEOUT,
@@ -33,9 +35,7 @@ from gradientmail.session.core import (
     ENV_MAX_STALENESS,
     ENV_OUTER,
     ENV_TIMEOUT,
-    Session,
 )
-from gradientmail.session.merge import consensus
 from gradientmail.session.outer import Average, DelayedNesterov, OuterOptimizer
 
 __all__ = [

@@ -15,8 +15,8 @@ import torch
 
 from gradientmail import LocalMailbox, MemoryMailbox, Session
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.patterns.unit_timing import BatchWatch, UnitTimes
 from gradientmail.plot import describe_spans, spans_from_run
+from gradientmail.queue.unit_timing import BatchWatch, UnitTimes
 from gradientmail.status import read_run
 
 T0 = 1_700_000_000.0

@@ -13,7 +13,8 @@ import time
 import pytest
 from cli_helpers import cli_env, run_cli, write_seed_run
 
-from gradientmail.status import RunNotFoundError, read_run, require_run
+from gradientmail.errors import RunNotFoundError
+from gradientmail.status import read_run, require_run
 
 
 def _strict(text: str):

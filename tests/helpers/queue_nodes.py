@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from process_harness import join_all  # tests/helpers/ is on sys.path (tests/conftest.py)
 
+from gradientmail import Unit, units_claimed_by
 from gradientmail.layout import CLAIMS_PREFIX
-from gradientmail.patterns.shared_queue import shared_queue, units_claimed_by
-from gradientmail.patterns.units import Unit
+from gradientmail.patterns.shared_queue import shared_queue
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 from fsspec.spec import AbstractFileSystem  # noqa: E402
 
 from gradientmail import MailboxError, UnsafeStoreError, open_mailbox  # noqa: E402
-from gradientmail.mailbox.filesystem import ATOMIC_CREATE, TOKEN_METADATA, FsspecMailbox  # noqa: E402
+from gradientmail.mailbox.filesystem import ATOMIC_CREATE, FsspecMailbox  # noqa: E402
+from gradientmail.mailbox.s3_common import TOKEN_METADATA  # noqa: E402
 
 
 class _LocalSubclass(LocalFileSystem):

@@ -19,7 +19,8 @@ from botocore.awsrequest import AWSResponse  # noqa: E402
 from botocore.httpsession import URLLib3Session  # noqa: E402
 
 from gradientmail import MailboxError, UnsafeStoreError, open_mailbox  # noqa: E402
-from gradientmail.mailbox.s3 import TOKEN_METADATA, S3Mailbox  # noqa: E402
+from gradientmail.mailbox.s3 import S3Mailbox  # noqa: E402
+from gradientmail.mailbox.s3_common import TOKEN_METADATA  # noqa: E402
 
 
 class _Body:

@@ -151,7 +151,7 @@ def test_claims_survive_cut_bodies_across_node_processes(tmp_path, proxy, s3_buc
     processes still train every unit exactly once."""
     from queue_nodes import check_exactly_once
 
-    from gradientmail.patterns.units import unit_grid
+    from gradientmail import unit_grid
 
     proxy.rule = lambda request: (
         TRUNCATE if request.method == "GET" and not is_listing(request) and request.number % 3 == 0 else PASS

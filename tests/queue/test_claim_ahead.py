@@ -13,13 +13,14 @@ import pytest
 import torch
 from queue_nodes import Item, RecordingLoad, named_units, read_lines
 
-from gradientmail import LocalMailbox
+from gradientmail import LocalMailbox, SharedQueueDataset, units_claimed_by
 from gradientmail.errors import MailboxError
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, MailboxWrapper
-from gradientmail.patterns.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead, DepthGauge
-from gradientmail.patterns.claims import Claimer, parse_claim
-from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue, units_claimed_by
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead, DepthGauge
+from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.claims import parse_claim
 
 pytestmark = pytest.mark.timeout(90)
 

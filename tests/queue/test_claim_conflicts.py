@@ -14,17 +14,13 @@ import uuid
 
 import pytest
 
+from gradientmail import rotated_order, unit_grid
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.patterns.claims import (
-    Claimer,
-    ClaimIndex,
-    claim_body,
-    read_claim,
-    try_claim,
-)
-from gradientmail.patterns.units import rotated_order, unit_grid
 from gradientmail.queue import claims
+from gradientmail.queue.claim_index import ClaimIndex
+from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.claims import claim_body, read_claim, try_claim
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from gradientmail import MemoryMailbox
-from gradientmail.patterns.claims import SPREAD, Claimer
+from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.crowd import SPREAD
 
 
 @pytest.fixture

@@ -13,13 +13,14 @@ import time
 
 import pytest
 
+from gradientmail import RecordError
 from gradientmail.claim_record import EXPIRED, LIVE, STOPPED, ClaimRecord, Sightings, judge_lease
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.queue import claims
 from gradientmail.queue.claims import claim_body, load_claim, parse_claim
 from gradientmail.queue.leases import LeaseWatch
-from gradientmail.records import MAX_RECORD_BYTES, RecordError
+from gradientmail.records import MAX_RECORD_BYTES
 from gradientmail.status import Claim, RunReader, read_run
 
 NESTED = b"[" * 50_000 + b"]" * 50_000

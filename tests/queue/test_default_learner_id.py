@@ -14,9 +14,9 @@ import socket
 import pytest
 import torch
 
-from gradientmail import LocalMailbox, Session, consensus, default_learner_id
+from gradientmail import LocalMailbox, Session, SharedQueueDataset, consensus, default_learner_id
 from gradientmail.learner_id import ENV_LEARNER_ID, RANK_VARIABLES
-from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue
+from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.status import read_run
 
 

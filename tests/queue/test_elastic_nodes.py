@@ -15,11 +15,11 @@ import pytest
 from elastic_nodes import ElasticSpec, consumed_pairs, run_elastic_nodes, written_steps
 from queue_nodes import RecordingLoad, named_units
 
-from gradientmail import LocalMailbox, UnsafeStoreError
+from gradientmail import LocalMailbox, SharedQueueDataset, UnsafeStoreError
 from gradientmail.layout import CLAIMS_PREFIX, DONE_PREFIX, LEASES_PREFIX, WORK_PREFIX
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.patterns.claims import Claimer
-from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.claimer import Claimer
 from gradientmail.status import read_run
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]  # every test here starts processes
@@ -124,7 +124,7 @@ def _drain_claimer(mailbox, order, learner) -> None:
 
 def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
     """Same requests as the seed's claim protocol plus start-up, and claims stay permanent."""
-    monkeypatch.setattr("gradientmail.patterns.presence.RENEW_S", 3600.0)  # no renewal mid-test
+    monkeypatch.setattr("gradientmail.queue.presence.RENEW_S", 3600.0)  # no renewal mid-test
     units = named_units(40, steps=2)
     counted = CountingMailbox(memory_mailbox)
     with shared_queue(

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gradientmail import MemoryMailbox, MissingExtraError
-from gradientmail.patterns.progress_display import ProgressDisplay
 from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.progress_display import ProgressDisplay
 
 
 def load_two(value: int):

@@ -16,10 +16,11 @@ import warnings
 import pytest
 import torch
 
-from gradientmail import GradientMailError, LocalMailbox
+from gradientmail import GradientMailError, LocalMailbox, RunMismatchError, SharedQueueDataset
 from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
-from gradientmail.patterns.shared_queue import SharedQueueDataset, prepare_mailbox, shared_queue
-from gradientmail.run_record import RunMismatchError, unit_fingerprint
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.dataset import prepare_mailbox
+from gradientmail.run_record import unit_fingerprint
 
 EMPTY_WARNING = "0 batches for learner .* every unit of this run .* already taken or done .*use a fresh prefix"
 

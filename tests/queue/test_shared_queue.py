@@ -16,24 +16,20 @@ from queue_nodes import Item, RecordingLoad, claims, named_units
 from torch.utils.data import DataLoader
 
 import gradientmail
-from gradientmail import LocalMailbox, MemoryMailbox
+from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset, units_claimed_by
 from gradientmail.errors import (
+    InProcessMailboxError,
     InvalidKeyError,
     LoaderError,
     MailboxError,
+    UnpicklableError,
     UnsafeStoreError,
     WrongProcessError,
 )
 from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultyMailbox
-from gradientmail.patterns.shared_queue import (
-    InProcessMailboxError,
-    SharedQueueDataset,
-    UnpicklableError,
-    prepare_mailbox,
-    shared_queue,
-    units_claimed_by,
-)
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.dataset import prepare_mailbox
 
 FORK = multiprocessing.get_context("fork")
 

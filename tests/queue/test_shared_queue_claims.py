@@ -9,23 +9,14 @@ import random
 import pytest
 import torch
 
-from gradientmail import MemoryMailbox
-from gradientmail.errors import InvalidKeyError, UnsafeStoreError
+from gradientmail import MemoryMailbox, SharedQueueDataset, Unit, rotated_order, unit_grid
+from gradientmail.errors import InvalidKeyError, KeyTypeError, UnsafeStoreError
 from gradientmail.layout import CLAIMS_PREFIX, claim_key
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.patterns.claims import (
-    STRETCH,
-    Claimer,
-    KeyTypeError,
-    claim_body,
-    read_claim,
-    try_claim,
-    validate_identifier,
-    validate_learner_id,
-)
-from gradientmail.patterns.shared_queue import SharedQueueDataset
-from gradientmail.patterns.simulate import fixed_split_makespan, simulate
-from gradientmail.patterns.units import Unit, rotated_order, unit_grid
+from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.claims import claim_body, read_claim, try_claim, validate_identifier, validate_learner_id
+from gradientmail.queue.crowd import STRETCH
+from gradientmail.queue.simulate import fixed_split_makespan, simulate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -402,8 +393,8 @@ def test_simulated_bill_matches_counting_mailbox():
 def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, nodes):
     """The simulator's arithmetic rotation gives every node exactly ``rotated_order``'s preference,
     a shorter last group and more nodes than lanes included."""
-    from gradientmail.patterns.claims import ClaimIndex
-    from gradientmail.patterns.simulate import rotated_positions
+    from gradientmail.queue.claim_index import ClaimIndex
+    from gradientmail.queue.simulate import rotated_positions
 
     mapping = dict(itertools.islice(unit_grid(-(-units // lanes), 1, lanes).items(), units))
     index = ClaimIndex(mapping)
@@ -415,7 +406,7 @@ def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, node
 
 
 def test_claimer_walks_a_position_order(box):
-    from gradientmail.patterns.claims import ClaimIndex, PositionOrder
+    from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 
     identifiers = [f"u{i}" for i in range(12)]
     index = ClaimIndex(identifiers)
@@ -430,7 +421,7 @@ def test_claimer_walks_a_position_order(box):
 
 def test_dataset_takes_listing_claim_index_and_prepared(box):
     from gradientmail.layout import RUN_KEY
-    from gradientmail.patterns.claims import ClaimIndex
+    from gradientmail.queue.claim_index import ClaimIndex
 
     units = unit_grid(steps=4, unit_steps=1, lanes=2)
     counting = CountingMailbox(box)

@@ -16,9 +16,8 @@ from queue_nodes import (
     run_nodes,
 )
 
-from gradientmail import LocalMailbox
+from gradientmail import LocalMailbox, rotated_order, unit_grid
 from gradientmail.layout import learner_key
-from gradientmail.patterns.units import rotated_order, unit_grid
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # every test here starts processes
 

@@ -13,9 +13,8 @@ import pytest
 import torch
 from seed_loop import run_seed_loop  # tests/helpers/ is on sys.path (tests/conftest.py)
 
-from gradientmail import LocalMailbox
-from gradientmail.patterns.units import Unit as LibraryUnit
-from gradientmail.patterns.units import unit_grid
+from gradientmail import LocalMailbox, unit_grid
+from gradientmail import Unit as LibraryUnit
 
 SEQUENCE = 9
 VOCAB = 32

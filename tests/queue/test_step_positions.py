@@ -15,17 +15,11 @@ import pytest
 from handover_nodes import LabelledLoad, Node, consumed, finish, start, written_positions
 from queue_nodes import named_units
 
-from gradientmail import LocalMailbox
+from gradientmail import LocalMailbox, SharedQueueDataset
 from gradientmail.layout import claim_key
-from gradientmail.patterns.elastic import (
-    BATCH,
-    Consumption,
-    ElasticClaimer,
-    ElasticOptions,
-    ProgressTracker,
-    tagged_items,
-)
-from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue
+from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.progress import BATCH, Consumption, ProgressTracker, tagged_items
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.status import read_run
 
 pytestmark = pytest.mark.timeout(90)

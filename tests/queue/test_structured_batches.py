@@ -20,12 +20,11 @@ from queue_nodes import Item, named_units
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_convert
 
-from gradientmail import LoaderError, LocalMailbox
-from gradientmail.patterns.batches import MAX_DEPTH, first_non_tensor, map_tensors, to_device
-from gradientmail.patterns.inline import INLINE_BYTES, inline
-from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue
+from gradientmail import LoaderError, LocalMailbox, SharedQueueDataset
+from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.batch_checks import checked_batch, keep_pairs
-from gradientmail.queue.inline import Inline
+from gradientmail.queue.batches import MAX_DEPTH, first_non_tensor, map_tensors, to_device
+from gradientmail.queue.inline import INLINE_BYTES, Inline, inline
 from gradientmail.status import read_run
 
 pytestmark = pytest.mark.timeout(120)
