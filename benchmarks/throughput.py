@@ -26,7 +26,7 @@ machine's rates drift by +-20 % between runs, so it takes eight pairs or more to
 The table also shows the mailbox time per claimed unit, measured where the requests run, and
 the ratio that time would predict if claims were made on demand between two units (the seed's
 design, ``claim_ahead=0``): ``shared_queue`` claims ahead on background threads once the loop
-runs dry during claims (``gradientmail.queue.claim_ahead``), so the measured ratio beats it.
+runs dry during claims (``gradientmail.queue.claimer``), so the measured ratio beats it.
 
 Usage: ``python -m benchmarks.throughput [--quick] [--repeats N] [--seconds S]``; the last line
 is one JSON object.

@@ -51,7 +51,7 @@ _LAZY = {
     "consensus": "gradientmail.session",
     "SharedQueueDataset": "gradientmail.queue.dataset",
     "shared_queue": "gradientmail.queue.shared_queue",
-    "units_claimed_by": "gradientmail.queue.counter",
+    "units_claimed_by": "gradientmail.queue.telemetry",
     "Unit": "gradientmail.queue.units",
     "unit_grid": "gradientmail.queue.units",
     "rotated_order": "gradientmail.queue.units",

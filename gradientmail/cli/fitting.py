@@ -1,5 +1,4 @@
-"""Fitting a table into a terminal's width: names shortened from the middle yet kept distinct,
-counts written compactly.
+"""Fitting a table into a terminal's width: names cut in the middle yet distinct, counts compact.
 
 Learner ids default to ``{hostname}-{rank}``, so the names in one table share long prefixes and
 differ at the end: cutting them at the right edge (``machine…``) makes them identical. Here a

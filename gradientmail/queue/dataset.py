@@ -1,5 +1,9 @@
 """``SharedQueueDataset``: an ``IterableDataset`` that claims work units and loads their batches.
 
+Section ``control`` below: How ``shared_queue`` stops its DataLoader workers between operations, never inside one.
+
+Section ``dataset`` below: ``SharedQueueDataset``: an ``IterableDataset`` that claims work units and loads their batches.
+
 The long story (how claiming, resuming and worker processes interact) is in ``docs/queue.md``.
 """
 
@@ -8,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import multiprocessing.context
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -21,27 +26,69 @@ from gradientmail.fold_gate import gate_for
 from gradientmail.layout import RUN_KEY
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
-from gradientmail.queue.batch_checks import (
+from gradientmail.queue.batches import (
     Batch,
+    TensorTree,
     add_note,
     checked_count,
     checked_order,
     describe_value,
     loaded_batches,
 )
-from gradientmail.queue.batches import TensorTree
-from gradientmail.queue.claim_ahead import BufferGauge, ClaimAhead
-from gradientmail.queue.claim_index import ClaimIndex
-from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
+from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, BufferGauge, ClaimAhead, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
-from gradientmail.queue.control import WorkerControl, guarded
-from gradientmail.queue.counter import register_counter
-from gradientmail.queue.presence import Presence, presence_renew_s
+from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.progress import BATCH, ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
+from gradientmail.queue.telemetry import register_counter
+from gradientmail.queue.units import ClaimIndex
 from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
 
-__all__ = ["SharedQueueDataset", "prepare_mailbox"]
+__all__ = ["SharedQueueDataset", "WorkerControl", "guarded", "prepare_mailbox"]
+
+
+# -- control -----------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class WorkerControl:
+    """What ``shared_queue`` shares with its worker processes to stop them.
+
+    ``stop`` ends claiming and loading; each worker holds ``locks[worker]`` around every step
+    of its claim/load generator, so acquiring a worker's lock waits for the operation in flight
+    to finish instead of interrupting it.
+    """
+
+    def __init__(self, context: multiprocessing.context.BaseContext, workers: int) -> None:
+        self.stop = context.Event()
+        self.locks = [context.Lock() for _ in range(workers)]
+
+
+def guarded(items: Iterator[T], control: WorkerControl, worker: int) -> Iterator[T]:
+    """Run ``items`` one step at a time under the worker's lock, until ``stop`` is set."""
+    lock = control.locks[worker]
+    try:
+        while True:
+            with lock:
+                if control.stop.is_set():
+                    return
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                except BaseException:
+                    # This node is failing: the other workers stop claiming; batches already
+                    # buffered, then this error, still reach the consumer in order.
+                    control.stop.set()
+                    raise
+            yield item
+    finally:
+        with lock:
+            items.close()  # the loader's own cleanup, as part of the last operation
+
+
+# -- dataset -----------------------------------------------------------------------------------------
 
 V = TypeVar("V")
 

@@ -19,9 +19,8 @@ from gradientmail.claim_record import STOPPED
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
-from gradientmail.queue.claims import load_claim
-from gradientmail.queue.leases import RELEASED, RUNNING, dumps, lease_body, position_value, step_value, work_body
-from gradientmail.queue.ownership import UnitOwnership
+from gradientmail.queue.claims import UnitOwnership, load_claim
+from gradientmail.queue.liveness import RELEASED, RUNNING, dumps, lease_body, position_value, step_value, work_body
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.records import WORK, SkippedRecords
 from gradientmail.session.folded_units import folded_mark

@@ -22,17 +22,13 @@ from typing import Any, Generic, ParamSpec, TypeVar
 from gradientmail.fold_gate import gate_for
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.queue.batch_checks import Batch, checked_count
-from gradientmail.queue.batches import TensorTree
-from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge
-from gradientmail.queue.consume import Batches, ElasticBatches
+from gradientmail.queue.batches import Batch, TensorTree, checked_count
+from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD, BufferGauge
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
-from gradientmail.queue.handoff import ThreadBatches
-from gradientmail.queue.loader import LoaderBatches, check_for_workers
-from gradientmail.queue.presence import Presence, presence_renew_s
+from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.progress_display import ProgressDisplay
-from gradientmail.queue.unit_timing import BatchWatch, unit_times
+from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
+from gradientmail.queue.telemetry import BatchWatch, ProgressDisplay, unit_times
 
 __all__ = ["WITH_HINT", "QueueContext", "shared_queue"]
 

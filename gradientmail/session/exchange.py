@@ -374,7 +374,7 @@ def _slice(tensor: Tensor, piece: Piece) -> Tensor:
 def units_claimed(learner_id: str) -> int | None:
     """Units this learner claimed, from this process's shared queue when it has one, else None."""
     try:
-        from gradientmail.queue.counter import units_claimed_by
+        from gradientmail.queue.telemetry import units_claimed_by
     except (ImportError, AttributeError):
         return None
     try:
@@ -394,7 +394,7 @@ def units_claimed(learner_id: str) -> int | None:
 def unit_spans(store: str, learner_id: str) -> dict[str, Any] | None:
     """The recent units' training spans timed by this process's shared queue, or None."""
     try:
-        from gradientmail.queue.unit_timing import spans_record
+        from gradientmail.queue.telemetry import spans_record
 
         return spans_record(store, learner_id)
     except Exception:  # a display aid must never fail an exchange

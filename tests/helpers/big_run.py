@@ -20,7 +20,7 @@ from pathlib import Path
 from gradientmail import LocalMailbox
 from gradientmail.layout import claim_key, done_key, lease_key, progress_key
 from gradientmail.queue.claims import claim_fields
-from gradientmail.queue.leases import dumps, lease_body
+from gradientmail.queue.liveness import dumps, lease_body
 
 HOST = "machine-with-a-long-hostname"
 """Long enough that the learner names (``HOST-0`` ...) cannot fit whole at 80 columns."""

@@ -120,7 +120,7 @@ SLOW = {
         *(f"local_{figure}_{size}" for figure in ("list_page_ms", "full_scan_ms") for size in ("40k", "100k")),
         *(
             f"local_{figure}_{order}_{size}"
-            for figure in ("two_over_one", "one_node_s")
+            for figure in ("two_over_one", "one_node_s", "cpu_floor")
             for order in ("mapping", "rotated")
             for size in ("10k", "40k", "100k")
         ),
@@ -170,7 +170,7 @@ def test_local_scale_quick_mode_runs_both_orders() -> None:
         "local_full_scan_ms_2k",
         *(
             f"local_{figure}_{order}_2k"
-            for figure in ("two_over_one", "one_node_s")
+            for figure in ("two_over_one", "one_node_s", "cpu_floor")
             for order in ("mapping", "rotated")
         ),
         "local_scale_wall_s",

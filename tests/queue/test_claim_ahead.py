@@ -18,8 +18,7 @@ from gradientmail.errors import MailboxError
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, MailboxWrapper
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead, DepthGauge
-from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead, Claimer, DepthGauge
 from gradientmail.queue.claims import parse_claim
 
 pytestmark = pytest.mark.timeout(90)
@@ -206,7 +205,7 @@ def test_units_and_errors_keep_the_pick_order_whatever_order_claims_run_in(box, 
         pools.append(NewestFirstPool(**kwargs))
         return pools[-1]
 
-    monkeypatch.setattr("gradientmail.queue.claim_ahead.ThreadPoolExecutor", pool)
+    monkeypatch.setattr("gradientmail.queue.claimer.ThreadPoolExecutor", pool)
     order = ids(10)
     ahead = ClaimAhead(Claimer(failing_claim(box, "u0003"), order, "node-0"), limit=3)
     ahead.times = FixedTimes(claim_s=0.2, unit_s=0.005)  # the second unit's wait starts 3 claims at once

@@ -9,8 +9,7 @@ import pytest
 from test_claim_ahead import DryGauge, FixedTimes  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail.mailbox.wrappers import DelayedMailbox
-from gradientmail.queue.claim_ahead import TIED_S, ClaimAhead, DepthGauge
-from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.claimer import TIED_S, ClaimAhead, Claimer, DepthGauge
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,8 +11,7 @@ import random
 import pytest
 
 from gradientmail import MemoryMailbox
-from gradientmail.queue.claimer import Claimer
-from gradientmail.queue.crowd import SPREAD
+from gradientmail.queue.claimer import SPREAD, Claimer
 
 
 @pytest.fixture

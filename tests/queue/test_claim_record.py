@@ -19,7 +19,7 @@ from gradientmail.layout import claim_key
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.queue import claims
 from gradientmail.queue.claims import claim_body, load_claim, parse_claim
-from gradientmail.queue.leases import LeaseWatch
+from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.records import MAX_RECORD_BYTES
 from gradientmail.status import Claim, RunReader, read_run
 

@@ -20,7 +20,7 @@ from queue_nodes import named_units
 
 from gradientmail import DuplicateLearnerError, LocalMailbox
 from gradientmail.layout import learner_key
-from gradientmail.queue.presence import Presence
+from gradientmail.queue.liveness import Presence
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,11 +12,10 @@ from elastic_nodes import reclaim_racer
 from gradientmail import LeaseLostError, LocalMailbox, UnsafeStoreError
 from gradientmail.layout import claim_key, done_key, lease_key, work_key
 from gradientmail.mailbox.wrappers import MailboxWrapper
-from gradientmail.queue.leases import LeaseWatch
-from gradientmail.queue.ownership import UnitOwnership
+from gradientmail.queue.claims import UnitOwnership
+from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
-from gradientmail.queue.takeover import take_over
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, take_over
 
 
 class FakeClock:

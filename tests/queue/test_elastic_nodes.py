@@ -124,7 +124,7 @@ def _drain_claimer(mailbox, order, learner) -> None:
 
 def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
     """Same requests as the seed's claim protocol plus start-up, and claims stay permanent."""
-    monkeypatch.setattr("gradientmail.queue.presence.RENEW_S", 3600.0)  # no renewal mid-test
+    monkeypatch.setattr("gradientmail.queue.liveness.RENEW_S", 3600.0)  # no renewal mid-test
     units = named_units(40, steps=2)
     counted = CountingMailbox(memory_mailbox)
     with shared_queue(

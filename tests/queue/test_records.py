@@ -19,10 +19,9 @@ from gradientmail import RecordError, RecordSkippedWarning
 from gradientmail.layout import claim_key, lease_key, work_key
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.claims import parse_claim
-from gradientmail.queue.leases import LeaseWatch
+from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
-from gradientmail.queue.takeover import take_over
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, take_over
 from gradientmail.records import CLAIM, LEASE, MAX_DEPTH, MAX_RECORD_BYTES, PROGRESS, SkippedRecords, parse
 
 NESTED = b"[" * 50_000 + b"]" * 50_000  # within no bound; json.loads alone: RecursionError

@@ -13,9 +13,8 @@ from gradientmail import MemoryMailbox, SharedQueueDataset, Unit, rotated_order,
 from gradientmail.errors import InvalidKeyError, KeyTypeError, UnsafeStoreError
 from gradientmail.layout import CLAIMS_PREFIX, claim_key
 from gradientmail.mailbox.wrappers import CountingMailbox
-from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.claimer import STRETCH, Claimer
 from gradientmail.queue.claims import claim_body, read_claim, try_claim, validate_identifier, validate_learner_id
-from gradientmail.queue.crowd import STRETCH
 from gradientmail.queue.simulate import fixed_split_makespan, simulate
 
 pytestmark = pytest.mark.timeout(60)
@@ -363,7 +362,7 @@ def _two_batches(unit: Unit):
 
 
 def test_simulated_bill_matches_counting_mailbox():
-    from gradientmail.queue.paged_memory import PagedCountingMailbox, PagedMemoryMailbox
+    from gradientmail.queue.simulate import PagedCountingMailbox, PagedMemoryMailbox
 
     store = PagedMemoryMailbox(f"bill-{random.getrandbits(64):x}")
     try:
@@ -393,8 +392,8 @@ def test_simulated_bill_matches_counting_mailbox():
 def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, nodes):
     """The simulator's arithmetic rotation gives every node exactly ``rotated_order``'s preference,
     a shorter last group and more nodes than lanes included."""
-    from gradientmail.queue.claim_index import ClaimIndex
     from gradientmail.queue.simulate import rotated_positions
+    from gradientmail.queue.units import ClaimIndex
 
     mapping = dict(itertools.islice(unit_grid(-(-units // lanes), 1, lanes).items(), units))
     index = ClaimIndex(mapping)
@@ -406,7 +405,7 @@ def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, node
 
 
 def test_claimer_walks_a_position_order(box):
-    from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
+    from gradientmail.queue.units import ClaimIndex, PositionOrder
 
     identifiers = [f"u{i}" for i in range(12)]
     index = ClaimIndex(identifiers)
@@ -421,7 +420,7 @@ def test_claimer_walks_a_position_order(box):
 
 def test_dataset_takes_listing_claim_index_and_prepared(box):
     from gradientmail.layout import RUN_KEY
-    from gradientmail.queue.claim_index import ClaimIndex
+    from gradientmail.queue.units import ClaimIndex
 
     units = unit_grid(steps=4, unit_steps=1, lanes=2)
     counting = CountingMailbox(box)

@@ -22,8 +22,7 @@ from torch.utils.data import _utils
 
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.handoff import HandOff
-from gradientmail.queue.loader import wake_loader
+from gradientmail.queue.pumps import HandOff, wake_loader
 
 FORK = multiprocessing.get_context("fork")
 

@@ -1,0 +1,492 @@
+"""The pumps from loader to loop: the thread pump, the DataLoader-worker pump, the loop's iterator.
+
+Section ``consume`` below: The iterator the training loop sees: ends for good, times units, and (elastic) records progress.
+
+Data flows one way: a pump (``handoff.ThreadBatches``, ``loader.LoaderBatches``) delivers
+``(step, batch[, tag])`` items; ``ElasticBatches`` on top hands the tags to
+``elastic.Consumption`` and the loop gets plain pairs.
+
+Section ``handoff`` below: The thread pump: ``HandOff`` calls ``next()`` on another thread, a bounded number of items ahead.
+
+``ThreadBatches`` (``workers=0``) runs the dataset's claiming and loading on it;
+``loader.LoaderBatches`` uses it to take DataLoader's batches off the training thread.
+
+Section ``loader`` below: The DataLoader-worker pump (``workers >= 1``) and its clean shutdown.
+
+Each worker claims and loads for itself; a ``WorkerControl`` lets ``close`` stop every worker
+between operations, and a ``HandOff`` takes batches off the training thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import multiprocessing.context
+import pickle
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, _utils
+
+from gradientmail.errors import InProcessMailboxError, UnpicklableError
+from gradientmail.mailbox.base import describe
+from gradientmail.mailbox.memory import MemoryMailbox
+from gradientmail.queue.batches import Batch, keep_pairs
+from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
+from gradientmail.queue.progress import BATCH, Consumption, ProgressTracker
+from gradientmail.queue.telemetry import BatchWatch
+
+__all__ = [
+    "Batches",
+    "ElasticBatches",
+    "HandOff",
+    "LoaderBatches",
+    "ThreadBatches",
+    "check_for_workers",
+    "wake_loader",
+    "watched",
+]
+
+
+# -- consume -----------------------------------------------------------------------------------------
+
+
+class Batches(Iterator[Batch]):
+    """Base of the iterators ``shared_queue`` yields; ends for good after an error or ``close``.
+
+    Subclasses implement ``_next`` (one item from the pump) and ``close``.
+    """
+
+    on_end: Callable[[], None] | None = None
+    """Called once when the batches run out (not after an error or ``close``)."""
+
+    watch: BatchWatch | None = None
+    """Times the loop's batches per unit (``unit_timing``) and strips their unit tags."""
+
+    guard: Callable[[], None] | None = None
+    """Called before each batch; raises to stop the loop (``Presence.check``: this process was
+    replaced by another incarnation of its learner)."""
+
+    def __init__(self) -> None:
+        self._finished = False
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._finished:
+            raise StopIteration
+        if self.guard is not None:
+            try:
+                self.guard()
+            except BaseException:
+                self._finished = True
+                raise
+        watch = self.watch
+        if watch is not None:
+            watch.ended()  # the loop asks for a batch: it has trained the previous one
+        try:
+            item = self._next()
+            return item if watch is None else watched(watch, item)
+        except StopIteration:
+            self._finished = True
+            if self.on_end is not None:
+                self.on_end()
+            raise
+        except BaseException:
+            self._finished = True
+            raise
+
+    def _next(self) -> Batch:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the pump and release what it holds; the iterator then ends."""
+        raise NotImplementedError
+
+
+def watched(watch: BatchWatch, item: Any) -> Any:
+    """Tell ``watch`` which unit ``item`` belongs to; strip a plain tag (elastic tags stay)."""
+    tag = item[2] if isinstance(item, (tuple, list)) and len(item) == 3 else None
+    if isinstance(tag, str):
+        watch.taken(tag)
+        return (item[0], item[1])
+    if isinstance(tag, (tuple, list)) and len(tag) >= 3:
+        if tag[2] == BATCH:
+            watch.taken(tag[0] if isinstance(tag[0], str) else None)
+        return item
+    watch.taken(None)
+    return item
+
+
+class ElasticBatches(Batches):
+    """Strips the elastic tags and tells the ``ProgressTracker`` what the loop consumed.
+
+    Args:
+        inner: The pump's batches, tagged.
+        tracker: Records progress and renews the lease; closed with these batches.
+        stop_claiming: Called on ``close``, so a claimer waiting for orphans stops waiting.
+    """
+
+    def __init__(self, inner: Batches, tracker: ProgressTracker, stop_claiming: Callable[[], None]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._tracker = tracker
+        self._consumption = Consumption(tracker)
+        self._stop_claiming = stop_claiming
+        self._closed = False
+
+    @property
+    def tracker(self) -> ProgressTracker:
+        """What records this learner's progress (``flush()`` waits for its writes)."""
+        return self._tracker
+
+    def _next(self) -> Batch:
+        return self._consumption.next_from(self._inner)
+
+    def close(self, consumed_last: bool = False, *, replaced: bool = False) -> None:
+        """Stop the pump, then record the last batch as consumed (or not) and close the tracker
+        (``replaced``: another incarnation of this learner took over; write nothing more)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finished = True
+        self._stop_claiming()
+        try:
+            self._inner.close()
+        finally:
+            self._consumption.finish(consumed_last=consumed_last)
+            try:
+                if consumed_last and not replaced:  # a clean exit: the Session folds what records wait for
+                    self._tracker.settle()
+            finally:
+                self._tracker.close(replaced=replaced, clean=consumed_last and not replaced)
+
+
+# -- handoff -----------------------------------------------------------------------------------------
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class HandOff:
+    """Calls ``next()`` on ``iterator`` on a thread of its own, at most ``slots`` items ahead.
+
+    A place is reserved *before* each ``next()``, so the thread never holds an item that has
+    none (with the dataset's iterator, a unit is claimed only when its first batch has a place).
+    The end and an error queue up behind the items before them. Until ``finish`` returns True,
+    no other thread may touch the iterator.
+
+    Example:
+        >>> pump = HandOff(iter([1, 2]), 1, "example")
+        >>> pump.take(), pump.take()
+        (1, 2)
+    """
+
+    def __init__(self, iterator: Any, slots: int, name: str) -> None:
+        self._iterator = iterator
+        self._slots = slots
+        self._ready: deque[Any] = deque()
+        self._room = slots
+        self._stopping = False
+        self._left = False  # the thread no longer touches the iterator
+        self._then: Callable[[], None] | None = None  # cleanup the thread runs if abandoned
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def slots(self) -> int:
+        """Items the thread may hold ahead of ``take``."""
+        return self._slots
+
+    def full(self) -> bool:
+        """Every place holds an item: the thread is outside ``next()`` and asks for no more."""
+        with self._changed:
+            return self._room == 0 and len(self._ready) == self._slots
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._stopping or self._room > 0)
+                    if self._stopping:
+                        return
+                    self._room -= 1
+                try:
+                    item: Any = next(self._iterator)
+                except StopIteration:
+                    item = _END
+                except BaseException as exc:  # delivered to the consumer, in order
+                    item = _Failure(exc)
+                with self._changed:
+                    self._ready.append(item)
+                    self._changed.notify_all()
+                if item is _END or isinstance(item, _Failure):
+                    return
+        finally:
+            with self._changed:
+                self._left = True
+                then = self._then
+            if then is not None:
+                then()
+
+    def take(self) -> Any:
+        """The next item, waiting for it; raises StopIteration at the end, or the iterator's error."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready)
+            item = self._ready.popleft()
+            if item is not _END and not isinstance(item, _Failure):
+                self._room += 1
+                self._changed.notify_all()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def stop(self) -> None:
+        """Take no more items; a thread waiting for a free place leaves now."""
+        with self._changed:
+            self._stopping = True
+            self._ready.clear()  # the consumer has left
+            self._changed.notify_all()
+
+    def finish(self, timeout: float | None, then: Callable[[], None], wake: Callable[[], None] | None = None) -> bool:
+        """After ``stop``: wait up to ``timeout`` for the thread to leave the iterator; True when it has.
+
+        If it is still inside ``next()`` then, ``wake`` (if given) tries to free it; if it does
+        not leave, it runs ``then`` itself when ``next()`` returns.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive() and wake is not None:
+            wake()
+            self._thread.join(_utils.MP_STATUS_CHECK_INTERVAL)
+        with self._changed:
+            if not self._left:
+                self._then = then
+                return False
+        self._thread.join()  # only its last few lines are left
+        return True
+
+
+class ThreadBatches(Batches):
+    """``workers=0``: claims and loads on one background thread, ``prefetch`` batches ahead."""
+
+    def __init__(self, dataset: SharedQueueDataset[Any], prefetch: int, timeout: float | None) -> None:
+        super().__init__()
+        self._timeout = timeout
+        self._gauge = dataset.gauge
+        self._source = iter(dataset)
+        # A daemon: never keeps the interpreter alive; close() joins it.
+        self._pump = HandOff(self._source, prefetch, f"gradientmail-shared-queue-{dataset.learner_id}")
+
+    def _next(self) -> Batch:
+        batch = self._pump.take()
+        if self._gauge is not None:
+            self._gauge.consumed()
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread, then close the dataset's iterator (waiting up to ``timeout``)."""
+        self._finished = True
+        self._pump.stop()
+        if self._pump.finish(self._timeout, self._close_source):
+            self._close_source()
+            return
+        warnings.warn(
+            f"shared_queue: the loader thread did not finish its operation within "
+            f"{self._timeout} s (shutdown_timeout); leaving it to finish in the background",
+            stacklevel=2,
+        )
+
+    def _close_source(self) -> None:
+        try:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()  # the loader's own cleanup (a generator's finally blocks)
+        except Exception as exc:  # the consumer has moved on; do not lose it silently
+            warnings.warn(f"shared_queue: the loader failed while closing: {exc!r}", stacklevel=1)
+
+
+# -- loader ------------------------------------------------------------------------------------------
+
+_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+
+class LoaderBatches(Batches):
+    """``workers >= 1``: a DataLoader whose workers claim and load, ``prefetch`` batches in all.
+
+    ``prefetch`` rounds down to a multiple of ``workers`` (DataLoader's places are per worker);
+    each worker's last place moves to a ``HandOff`` (none when ``prefetch < 2 * workers``).
+    """
+
+    def __init__(
+        self,
+        dataset: SharedQueueDataset[Any],
+        *,
+        prefetch: int,
+        workers: int,
+        context: multiprocessing.context.BaseContext,
+        pin_memory: bool,
+        timeout: float | None,
+    ) -> None:
+        super().__init__()
+        self._timeout = timeout
+        self._control = WorkerControl(context, workers)
+        # A copy: the caller's dataset stays usable on its own.
+        dataset = dataset.configured(control=self._control, prepared=True)
+        self._gauge = dataset.gauge
+        # prefetch_factor is per worker: the total in flight stays <= prefetch. A worker with
+        # two places or more gives its last one to the hand-off (the total is unchanged).
+        per_worker = prefetch // workers
+        slots = workers if per_worker > 1 else 0
+        options: dict[str, Any] = {
+            "batch_size": None,
+            "num_workers": workers,
+            "prefetch_factor": per_worker - 1 if slots else per_worker,
+            "collate_fn": keep_pairs,
+            "persistent_workers": False,
+            "pin_memory": pin_memory,
+            "multiprocessing_context": context,
+        }
+        if _HAS_IN_ORDER:
+            # Hand out each batch as soon as any worker has it: with DataLoader's default
+            # round-robin a fast worker would wait for a slow one.
+            options["in_order"] = False
+        self._iterator: Any = iter(DataLoader(dataset, **options))
+        self._pump: HandOff | None = None
+        if slots:
+            self._pump = HandOff(self._iterator, slots, f"gradientmail-handoff-{dataset.learner_id}")
+
+    @property
+    def handoff(self) -> HandOff | None:
+        """The thread that takes batches from the workers (None with one place per worker)."""
+        return self._pump
+
+    @property
+    def control(self) -> WorkerControl:
+        """Shared with the workers; ``control.stop`` is set when the batches are closed."""
+        return self._control
+
+    def _next(self) -> Batch:
+        if self._iterator is None:
+            raise StopIteration
+        batch = next(self._iterator) if self._pump is None else self._pump.take()
+        if self._gauge is not None:
+            self._gauge.consumed()
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers between operations (up to ``timeout``), then shut the DataLoader down."""
+        self._finished = True
+        iterator, self._iterator = self._iterator, None
+        if iterator is None:
+            return
+        pump, self._pump = self._pump, None
+        self._control.stop.set()
+        if pump is not None:
+            pump.stop()
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        processes = list(getattr(iterator, "_workers", ()))
+        for worker, lock in enumerate(self._control.locks):
+            process = processes[worker] if worker < len(processes) else None
+            _wait_for_operation(lock, process, deadline)
+        # Every worker is now between operations and will do no more, so a pump inside next()
+        # gets their end (or a batch) and leaves; only then may this thread use the iterator.
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        shut_down = functools.partial(_shut_down, iterator)
+        if pump is not None and not pump.finish(remaining, shut_down, functools.partial(wake_loader, iterator)):
+            warnings.warn(
+                "shared_queue: the hand-off thread is still waiting for a worker; it shuts the "
+                "DataLoader down when that returns",
+                stacklevel=2,
+            )
+            return
+        shut_down()
+
+
+def wake_loader(iterator: Any) -> None:
+    """Make a thread blocked in a DataLoader iterator's ``next()`` raise (``idx, data = None``)."""
+    data_queue = getattr(iterator, "_data_queue", None)
+    if data_queue is not None:
+        data_queue.put(None)
+
+
+def _shutdown_workers(iterator: Any) -> None:
+    # DataLoader's iterator has no public shutdown: __del__ calls this same method, but only once
+    # the last reference is gone, and the hand-off thread may still hold one. The one use of a
+    # torch private method in the package (issue #15: flagged for the lead).
+    iterator._shutdown_workers()
+
+
+def _shut_down(iterator: Any) -> None:
+    # DataLoader's own shutdown only has to collect the workers (it would SIGTERM one still
+    # busy after 5 s).
+    _shutdown_workers(iterator)
+    for queue in [*getattr(iterator, "_index_queues", ()), getattr(iterator, "_worker_result_queue", None)]:
+        feeder = getattr(queue, "_thread", None)
+        if feeder is not None:
+            queue.close()  # done by the shutdown, except for the result queue wake_loader put into
+            feeder.join(1.0)
+
+
+def _wait_for_operation(lock: Any, process: Any, deadline: float | None) -> None:
+    while True:
+        if lock.acquire(timeout=0.05):
+            lock.release()
+            return
+        if process is not None and not process.is_alive():
+            return  # a dead worker cannot release its lock
+        if deadline is not None and time.monotonic() >= deadline:
+            warnings.warn(
+                "shared_queue: a worker did not finish its operation within shutdown_timeout; "
+                "DataLoader will terminate it",
+                stacklevel=3,
+            )
+            return
+
+
+def _inner_mailboxes(mailbox: object) -> Iterator[object]:
+    seen = 0
+    while mailbox is not None and seen < 32:  # wrappers hold the wrapped mailbox in .inner
+        yield mailbox
+        mailbox = getattr(mailbox, "inner", None)
+        seen += 1
+
+
+def check_for_workers(dataset: SharedQueueDataset[Any], context: multiprocessing.context.BaseContext) -> None:
+    """Refuse what worker processes cannot share: an in-process mailbox, or (without fork)
+    ``load``, units or mailbox that cannot be pickled.
+
+    Raises:
+        InProcessMailboxError: the mailbox (or one it wraps) is a ``MemoryMailbox``.
+        UnpicklableError: something the workers receive cannot be pickled.
+    """
+    for mailbox in _inner_mailboxes(dataset.mailbox):
+        if isinstance(mailbox, MemoryMailbox):
+            raise InProcessMailboxError(
+                f"{describe(mailbox)} lives in this process, but workers > 0 starts worker "
+                "processes that would each get a private copy and claim units nobody else "
+                "sees. Use workers=0, or a LocalMailbox / S3 mailbox that every process can reach"
+            )
+    method = context.get_start_method()
+    if method == "fork":
+        return  # workers inherit everything; nothing is pickled
+    for what, value in (("load", dataset.load), ("the unit values", dataset.units), ("the mailbox", dataset.mailbox)):
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise UnpicklableError(
+                f"{what} cannot be pickled ({type(exc).__name__}: {exc}), but DataLoader workers "
+                f"started with {method!r} receive it pickled. Use workers=0, or a module-level "
+                "function (not a lambda, closure or nested function) and picklable values"
+            ) from exc
