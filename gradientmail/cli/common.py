@@ -15,8 +15,6 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
-"""Kept for imports; which backend serves a scheme is ``gradientmail.mailbox.registry``'s table."""
-
 S3_READ_OPTIONS: dict[str, Any] = {
     "max_attempts": 2,
     "config": {"retries": {"mode": "standard", "max_attempts": 2}, "connect_timeout": 5},
@@ -33,7 +31,7 @@ def open_cli_mailbox(
 ):
     """Open ``url`` for a command; a local directory is never created unless ``create``."""
     from gradientmail.mailbox import open_mailbox
-    from gradientmail.mailbox.registry import SCHEMES, backend_for
+    from gradientmail.mailbox.url import SCHEMES, backend_for
 
     scheme, sep, rest = url.partition("://")
     backend = backend_for(scheme) if sep else SCHEMES["file"]

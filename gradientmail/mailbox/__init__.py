@@ -1,6 +1,6 @@
 """Mailbox backends: where every node leaves and reads its mail.
 
-``base`` holds the protocol and the base class, ``registry`` the URL schemes, one module per
+``base`` holds the protocol and the base class, ``url`` the URL schemes and ``open_mailbox``, one module per
 backend. ``S3Mailbox`` and ``FsspecMailbox`` load lazily: ``import gradientmail`` pulls neither
 boto3 nor fsspec.
 """
