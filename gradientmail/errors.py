@@ -176,7 +176,7 @@ class UnusableStateError(MailRejectedError):
     """
 
 
-# -- the local mailbox's internal signals (moved from mailbox/local_paths.py) ----------------------
+# -- the local mailbox's internal signals (moved from mailbox/local.py) ----------------------
 class UnsafeEntry(Exception):
     """An entry of a local mailbox that must not be used: a symlink or a special file.
 
