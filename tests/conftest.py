@@ -217,14 +217,6 @@ MAILBOX_BACKENDS = ("local", "memory", "s3", "fsspec-local", "fsspec-s3", "s3-se
 """Every backend of the conformance suite: directory, in-process, boto3 S3, fsspec on local disk
 and s3fs (these two S3 ones against moto's server), and boto3 S3 against SeaweedFS and radosgw."""
 
-S3_BACKEND_SERVERS = {
-    "s3": "s3_endpoint",
-    "fsspec-s3": "s3_endpoint",
-    "s3-seaweedfs": "seaweedfs_endpoint",
-    "s3-radosgw": "radosgw_endpoint",
-}
-"""The endpoint fixture of each S3 backend."""
-
 
 @pytest.fixture
 def mailbox_factory(request, tmp_path) -> Iterator[Callable[..., Any]]:

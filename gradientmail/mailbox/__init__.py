@@ -22,9 +22,10 @@ from gradientmail.mailbox.base import (
 from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix
 from gradientmail.mailbox.local import LocalMailbox
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.mailbox.url import open_mailbox
+from gradientmail.mailbox.url import Backend, open_mailbox, register_backend
 
 __all__ = [
+    "Backend",
     "BaseMailbox",
     "BaseVersionedMailbox",
     "FsspecMailbox",
@@ -36,6 +37,7 @@ __all__ = [
     "describe",
     "is_valid_key",
     "open_mailbox",
+    "register_backend",
     "require_replace_if",
     "supports_replace_if",
     "validate_key",

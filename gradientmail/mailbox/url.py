@@ -32,7 +32,6 @@ __all__ = [
     "Backend",
     "FSSPEC",
     "SCHEMES",
-    "SERVED",
     "WEB",
     "WEB_SCHEMES",
     "backend_for",
@@ -40,6 +39,9 @@ __all__ = [
     "known_to_fsspec",
     "open_mailbox",
     "open_url",
+    "register_backend",
+    "served",
+    "unregister_backend",
 ]
 
 
@@ -58,6 +60,9 @@ class Backend:
         shared: Whether other processes can reach the mailbox (False: ``memory://``).
         endpoint: Whether it takes an ``endpoint_url`` (S3-compatible stores).
         local: Whether it is a directory on this machine (takes ``create``).
+        check: ``check(scheme, rest)`` -> ``(problem, meant)`` for a URL that names no usable
+            place (``meant``: the URL likely intended, or None), None for a good one; run before
+            anything is opened, so a mistyped URL never becomes a directory or a request.
     """
 
     name: str
@@ -67,6 +72,7 @@ class Backend:
     shared: bool = True
     endpoint: bool = False
     local: bool = False
+    check: Callable[[str, str], tuple[str, str | None] | None] | None = None
 
     @property
     def install_hint(self) -> str:
@@ -113,15 +119,69 @@ def _open_fsspec(url: str, rest: str, options: dict[str, Any]) -> Mailbox:
     return FsspecMailbox.from_url(url, **options)
 
 
-_S3 = Backend("S3", _open_s3, extra="s3", package="boto3", endpoint=True)
+def _check_file(scheme: str, rest: str) -> tuple[str, str | None] | None:
+    host, _, path = rest.partition("/")
+    if host.lower() not in ("", "localhost"):
+        return (
+            f"names the host {host!r}, which would be ignored: a file:// mailbox is a local "
+            "directory (or one on a shared mount)",
+            f"file:///{host}/{path}",
+        )
+    return ("names no directory", None) if not path.strip("/") else None
+
+
+def _check_s3(scheme: str, rest: str) -> tuple[str, str | None] | None:
+    if not rest.partition("/")[0]:
+        return "names no bucket", f"{scheme}://{rest.lstrip('/')}" if rest.strip("/") else None
+    return None
+
+
+_S3 = Backend("S3", _open_s3, extra="s3", package="boto3", endpoint=True, check=_check_s3)
 
 SCHEMES: dict[str, Backend] = {
-    "file": Backend("LocalMailbox", _open_file, local=True),
+    "file": Backend("LocalMailbox", _open_file, local=True, check=_check_file),
     "memory": Backend("MemoryMailbox", _open_memory, shared=False),
     "s3": _S3,
     "s3a": _S3,
 }
-"""Schemes served by GradientMail's own backends (lower case)."""
+"""Schemes served by GradientMail's own backends and registered ones (lower case): ``register_backend``."""
+
+_SCHEME_NAME = re.compile(r"[a-z][a-z0-9+.-]*")
+
+
+def register_backend(scheme: str, backend: Backend, *, replace: bool = False) -> None:
+    """Serve ``scheme://`` URLs with ``backend``: in ``open_mailbox``, its mistyped-URL checks
+    (``backend.check``) and the command line, which all read one table.
+
+    Raises:
+        ValueError: ``scheme`` is not a lower-case URL scheme, or is served already (``replace``
+            to serve it with another backend).
+        TypeError: ``backend`` is not a ``Backend``.
+
+    Example:
+        >>> from gradientmail.mailbox.memory import MemoryMailbox
+        >>> def open_toy(url, rest, options):
+        ...     return MemoryMailbox("toy-" + rest)
+        >>> register_backend("toy", Backend("ToyMailbox", open_toy, shared=False))
+        >>> open_mailbox("toy://run-1")
+        MemoryMailbox('toy-run-1')
+        >>> unregister_backend("toy")
+    """
+    if not isinstance(scheme, str) or not _SCHEME_NAME.fullmatch(scheme):
+        raise ValueError(f"a backend's scheme must be a lower-case URL scheme like 'gs', not {scheme!r}")
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend takes a Backend, not {type(backend).__name__}")
+    if scheme in SCHEMES and not replace:
+        raise ValueError(f"the scheme {scheme!r} is served already by {SCHEMES[scheme].name} (pass replace=True)")
+    SCHEMES[scheme] = backend
+
+
+def unregister_backend(scheme: str) -> None:
+    """Stop serving ``scheme://`` URLs (a test's clean-up); GradientMail's own schemes stay."""
+    if scheme in ("file", "memory", "s3", "s3a"):
+        raise ValueError(f"{scheme!r} is one of GradientMail's own schemes")
+    SCHEMES.pop(scheme, None)
+
 
 FSSPEC = Backend("fsspec", _open_fsspec, extra="fsspec", package="fsspec")
 """Any other protocol fsspec knows; ``FsspecMailbox`` refuses those without a verified atomic create."""
@@ -186,11 +246,22 @@ def _web_url_error(url: str, scheme: str, rest: str) -> UnsafeStoreError:
 
 # -- url_check ---------------------------------------------------------------------------------------
 
-SERVED = tuple(SCHEMES)
-"""Schemes ``open_mailbox`` maps to its own backends."""
+_OTHER_STORES = ("gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https")
 
-_LOOKALIKE = SERVED + ("gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https")
-"""Schemes whose ``scheme:...`` form (without ``//``) is surely a mistyped URL."""
+
+def served() -> tuple[str, ...]:
+    """The schemes ``open_mailbox`` maps to a backend of its table (registered ones included)."""
+    return tuple(SCHEMES)
+
+
+def _lookalike() -> tuple[str, ...]:
+    """Schemes whose ``scheme:...`` form (without ``//``) is surely a mistyped URL."""
+    return served() + _OTHER_STORES
+
+
+def _served_words() -> str:
+    return ", ".join(f"{scheme}://" for scheme in served() if scheme != "s3a") + " and verified fsspec protocols"
+
 
 _SCHEME = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):(?P<rest>.*)", re.DOTALL)
 
@@ -245,14 +316,14 @@ def is_local_path(url: str, *, path_like: bool = False) -> bool:
     if sep:
         return True  # "./a://b": a path that happens to contain "://"
     first = url.partition("/")[0]
-    if first.lower() in SERVED and url[len(first) :].startswith("//"):
+    if first.lower() in served() and url[len(first) :].startswith("//"):
         meant = f"{first.lower()}:{url[len(first) :]}"
         raise _refuse(url, "lacks the ':' after its scheme", meant, path_like=path_like)
     match = _SCHEME.fullmatch(url)
     if not match:
         return True
     scheme, rest = match["scheme"].lower(), match["rest"]
-    if scheme in _LOOKALIKE:
+    if scheme in _lookalike():
         raise _refuse(
             url,
             f"is missing the '//' after '{match['scheme']}:'",
@@ -260,11 +331,10 @@ def is_local_path(url: str, *, path_like: bool = False) -> bool:
             path_like=path_like,
         )
     if rest.startswith("/"):
-        close = difflib.get_close_matches(scheme, SERVED, n=1, cutoff=0.5)
+        close = difflib.get_close_matches(scheme, served(), n=1, cutoff=0.5)
         raise _refuse(
             url,
-            f"looks like a URL with the unknown scheme {scheme!r} (open_mailbox serves "
-            "file://, memory://, s3:// and verified fsspec protocols)",
+            f"looks like a URL with the unknown scheme {scheme!r} (open_mailbox serves {_served_words()})",
             _suggest(close[0], rest) if close else None,
             path_like=path_like,
         )
@@ -273,31 +343,17 @@ def is_local_path(url: str, *, path_like: bool = False) -> bool:
 
 def _check_url(url: str, scheme: str, rest: str) -> None:
     """Refuse a ``scheme://rest`` URL that names no usable place (see ``is_local_path``)."""
-    if scheme == "file":
-        host, slash, path = rest.partition("/")
-        if host.lower() not in ("", "localhost"):
-            raise _refuse(
-                url,
-                f"names the host {host!r}, which would be ignored: a file:// mailbox is a "
-                "local directory (or one on a shared mount)",
-                f"file:///{host}/{path}",
-            )
-        if not path.strip("/"):
-            raise _refuse(url, "names no directory", None)
-        return
-    if scheme in ("s3", "s3a"):
-        if not rest.partition("/")[0]:
-            meant = f"{scheme}://{rest.lstrip('/')}" if rest.strip("/") else None
-            raise _refuse(url, "names no bucket", meant)
-        return
-    if scheme == "memory":
+    backend = SCHEMES.get(scheme)
+    if backend is not None:
+        problem = backend.check(scheme, rest) if backend.check is not None else None
+        if problem is not None:
+            raise _refuse(url, *problem)
         return
     if known_to_fsspec(scheme) is False:
-        close = difflib.get_close_matches(scheme, SERVED, n=1, cutoff=0.5)
+        close = difflib.get_close_matches(scheme, served(), n=1, cutoff=0.5)
         raise _refuse(
             url,
-            f"has the protocol {scheme!r}, which is not known to open_mailbox or fsspec "
-            "(served: file://, memory://, s3:// and verified fsspec protocols)",
+            f"has the protocol {scheme!r}, which is not known to open_mailbox or fsspec (served: {_served_words()})",
             _suggest(close[0], rest) if close else None,
         )
 
