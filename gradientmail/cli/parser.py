@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from gradientmail.cli.commands import check_demo, cmd_bucket, cmd_demo, cmd_plot, cmd_status
 from gradientmail.cli.common import DEBUG_ENV, PROG
+from gradientmail.cli.tokens import add_tokens_command
 
 
 def _int_at_least(text: str, minimum: int) -> int:
@@ -92,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(commands)
+    return parser
 
+
+def add_demo_command(commands: Any) -> argparse.ArgumentParser:
+    """``gradientmail demo``."""
     demo = commands.add_parser(
         "demo",
         help="run nodes of unequal speed on one mailbox and compare with a fixed split",
@@ -169,7 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default 0)")
     demo.set_defaults(func=cmd_demo, check=check_demo, subparser=demo)
+    return demo
 
+
+def add_status_command(commands: Any) -> argparse.ArgumentParser:
+    """``gradientmail status``."""
     status = commands.add_parser(
         "status",
         help="show the run in a mailbox: units, samples and last seen per learner",
@@ -208,7 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_store_options(status)
     status.set_defaults(func=cmd_status)
+    return status
 
+
+def add_plot_command(commands: Any) -> argparse.ArgumentParser:
+    """``gradientmail plot``."""
     plot = commands.add_parser(
         "plot",
         help="write the Gantt chart of a run (learner x time, one bar per unit)",
@@ -231,7 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_store_options(plot)
     plot.set_defaults(func=cmd_plot)
+    return plot
 
+
+def add_bucket_command(commands: Any) -> argparse.ArgumentParser:
+    """``gradientmail bucket``."""
     bucket = commands.add_parser(
         "bucket",
         help="create an S3 bucket for runs unless it exists (safe to run again, on every machine)",
@@ -243,8 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
     bucket.add_argument("url", metavar="URL", help="s3://bucket (a prefix after it is ignored)")
     _add_store_options(bucket)
     bucket.set_defaults(func=cmd_bucket)
+    return bucket
 
-    from gradientmail.cli.tokens import add_tokens_command  # gradientmail tokens write|stdlib
 
-    add_tokens_command(commands)
-    return parser
+COMMANDS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
+    add_demo_command,
+    add_status_command,
+    add_plot_command,
+    add_bucket_command,
+    add_tokens_command,
+)
+"""Every subcommand, one way: a function that adds its parser to ``commands`` and sets ``func``
+(and ``check``) on its namespace; a new command is one more such function here."""
