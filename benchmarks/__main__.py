@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         output.write_text(text)
     summary = markdown_table(["figure", "value", "target", "", "meaning"], summary_rows(outcomes))
     print(summary)
-    over = "" if args.quick or args.full or wall <= BUDGET_S else f" (over the {BUDGET_S:.0f} s budget)"
+    over = "" if args.quick or args.full or args.only or wall <= BUDGET_S else f" (over the {BUDGET_S:.0f} s budget)"
     print(f"\n{wall:.0f}s in all{over}" + (f"; wrote {output}" if output is not None else ""))
     failed = [name for name, outcome in outcomes.items() if not outcome.ok]
     if failed:

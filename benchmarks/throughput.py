@@ -236,11 +236,11 @@ class Config:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     options = parser(__doc__)
     options.add_argument(
-        "--repeats", type=int, default=None, help="runs of each variant (default 8, quick 1; disk, 100 ms: every other)"
+        "--repeats", type=int, default=None, help="runs of each variant (default 6, quick 1; disk, 100 ms: every other)"
     )
     options.add_argument("--seconds", type=float, default=None, help="seconds per run (default 0.8, quick 0.2)")
     args = options.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 8)
+    repeats = args.repeats or (1 if args.quick else 6)
     seconds = args.seconds or (0.2 if args.quick else 0.8)
     torch.set_num_threads(1)
     units = unit_grid(steps=UNITS * UNIT_STEPS, unit_steps=UNIT_STEPS, lanes=1)
