@@ -126,6 +126,28 @@ def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | N
     check_run_record(existing, units, fingerprint, describe(mailbox))
 
 
+@dataclasses.dataclass(frozen=True)
+class Wiring:
+    """How ``shared_queue`` runs a ``SharedQueueDataset``: one immutable set of options, given at
+    construction and replaced whole by ``configured`` (a dataset used on its own keeps the defaults).
+
+    Attributes:
+        prepared: ``prepare_mailbox`` already ran (in the main process, once).
+        gauge: The consumer's buffer, which claiming ahead watches.
+        control: Stops DataLoader workers between operations.
+        tagged: Yield elastic items tagged for a ``ProgressTracker`` in the consumer.
+        timed: Plain batches carry their unit identifier (for ``unit_timing``).
+        elastic: The resume/lease options its workers take (None: the seed's queue).
+    """
+
+    prepared: bool = False
+    gauge: BufferGauge | None = None
+    control: WorkerControl | None = None
+    tagged: bool = False
+    timed: bool = False
+    elastic: ElasticOptions | None = None
+
+
 class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     """Claims work units from a shared mailbox and yields each claimed unit's batches.
 
@@ -193,20 +215,17 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self.load = load
         self.order: list[str] = checked_order(order, self.units)
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
-        self._gauge: BufferGauge | None = None  # shared_queue's buffer, which claim_ahead watches
         self._counter = register_counter(self.learner_id)
-        self._verified = prepared  # shared_queue verifies once in the main process
-        self._control: WorkerControl | None = None
         self._listing = listing
         self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
         self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies
         self.resume = resume
         self.lease_s = check_elastic(mailbox, resume, lease)
-        self._elastic: ElasticOptions | None = (
-            ElasticOptions(resume, self.lease_s) if resume or self.lease_s is not None else None
+        self.wiring = Wiring(
+            prepared=prepared,
+            elastic=ElasticOptions(resume, self.lease_s) if resume or self.lease_s is not None else None,
         )
-        self._tagged = False  # shared_queue strips the tags in the training process
-        self._timed = False  # shared_queue: plain batches carry their unit (unit_timing)
+        """How ``shared_queue`` runs this dataset (``configured`` returns a copy wired otherwise)."""
         self._halt = [False]  # set when the consumer leaves (workers=0 has no control)
         self._restore: dict[str, dict[str, Any]] = {}
         self._positions: dict[str, dict[str, Any]] = {}  # unit -> token, last step yielded
@@ -228,40 +247,32 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         timed: bool | None = None,
         elastic: ElasticOptions | None = None,
     ) -> SharedQueueDataset[V]:
-        """A copy set up the way ``shared_queue`` runs it (None: as in this dataset).
+        """A copy wired the way ``shared_queue`` runs it: this dataset's ``Wiring`` with the
+        given fields replaced (None: as in this dataset).
 
         The copy shares this dataset's claim counter, claim statistics and ``stop_claiming``.
-
-        Args:
-            prepared: ``prepare_mailbox`` already ran.
-            gauge: The consumer's buffer, which claiming ahead watches.
-            control: Stops DataLoader workers between operations.
-            tagged: Yield elastic items tagged for a ``ProgressTracker`` in the consumer.
-            timed: Plain batches carry their unit identifier (for ``unit_timing``).
-            elastic: The resume/lease options its workers take (the queue's, with its Session's
-                marks at join).
         """
         changes = {
-            "_verified": self._verified if prepared is None else prepared,
-            "_gauge": gauge or self._gauge,
-            "_control": control or self._control,
-            "_tagged": self._tagged if tagged is None else tagged,
-            "_timed": self._timed if timed is None else timed,
-            "_elastic": self._elastic if elastic is None else elastic,
+            "prepared": prepared,
+            "gauge": gauge,
+            "control": control,
+            "tagged": tagged,
+            "timed": timed,
+            "elastic": elastic,
         }
         dataset = copy.copy(self)
-        vars(dataset).update(changes)  # a copy of this class: its own state, as dataclasses.replace
+        dataset.wiring = dataclasses.replace(self.wiring, **{k: v for k, v in changes.items() if v is not None})
         return dataset
 
     @property
     def elastic(self) -> ElasticOptions | None:
         """The resume/lease options (one incarnation per dataset); None for the seed queue."""
-        return self._elastic
+        return self.wiring.elastic
 
     @property
     def gauge(self) -> BufferGauge | None:
         """The consumer's buffer gauge set by ``configured``, if any."""
-        return self._gauge
+        return self.wiring.gauge
 
     @property
     def claim_stats(self) -> Counter[str]:
@@ -279,7 +290,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker = info.id if info is not None else None
-        if self._elastic is not None and not self._tagged:
+        if self.wiring.elastic is not None and not self.wiring.tagged:
             if worker is not None:
                 raise ValueError(
                     "resume= and lease= record what the training loop consumed, which a "
@@ -288,16 +299,16 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     "torchdata's StatefulDataLoader) without these options"
                 )
             joined = gate_for(describe(self.mailbox), self.learner_id).take_join_marks()
-            options = dataclasses.replace(self._elastic, incarnation=uuid.uuid4().hex, joined_marks=joined)
+            options = dataclasses.replace(self.wiring.elastic, incarnation=uuid.uuid4().hex, joined_marks=joined)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
             presence = Presence(
                 self.mailbox, self.learner_id, options.incarnation, renew_s=presence_renew_s(options.lease_s)
             )
             return consume_inline(self._claim_and_load(None, options), tracker, presence)
-        batches = self._claim_and_load(worker, self._elastic)
-        if self._control is None:
+        batches = self._claim_and_load(worker, self.wiring.elastic)
+        if self.wiring.control is None:
             return batches
-        return guarded(batches, self._control, worker or 0)
+        return guarded(batches, self.wiring.control, worker or 0)
 
     # -- torchdata's Stateful protocol ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -329,7 +340,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     def _claim_and_load(self, worker: int | None, options: ElasticOptions | None = None) -> Iterator[Any]:
         if not self.units:
             return
-        if not self._verified:
+        if not self.wiring.prepared:
             prepare_mailbox(self.mailbox, len(self.units), self.units)
         if options is not None or self._restore:
             yield from self._claim_and_load_elastic(worker, options)
@@ -344,7 +355,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             listing=self._listing,
             index=self._claim_index,
         )
-        gauge = self._gauge
+        gauge = self.wiring.gauge
         claims = ClaimAhead(
             claimer,
             limit=self.claim_ahead,
@@ -365,7 +376,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     self._positions[identifier] = {"token": None, "step": step, "position": position}
                     if gauge is not None:
                         gauge.produced(worker)
-                    yield (step, tensor, identifier) if self._timed else (step, tensor)
+                    yield (step, tensor, identifier) if self.wiring.timed else (step, tensor)
                 log.debug(
                     "%s loaded unit %s (%d batches)",
                     self.learner_id,
@@ -381,7 +392,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     def _claim_and_load_elastic(self, worker: int | None, options: ElasticOptions | None) -> Iterator[Any]:
         """Resume, leases or a restored state: ``ElasticClaimer`` picks the units; with
         ``options`` the items stay tagged for the consumer's ``ProgressTracker``."""
-        control = self._control
+        control = self.wiring.control
         halt = self._halt
         claimer = ElasticClaimer(
             self.mailbox,
