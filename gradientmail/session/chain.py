@@ -30,7 +30,15 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import MailRejectedError, SessionError, UnusableStateError
-from gradientmail.layout import SESSION_PREFIX
+from gradientmail.layout import (
+    SESSION_PREFIX,
+    parse_pending_key,
+    parse_state_key,
+    pending_key,
+    pending_prefix,
+    state_key,
+    versions_prefix,
+)
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.session.fragments import to_wire, widen
 from gradientmail.session.mail import (
@@ -44,13 +52,7 @@ from gradientmail.session.mail import (
     decode_pending,
     encode,
     metadata_of,
-    parse_pending_key,
-    parse_state_key,
-    pending_key,
-    pending_prefix,
     skipped,
-    state_key,
-    versions_prefix,
 )
 from gradientmail.session.options import retire_after_s
 from gradientmail.session.overlap import parallel

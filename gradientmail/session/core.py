@@ -20,13 +20,12 @@ from torch import Tensor
 
 from gradientmail.errors import SessionError
 from gradientmail.fold_gate import FoldGate, gate_for
-from gradientmail.layout import progress_key
+from gradientmail.layout import member_key, pending_key, progress_key
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
-from gradientmail.session.mail import member_key, pending_key
 from gradientmail.session.options import (
     DEFAULT_EVERY,
     DEFAULT_MAX_STALENESS,

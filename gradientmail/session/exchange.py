@@ -21,11 +21,11 @@ from torch import Tensor
 
 from gradientmail.errors import GradientMailError, SessionError
 from gradientmail.fold_gate import UnitMark
-from gradientmail.layout import progress_key
+from gradientmail.layout import member_key, progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.session.chain import ABSORB, FragmentChain, View
 from gradientmail.session.fragments import Fragment, FragmentPlan, Piece, widen
-from gradientmail.session.mail import Contribution, State, all_finite, member_key
+from gradientmail.session.mail import Contribution, State, all_finite
 from gradientmail.session.members import Members, active_learners, check_prefix, list_members
 from gradientmail.session.outer import OuterOptimizer, OuterState
 from gradientmail.session.overlap import parallel

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,9 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError  # re-exported: its old home
+from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError
 from gradientmail.fold_gate import UnitMark, unit_marks_from_json
-from gradientmail.layout import SESSION_PREFIX
 
 FORMAT = "gradientmail.session/3"
 """Value of the ``format`` metadata field. Any other value is refused with ``MailRejectedError``."""
@@ -33,16 +31,6 @@ OLD_FORMATS = {
     "gradientmail.session/1": "gradientmail 0.1 (position mail, before Session v2)",
     "gradientmail.session/2": "gradientmail 0.1 (Session v2: one chain of whole-model versions)",
 }
-
-SUFFIX = ".safetensors"
-SEQ_DIGITS = 12
-"""Zero-padded width of a version or sequence number in a key, so that keys sort by number."""
-FRAGMENT_DIGITS = 4
-
-FRAGMENTS_PREFIX = f"{SESSION_PREFIX}fragments/"
-MEMBERS_PREFIX = f"{SESSION_PREFIX}members/"
-OLD_STATE_PREFIX = f"{SESSION_PREFIX}state/"
-"""Where format 2 kept its one chain; only used to recognise and refuse old runs."""
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 """Largest safetensors JSON header accepted: tensor entries plus one line per learner."""
@@ -53,92 +41,6 @@ MAX_COUNT = 2**62
 
 Spec = dict[str, tuple[tuple[int, ...], "torch.dtype | None"]]
 """Name -> (shape, dtype) of every tensor a state must hold (dtype None: any floating dtype)."""
-
-
-# -- keys ------------------------------------------------------------------------------------
-def fragment_prefix(fragment: int) -> str:
-    return f"{FRAGMENTS_PREFIX}{fragment:0{FRAGMENT_DIGITS}d}/"
-
-
-def versions_prefix(fragment: int) -> str:
-    """Where fragment ``fragment``'s chain of versions lives."""
-    return f"{fragment_prefix(fragment)}versions/"
-
-
-def pending_prefix(fragment: int) -> str:
-    """Where contributions to fragment ``fragment`` wait until a version absorbs them."""
-    return f"{fragment_prefix(fragment)}pending/"
-
-
-def state_key(version: int, fragment: int = 0) -> str:
-    """``session/fragments/{fragment}/versions/{version}.safetensors``.
-
-    Example:
-        >>> state_key(7, 2)
-        'session/fragments/0002/versions/000000000007.safetensors'
-    """
-    return f"{versions_prefix(fragment)}{version:0{SEQ_DIGITS}d}{SUFFIX}"
-
-
-def parse_state_key(key: str, fragment: int = 0) -> int | None:
-    """The version of a state key of ``fragment``, else None."""
-    prefix = versions_prefix(fragment)
-    if not key.startswith(prefix) or not key.endswith(SUFFIX):
-        return None
-    stem = key[len(prefix) : -len(SUFFIX)]
-    if len(stem) == SEQ_DIGITS and stem.isascii() and stem.isdigit():
-        return int(stem)
-    return None
-
-
-def pending_key(fragment: int, learner: str, seq: int) -> str:
-    """``session/fragments/{fragment}/pending/{learner}.{seq}.safetensors``: one contribution.
-
-    Example:
-        >>> pending_key(0, "node-1", 3)
-        'session/fragments/0000/pending/node-1.000000000003.safetensors'
-    """
-    return f"{pending_prefix(fragment)}{learner}.{seq:0{SEQ_DIGITS}d}{SUFFIX}"
-
-
-def parse_pending_key(key: str, fragment: int = 0) -> tuple[str, int] | None:
-    """``(learner, seq)`` of a pending key of ``fragment``, else None."""
-    prefix = pending_prefix(fragment)
-    if not key.startswith(prefix) or not key.endswith(SUFFIX):
-        return None
-    learner, dot, seq = key[len(prefix) : -len(SUFFIX)].rpartition(".")
-    if not dot or not learner or "/" in learner or len(seq) != SEQ_DIGITS or not (seq.isascii() and seq.isdigit()):
-        return None
-    return learner, int(seq)
-
-
-def member_key(learner: str, joined: float) -> str:
-    """``session/members/{learner}.{joined, integer milliseconds}``: a listing shows who is in."""
-    return f"{MEMBERS_PREFIX}{learner}.{int(joined * 1000)}"
-
-
-def parse_member_key(key: str) -> tuple[str, float] | None:
-    """``(learner, joined)`` of a member key, else None."""
-    if not key.startswith(MEMBERS_PREFIX):
-        return None
-    learner, dot, millis = key[len(MEMBERS_PREFIX) :].rpartition(".")
-    if not dot or not learner or "/" in learner or not (millis.isascii() and millis.isdigit()):
-        return None
-    if len(millis) > 16:
-        return None
-    return learner, int(millis) / 1000
-
-
-_OLD_MAIL = re.compile(r"^[^/]+/(\d{12}|final)\.safetensors$")
-
-
-def is_old_mail_key(key: str) -> bool:
-    """True for mail of an earlier Session format: ``session/{learner}/{seq}.safetensors`` (1)
-    or ``session/state/{version}.safetensors`` (2)."""
-    rest = key[len(SESSION_PREFIX) :] if key.startswith(SESSION_PREFIX) else ""
-    if key.startswith(OLD_STATE_PREFIX):
-        return True
-    return bool(_OLD_MAIL.match(rest)) and not key.startswith((FRAGMENTS_PREFIX, MEMBERS_PREFIX))
 
 
 # -- the header ----------------------------------------------------------------------------------

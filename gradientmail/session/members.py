@@ -13,18 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError
-from gradientmail.layout import SESSION_PREFIX
+from gradientmail.layout import FRAGMENTS_PREFIX, MEMBERS_PREFIX, SESSION_PREFIX, is_old_mail_key, parse_member_key
 from gradientmail.mailbox.base import Mailbox
-from gradientmail.session.mail import (
-    FRAGMENTS_PREFIX,
-    MEMBERS_PREFIX,
-    Contribution,
-    format_refusal,
-    is_old_mail_key,
-    parse_member_key,
-    read_format,
-    skipped,
-)
+from gradientmail.session.mail import Contribution, format_refusal, read_format, skipped
 
 MAX_CLOCK_SKEW_S = 300.0
 """How far in the future (by this node's clock) a peer's time may lie and still count as a sign

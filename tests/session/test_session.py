@@ -21,19 +21,12 @@ from safetensors.torch import save as safetensors_save
 
 import gradientmail
 from gradientmail import MailboxError, MailRejectedError, MemoryMailbox, SessionError
+from gradientmail.layout import member_key, state_key
 from gradientmail.mailbox.wrappers import CountingMailbox, DelayedMailbox, FaultyMailbox
 from gradientmail.session import DelayedNesterov, Session, consensus
 from gradientmail.session.chain import KEEP, TOMBSTONE, FragmentChain
 from gradientmail.session.fragments import FragmentPlan, float_state, spec_of, to_wire
-from gradientmail.session.mail import (
-    FORMAT,
-    Contribution,
-    StateHeader,
-    decode,
-    encode,
-    member_key,
-    state_key,
-)
+from gradientmail.session.mail import FORMAT, Contribution, StateHeader, decode, encode
 from gradientmail.session.members import Members, active_learners
 from gradientmail.session.outer import resolve_outer
 

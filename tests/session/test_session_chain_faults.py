@@ -21,10 +21,10 @@ import pytest
 from test_session_fragments import exchange, session, values, vector
 
 from gradientmail import MailSkippedWarning
+from gradientmail.layout import state_key
 from gradientmail.mailbox.wrappers import DelayedMailbox, MailboxWrapper
 from gradientmail.session import consensus
 from gradientmail.session.chain import KEEP, TOMBSTONE, FragmentChain
-from gradientmail.session.mail import state_key
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,12 +22,11 @@ from queue_nodes import named_units
 
 from gradientmail import LocalMailbox, Session, consensus
 from gradientmail.fold_gate import gate_for
-from gradientmail.layout import WORK_PREFIX
+from gradientmail.layout import WORK_PREFIX, state_key
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.session.mail import state_key
 from gradientmail.status import read_run
 
 STEPS = {"a": 6, "b": 6}

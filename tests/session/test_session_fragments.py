@@ -17,20 +17,12 @@ import torch
 from test_session import push  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import MailRejectedError, MailSkippedWarning, MemoryMailbox
+from gradientmail.layout import member_key, pending_key, pending_prefix, state_key, versions_prefix
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
 from gradientmail.session.fragments import FragmentPlan, auto_fragments
-from gradientmail.session.mail import (
-    Contribution,
-    PendingHeader,
-    encode,
-    member_key,
-    pending_key,
-    pending_prefix,
-    state_key,
-    versions_prefix,
-)
+from gradientmail.session.mail import Contribution, PendingHeader, encode
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,9 +15,10 @@ import torch
 from test_session import scalar, value  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import MailRejectedError, MailSkippedWarning, SessionError
+from gradientmail.layout import member_key, state_key
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
-from gradientmail.session.mail import Contribution, StateHeader, encode, member_key, state_key
+from gradientmail.session.mail import Contribution, StateHeader, encode
 from gradientmail.session.members import MAX_CLOCK_SKEW_S, Members, active_learners
 
 pytestmark = pytest.mark.timeout(60)
