@@ -43,7 +43,8 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 __all__ = [
     "MAX_UNIT_MARKS",
@@ -114,6 +115,16 @@ def held_everywhere(marks: Sequence[Sequence[UnitMark]], unit: str, token: str) 
     return everywhere
 
 
+@dataclass(frozen=True)
+class QueueFigures:
+    """What a learner's queue reports to its Session's progress record."""
+
+    units: int | None = None
+    """Units this learner claimed in this process (DataLoader workers included)."""
+    unit_spans: dict[str, Any] | None = None
+    """When and for how long it trained its recent units (``queue.telemetry.spans_record``)."""
+
+
 class FoldGate:
     """Counts the batches handed to the training loop and how many of them the run holds.
 
@@ -134,6 +145,7 @@ class FoldGate:
         self._owner_check: Callable[[], None] | None = None
         self._owner_confirm: Callable[[], None] | None = None
         self._join_marks: tuple[tuple[UnitMark, ...], ...] | None = None
+        self._figures: Callable[[], QueueFigures] | None = None
         self.pause_limit_s = math.inf  # a Session that stood still this long asks _owner_check
 
     def deliver(self, mark: UnitMark | None = None) -> int:
@@ -193,6 +205,24 @@ class FoldGate:
         with self._lock:
             self._owner_check, self.pause_limit_s = check, pause_limit_s if check is not None else math.inf
             self._owner_confirm = confirm
+
+    def report_figures(self, figures: Callable[[], QueueFigures] | None) -> None:
+        """The queue of this learner hands the Session what its progress record shows (units
+        claimed, recent units' spans): ``figures()`` is asked at each progress write."""
+        with self._lock:
+            self._figures = figures
+
+    def queue_figures(self) -> QueueFigures:
+        """What the learner's queue reports (empty without a queue, or when it fails: a status
+        field must never fail an exchange)."""
+        with self._lock:
+            figures = self._figures
+        if figures is None:
+            return QueueFigures()
+        try:
+            return figures()
+        except Exception:
+            return QueueFigures()
 
     def check_owner(self) -> None:
         """Raise ``LeaseLostError`` if the queue finds this learner's units taken over."""

@@ -40,7 +40,7 @@ from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.progress import BATCH, ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
-from gradientmail.queue.telemetry import register_counter
+from gradientmail.queue.telemetry import queue_figures, register_counter
 from gradientmail.queue.units import ClaimIndex
 from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
 
@@ -216,6 +216,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self.order: list[str] = checked_order(order, self.units)
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
         self._counter = register_counter(self.learner_id)
+        gate_for(describe(mailbox), self.learner_id).report_figures(queue_figures(describe(mailbox), self.learner_id))
         self._listing = listing
         self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
         self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies

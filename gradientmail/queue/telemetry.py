@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from gradientmail.errors import MissingExtraError
+from gradientmail.fold_gate import QueueFigures
 
 __all__ = [
     "BatchWatch",
@@ -431,3 +432,9 @@ class ProgressDisplay:
             )
             print(line, file=self._stream, flush=True)
             self.lines += 1
+
+
+def queue_figures(store: str, learner_id: str) -> Callable[[], QueueFigures]:
+    """What this process's queue of ``learner_id`` on ``store`` reports to its Session
+    (``FoldGate.report_figures``): units claimed here, workers included, and recent units' spans."""
+    return lambda: QueueFigures(units=units_claimed_by(learner_id), unit_spans=spans_record(store, learner_id))

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import GradientMailError, SessionError
-from gradientmail.fold_gate import UnitMark
+from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import member_key, progress_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.session.chain import ABSORB, FragmentChain, View
@@ -351,10 +351,10 @@ class Exchanger:
 
     def put_progress(self, progress: dict[str, Any]) -> None:
         """Write this learner's progress record (what ``gradientmail status`` shows)."""
-        record = dict(progress, units=units_claimed(self.learner_id), samples_in_run=self.samples_in_run())
-        spans = unit_spans(describe(self.mailbox), self.learner_id)
-        if spans is not None:  # when and for how long this learner trained its recent units
-            record["unit_spans"] = spans
+        figures = gate_for(describe(self.mailbox), self.learner_id).queue_figures()  # from its queue, if any
+        record = dict(progress, units=figures.units, samples_in_run=self.samples_in_run())
+        if figures.unit_spans is not None:  # when and for how long this learner trained its recent units
+            record["unit_spans"] = figures.unit_spans
         self.mailbox.put(progress_key(self.learner_id), json.dumps(record).encode())
 
 
@@ -369,33 +369,3 @@ def logical(view: View) -> dict[str, Tensor]:
 
 def _slice(tensor: Tensor, piece: Piece) -> Tensor:
     return tensor.reshape(-1)[piece.start : piece.stop]
-
-
-def units_claimed(learner_id: str) -> int | None:
-    """Units this learner claimed, from this process's shared queue when it has one, else None."""
-    try:
-        from gradientmail.queue.telemetry import units_claimed_by
-    except (ImportError, AttributeError):
-        return None
-    try:
-        units = units_claimed_by(learner_id)
-    except Exception:  # a status field must never fail an exchange
-        return None
-    if isinstance(units, bool):
-        return None
-    if isinstance(units, int):
-        return units
-    try:
-        return len(units)
-    except TypeError:
-        return None
-
-
-def unit_spans(store: str, learner_id: str) -> dict[str, Any] | None:
-    """The recent units' training spans timed by this process's shared queue, or None."""
-    try:
-        from gradientmail.queue.telemetry import spans_record
-
-        return spans_record(store, learner_id)
-    except Exception:  # a display aid must never fail an exchange
-        return None

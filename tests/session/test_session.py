@@ -971,3 +971,22 @@ def test_a_learner_that_leaves_pays_the_retirements_it_owed(memory_mailbox, monk
     versions = FragmentChain(memory_mailbox, 0, 1, {}).list_versions()
     live = [v for v in versions if memory_mailbox.get(state_key(v)) != TOMBSTONE]
     assert live == versions[-KEEP:]
+
+
+def test_the_progress_record_holds_what_the_learners_queue_hands_over(memory_mailbox):
+    # The queue reports its figures to the Session through their shared FoldGate: the record
+    # shows no units before this learner has a queue on the store, then the units it claimed.
+    from gradientmail import SharedQueueDataset
+
+    model = scalar()
+    with session(model, memory_mailbox, "counted") as s:
+        exchange(s, model, 1.0)
+        assert json.loads(memory_mailbox.get("progress/counted.json"))["units"] is None
+        units = {f"u{i}": i for i in range(3)}
+        dataset = SharedQueueDataset(
+            units, mailbox=memory_mailbox, learner_id="counted", load=lambda i: [(i, torch.zeros(1))]
+        )
+        assert [step for step, _ in dataset] == [0, 1, 2]
+        exchange(s, model, 1.0)
+        record = json.loads(memory_mailbox.get("progress/counted.json"))
+    assert record["units"] == 3
