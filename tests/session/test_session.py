@@ -978,15 +978,16 @@ def test_the_progress_record_holds_what_the_learners_queue_hands_over(memory_mai
     # shows no units before this learner has a queue on the store, then the units it claimed.
     from gradientmail import SharedQueueDataset
 
+    learner = f"counted-{uuid.uuid4().hex[:8]}"  # units_claimed_by counts per learner id, process-wide
     model = scalar()
-    with session(model, memory_mailbox, "counted") as s:
+    with session(model, memory_mailbox, learner) as s:
         exchange(s, model, 1.0)
-        assert json.loads(memory_mailbox.get("progress/counted.json"))["units"] is None
+        assert json.loads(memory_mailbox.get(f"progress/{learner}.json"))["units"] is None
         units = {f"u{i}": i for i in range(3)}
         dataset = SharedQueueDataset(
-            units, mailbox=memory_mailbox, learner_id="counted", load=lambda i: [(i, torch.zeros(1))]
+            units, mailbox=memory_mailbox, learner_id=learner, load=lambda i: [(i, torch.zeros(1))]
         )
         assert [step for step, _ in dataset] == [0, 1, 2]
         exchange(s, model, 1.0)
-        record = json.loads(memory_mailbox.get("progress/counted.json"))
+        record = json.loads(memory_mailbox.get(f"progress/{learner}.json"))
     assert record["units"] == 3
