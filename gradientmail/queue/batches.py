@@ -26,7 +26,7 @@ import copy
 import numbers
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "Batch",
     "INLINE_BYTES",
     "Inline",
+    "Item",
     "MAX_DEPTH",
     "TensorTree",
     "add_note",
@@ -51,6 +52,7 @@ __all__ = [
     "loaded_batches",
     "map_tensors",
     "to_device",
+    "UnitTag",
 ]
 
 
@@ -285,6 +287,41 @@ def _rebuild(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
 Batch = tuple[int, TensorTree]
 
 
+class UnitTag(NamedTuple):
+    """Which unit a queue item comes from: what the loop's side needs to time units and record progress."""
+
+    unit: str
+    token: str | None = None
+    """The claim's token when the consuming side records progress (``resume=``/``lease=``)."""
+    position: int | None = None
+    """The batch's index in the unit's ``load()`` iteration (recorded with progress)."""
+    end: bool = False
+    """No batch: the unit's batches are all out (progress records the unit finished)."""
+
+
+class Item(NamedTuple):
+    """What travels from a loader to the loop inside ``shared_queue``: a batch and its unit.
+
+    One type whatever the run records: the loader's side fills the tag, the loop's side
+    (``pumps``) reads it and hands the training loop the plain ``(step, batch)`` pair. It is
+    a tuple of plain values, so it survives DataLoader's worker pipes, collation and pinning.
+
+    Example:
+        >>> item = Item(3, torch.ones(1), UnitTag("000001-0.json"))
+        >>> item.pair[0], item.tag.unit
+        (3, '000001-0.json')
+    """
+
+    step: int | None
+    batch: Any
+    tag: UnitTag
+
+    @property
+    def pair(self) -> Batch:
+        """The ``(step, batch)`` pair the training loop gets."""
+        return (self.step, self.batch)  # type: ignore[return-value]  # None only for an end marker
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """Add ``note`` to ``exc`` (shown under its traceback) where Python supports it."""
     if hasattr(exc, "add_note"):  # Python >= 3.11
@@ -388,17 +425,19 @@ def checked_order(order: Sequence[str] | None, units: Mapping[str, Any]) -> list
     )
 
 
-def keep_pairs(item: Batch) -> Batch:
-    """DataLoader ``collate_fn`` that keeps each ``(step, batch)`` pair (and its tags) as it is,
+def keep_pairs(item: Batch | Item) -> Batch | Item:
+    """DataLoader ``collate_fn`` that keeps each ``(step, batch)`` pair or ``Item`` as it is,
     but lets small tensors travel to the training process inline (``queue.batches``).
 
     Example:
-        >>> step, batch, tag = keep_pairs((0, torch.ones(1), "unit"))
-        >>> step, tag
-        (0, 'unit')
+        >>> item = keep_pairs(Item(0, torch.ones(1), UnitTag("unit")))
+        >>> item.step, item.tag.unit, type(item.batch).__name__
+        (0, 'unit', 'Inline')
     """
-    if isinstance(item, tuple) and len(item) >= 2:
-        return (item[0], inline(item[1]), *item[2:])  # type: ignore[return-value]
+    if isinstance(item, Item):
+        return item._replace(batch=inline(item.batch))
+    if isinstance(item, tuple) and len(item) == 2:
+        return (item[0], inline(item[1]))
     return item
 
 

@@ -28,7 +28,9 @@ from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
 from gradientmail.queue.batches import (
     Batch,
+    Item,
     TensorTree,
+    UnitTag,
     add_note,
     checked_count,
     checked_order,
@@ -38,7 +40,7 @@ from gradientmail.queue.batches import (
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, BufferGauge, ClaimAhead, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.liveness import Presence, presence_renew_s
-from gradientmail.queue.progress import BATCH, ProgressTracker, consume_inline, tagged_items
+from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
 from gradientmail.queue.telemetry import queue_figures, register_counter
 from gradientmail.queue.units import ClaimIndex
@@ -136,7 +138,7 @@ class Wiring:
         gauge: The consumer's buffer, which claiming ahead watches.
         control: Stops DataLoader workers between operations.
         tagged: Yield elastic items tagged for a ``ProgressTracker`` in the consumer.
-        timed: Plain batches carry their unit identifier (for ``unit_timing``).
+        timed: Batches travel as ``Item``s that name their unit (for ``unit_timing``), not pairs.
         elastic: The resume/lease options its workers take (None: the seed's queue).
     """
 
@@ -288,7 +290,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         """Tell a claimer in this process that waits for orphaned units to stop waiting."""
         self._halt[0] = True
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Batch | Item]:
         info = get_worker_info()
         worker = info.id if info is not None else None
         if self.wiring.elastic is not None and not self.wiring.tagged:
@@ -338,7 +340,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             require_replace_if(self.mailbox, "load_state_dict")
         self._restore = restore
 
-    def _claim_and_load(self, worker: int | None, options: ElasticOptions | None = None) -> Iterator[Any]:
+    def _claim_and_load(self, worker: int | None, options: ElasticOptions | None = None) -> Iterator[Batch | Item]:
         if not self.units:
             return
         if not self.wiring.prepared:
@@ -377,7 +379,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     self._positions[identifier] = {"token": None, "step": step, "position": position}
                     if gauge is not None:
                         gauge.produced(worker)
-                    yield (step, tensor, identifier) if self.wiring.timed else (step, tensor)
+                    yield Item(step, tensor, UnitTag(identifier)) if self.wiring.timed else (step, tensor)
                 log.debug(
                     "%s loaded unit %s (%d batches)",
                     self.learner_id,
@@ -390,7 +392,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             self._claim_stats.update(claimer.stats)
             _log_claims(self.learner_id, worker, claimer.stats)
 
-    def _claim_and_load_elastic(self, worker: int | None, options: ElasticOptions | None) -> Iterator[Any]:
+    def _claim_and_load_elastic(self, worker: int | None, options: ElasticOptions | None) -> Iterator[Batch | Item]:
         """Resume, leases or a restored state: ``ElasticClaimer`` picks the units; with
         ``options`` the items stay tagged for the consumer's ``ProgressTracker``."""
         control = self.wiring.control
@@ -419,15 +421,15 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                         f"while learner {self.learner_id!r} was claiming or loading a unit in {describe(self.mailbox)}",
                     )
                     raise
-                step, tensor, (identifier, token, kind, position) = item
-                if kind == BATCH:
-                    self._positions[identifier] = {"token": token, "step": step, "position": position}
+                step, tag = item.step, item.tag
+                if tag.end:
+                    self._positions.pop(tag.unit, None)
                 else:
-                    self._positions.pop(identifier, None)
+                    self._positions[tag.unit] = {"token": tag.token, "step": step, "position": tag.position}
                 if options is not None:
-                    yield item
-                elif kind == BATCH:
-                    yield step, tensor
+                    yield item  # for the consuming side's ProgressTracker
+                elif not tag.end:
+                    yield item._replace(tag=UnitTag(tag.unit)) if self.wiring.timed else item.pair
         finally:
             self._claim_stats.update(claimer.claim_stats)
 

@@ -19,15 +19,14 @@ from gradientmail.claim_record import STOPPED
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
+from gradientmail.queue.batches import Item, UnitTag
 from gradientmail.queue.claims import UnitOwnership, load_claim
 from gradientmail.queue.liveness import RELEASED, RUNNING, dumps, lease_body, position_value, step_value, work_body
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.records import WORK, SkippedRecords
 from gradientmail.session.folded_units import folded_mark
 
-__all__ = ["BATCH", "END", "Consumption", "ProgressTracker", "Tagged", "consume_inline", "tagged_items"]
-
-BATCH, END = 0, 1
+__all__ = ["Consumption", "ProgressTracker", "consume_inline", "tagged_items"]
 """Kinds of the tag carried beside each item between the loading side and the consumer."""
 
 log = logging.getLogger("gradientmail.queue")
@@ -384,18 +383,13 @@ class ProgressTracker:
 
 
 # -- the stream between the two sides ----------------------------------------------------------
-Tagged = tuple[Any, Any, tuple[str, str, int, Any]]
-"""``(step, tensor, (identifier, token, BATCH, position))`` or ``(None, None, (identifier, token,
-END, None))``; ``position`` is the batch's index in the unit's ``load()`` iteration."""
-
-
 def tagged_items(
     claimer: ElasticClaimer,
     load_unit: Callable[[str], Iterator[tuple[int, Any]]],
     on_claim: Callable[[], None] = lambda: None,
-) -> Iterator[Tagged]:
+) -> Iterator[Item]:
     """Each owned unit's batches not consumed before (``Assignment.skips``), then an end marker,
-    unit by unit; each batch tagged with its position in ``load``'s iteration."""
+    unit by unit; each batch tagged with its claim token and its position in ``load``'s iteration."""
     while True:
         assignment = claimer.claim_next()
         if assignment is None:
@@ -405,12 +399,12 @@ def tagged_items(
         for position, (step, tensor) in enumerate(load_unit(identifier)):
             if assignment.skips(step, position):
                 continue
-            yield step, tensor, (identifier, token, BATCH, position)
-        yield None, None, (identifier, token, END, None)
+            yield Item(step, tensor, UnitTag(identifier, token, position))
+        yield Item(None, None, UnitTag(identifier, token, end=True))
 
 
 class Consumption:
-    """Turns tagged items into ``(step, tensor)`` and tells the tracker what was consumed.
+    """Turns ``Item``s into ``(step, tensor)`` pairs and tells the tracker what was consumed.
 
     A batch counts as consumed when the next item is asked for (the loop trained on it), or
     when ``close(consumed_last=True)`` says so (the ``with`` block was left without an error).
@@ -421,7 +415,7 @@ class Consumption:
         self._last: tuple[str, str, int, int | None, int] | None = None
         self._index = 0  # the gate index of the last batch handed to the loop
 
-    def next_from(self, items: Iterator[Tagged]) -> tuple[int, Any]:
+    def next_from(self, items: Iterator[Item]) -> tuple[int, Any]:
         self.tracker.check()
         if self._last is not None:
             self.tracker.consumed(*self._last)
@@ -430,14 +424,13 @@ class Consumption:
         try:
             while True:
                 step, tensor, tag = next(items)
-                identifier, token, kind = tag[0], tag[1], tag[2]
-                if kind != END:
+                if not tag.end:
                     break
-                self.tracker.finished(identifier, token, self._index)
+                self.tracker.finished(tag.unit, tag.token, self._index)
         finally:
             self.tracker.waiting(False)  # waits for a fold the writer thread started meanwhile
+        identifier, token, position = tag.unit, tag.token, tag.position
         self.tracker.confirm(identifier, token)  # after a long pause: are its units still its own?
-        position = tag[3] if len(tag) > 3 else None
         # Counted only now: a fold under way when the batch arrived did not train on it.
         self._index = self.tracker.gate.deliver(UnitMark(identifier, token, step, position))
         self._last = (identifier, token, step, position, self._index)
@@ -449,9 +442,7 @@ class Consumption:
         self._last = None
 
 
-def consume_inline(
-    items: Iterator[Tagged], tracker: ProgressTracker, presence: Any = None
-) -> Iterator[tuple[int, Any]]:
+def consume_inline(items: Iterator[Item], tracker: ProgressTracker, presence: Any = None) -> Iterator[tuple[int, Any]]:
     """Direct iteration of a dataset in this process: the generator resuming means consumed.
 
     ``presence`` (a ``presence.Presence``) registers this incarnation first and is closed last.

@@ -3,8 +3,8 @@
 Section ``consume`` below: The iterator the training loop sees: ends for good, times units, and (elastic) records progress.
 
 Data flows one way: a pump (``handoff.ThreadBatches``, ``loader.LoaderBatches``) delivers
-``(step, batch[, tag])`` items; ``ElasticBatches`` on top hands the tags to
-``elastic.Consumption`` and the loop gets plain pairs.
+``batches.Item``s (a batch and its unit's ``UnitTag``); ``Batches`` times them per unit, and
+``ElasticBatches`` on top hands the tags to ``progress.Consumption``: the loop gets plain pairs.
 
 Section ``handoff`` below: The thread pump: ``HandOff`` calls ``next()`` on another thread, a bounded number of items ahead.
 
@@ -35,9 +35,9 @@ from torch.utils.data import DataLoader, _utils
 from gradientmail.errors import InProcessMailboxError, UnpicklableError
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.queue.batches import Batch, keep_pairs
+from gradientmail.queue.batches import Batch, Item, keep_pairs
 from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
-from gradientmail.queue.progress import BATCH, Consumption, ProgressTracker
+from gradientmail.queue.progress import Consumption, ProgressTracker
 from gradientmail.queue.telemetry import BatchWatch
 
 __all__ = [
@@ -101,7 +101,7 @@ class Batches(Iterator[Batch]):
             self._finished = True
             raise
 
-    def _next(self) -> Batch:
+    def _next(self) -> Batch | Item:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -109,18 +109,13 @@ class Batches(Iterator[Batch]):
         raise NotImplementedError
 
 
-def watched(watch: BatchWatch, item: Any) -> Any:
-    """Tell ``watch`` which unit ``item`` belongs to; strip a plain tag (elastic tags stay)."""
-    tag = item[2] if isinstance(item, (tuple, list)) and len(item) == 3 else None
-    if isinstance(tag, str):
-        watch.taken(tag)
-        return (item[0], item[1])
-    if isinstance(tag, (tuple, list)) and len(tag) >= 3:
-        if tag[2] == BATCH:
-            watch.taken(tag[0] if isinstance(tag[0], str) else None)
-        return item
-    watch.taken(None)
-    return item
+def watched(watch: BatchWatch, item: Item) -> Batch | Item:
+    """Tell ``watch`` which unit ``item``'s batch belongs to; the loop's pair, or the item
+    whole when its progress is recorded (a claim token: ``ElasticBatches`` takes it)."""
+    tag = item.tag
+    if not tag.end:
+        watch.taken(tag.unit)
+    return item if tag.token is not None else item.pair
 
 
 class ElasticBatches(Batches):
@@ -289,7 +284,7 @@ class ThreadBatches(Batches):
         # A daemon: never keeps the interpreter alive; close() joins it.
         self._pump = HandOff(self._source, prefetch, f"gradientmail-shared-queue-{dataset.learner_id}")
 
-    def _next(self) -> Batch:
+    def _next(self) -> Batch | Item:
         batch = self._pump.take()
         if self._gauge is not None:
             self._gauge.consumed()
@@ -377,7 +372,7 @@ class LoaderBatches(Batches):
         """Shared with the workers; ``control.stop`` is set when the batches are closed."""
         return self._control
 
-    def _next(self) -> Batch:
+    def _next(self) -> Batch | Item:
         if self._iterator is None:
             raise StopIteration
         batch = next(self._iterator) if self._pump is None else self._pump.take()

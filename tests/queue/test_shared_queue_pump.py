@@ -21,8 +21,10 @@ from test_shared_queue import FailingLoad, ProducedCounter, leftovers, load_item
 from torch.utils.data import _utils
 
 from gradientmail.layout import CLAIMS_PREFIX
+from gradientmail.mailbox.base import describe
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.pumps import HandOff, wake_loader
+from gradientmail.queue.telemetry import spans_record
 
 FORK = multiprocessing.get_context("fork")
 
@@ -320,3 +322,23 @@ def test_handoff_delivers_end_and_errors_in_order():
     with pytest.raises(StopIteration):
         pump.take()
     wait_until(lambda: _handoff_threads("end") == [])
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_each_batch_crosses_the_worker_pipe_naming_its_unit(local_mailbox, resume):
+    """A DataLoader worker hands each batch over as one ``batches.Item`` (its unit's tag kept
+    through collation and the pipe): the loop gets plain ``(step, batch)`` pairs, and every
+    unit's batches are timed under that unit's name (with ``resume``: and recorded as consumed)."""
+    units = named_units(3, steps=2)
+    learner = f"items-{resume}"
+    with shared_queue(
+        units, mailbox=local_mailbox, learner_id=learner, load=load_item, workers=1, resume=resume
+    ) as batches:
+        got = list(batches)
+    assert all(type(pair) is tuple and len(pair) == 2 for pair in got)
+    assert sorted((int(batch[0]), step) for step, batch in got) == [(u, s) for u in range(3) for s in range(2)]
+    spans = spans_record(describe(local_mailbox), learner)
+    assert spans is not None
+    assert sorted((entry["unit"], entry["batches"]) for entry in spans["recent"]) == [
+        (unit, 2) for unit in sorted(units)
+    ]

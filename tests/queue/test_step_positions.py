@@ -18,7 +18,7 @@ from queue_nodes import named_units
 from gradientmail import LocalMailbox, SharedQueueDataset
 from gradientmail.layout import claim_key
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.progress import BATCH, Consumption, ProgressTracker, tagged_items
+from gradientmail.queue.progress import Consumption, ProgressTracker, tagged_items
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.status import read_run
 
@@ -74,9 +74,9 @@ def test_resume_takes_back_a_dead_incarnations_unit_by_position(memory_mailbox):
 
     again = ElasticClaimer(memory_mailbox, ["00000", "00001"], "node-0", ElasticOptions(resume=True, lease_s=None))
     rest = [
-        (tag[0], int(tensor[1]), step)
+        (tag.unit, int(tensor[1]), step)
         for step, tensor, tag in tagged_items(again, lambda identifier: load(items[identifier]))
-        if tag[2] == BATCH
+        if not tag.end
     ]
     assert [int(tensor[1]) for _, tensor in got] == [0, 1, 2, 3]
     assert rest == [("00000", p, 0) for p in range(3, 6)] + [("00001", p, 0) for p in range(6)]

@@ -26,6 +26,7 @@ from gradientmail.queue.batches import (
     INLINE_BYTES,
     MAX_DEPTH,
     Inline,
+    UnitTag,
     checked_batch,
     first_non_tensor,
     inline,
@@ -33,6 +34,7 @@ from gradientmail.queue.batches import (
     map_tensors,
     to_device,
 )
+from gradientmail.queue.batches import Item as QueueItem
 from gradientmail.status import read_run
 
 pytestmark = pytest.mark.timeout(120)
@@ -163,13 +165,14 @@ def test_inline_wraps_each_small_leaf_and_leaves_the_rest():
 
 
 def test_the_worker_collate_inlines_structured_and_tagged_items():
-    """``keep_pairs`` is DataLoader's collate_fn in the workers: pairs and elastic tagged items."""
+    """``keep_pairs`` is DataLoader's collate_fn in the workers: pairs and ``Item``s (tags kept)."""
     batch = make("dict", 1, 0)
     step, kept = keep_pairs((0, batch))
     assert step == 0 and all(isinstance(v, Inline) for v in kept.values())
-    tag = ("00001", "token", 0, 3)
-    assert keep_pairs((0, batch, tag))[2] is tag
-    end = (None, None, ("00001", "token", 1, None))
+    tag = UnitTag("00001", "token", 3)
+    item = keep_pairs(QueueItem(0, batch, tag))
+    assert isinstance(item, QueueItem) and item.tag is tag and all(isinstance(v, Inline) for v in item.batch.values())
+    end = QueueItem(None, None, UnitTag("00001", "token", end=True))
     assert keep_pairs(end) == end
 
 
