@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 RUN_KEY = "run.json"
-"""Created once per run: ``{"units", "created", "fingerprint"}`` (``gradientmail.run_record``)."""
+"""Created once per run: ``{"units", "created", "fingerprint"}`` (``records.RunRecord``)."""
 CLAIMS_PREFIX = "units/"
 PROGRESS_PREFIX = "progress/"
 SESSION_PREFIX = "session/"

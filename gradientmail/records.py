@@ -1,4 +1,12 @@
-"""Bounded, validated parsing of the JSON records read from a mailbox: one place everyone uses.
+"""The JSON records on the store: each one's schema, bounded parsing, and typed writer and reader.
+
+Every JSON record the library writes has one class here (``ClaimRecord``, ``WorkRecord``,
+``DoneRecord``, ``LeaseRecord``, ``PresenceRecord``, ``RunRecord``, ``MemberRecord``,
+``ProgressRecord``): its ``new(...)`` builds a body to write, ``from_bytes`` (or ``read``)
+reads one back through ``parse``, and typed properties say what the fields mean. The keys they live under are in
+``gradientmail.layout``. The Session's tensor records (state and pending contributions) are
+safetensors with a bounded JSON header, typed by ``session.mail.StateHeader`` and
+``PendingHeader`` beside their encoding, which needs torch: this bottom layer does not.
 
 Anyone who can write the mailbox prefix can put anything under it, and a broken writer (a disk
 that filled up, a foreign tool) can too, so every record a node or ``gradientmail status``
@@ -27,27 +35,44 @@ import logging
 import math
 import re
 import threading
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 from gradientmail.errors import RecordError, RecordSkippedWarning
 from gradientmail.mailbox.keys import is_valid_key
 
 __all__ = [
+    "ACTIVE",
     "CLAIM",
+    "ClaimRecord",
     "DONE",
+    "DoneRecord",
     "LEASE",
+    "LeaseRecord",
     "MAX_COUNT",
+    "MEMBER",
+    "MemberRecord",
     "MAX_DEPTH",
     "MAX_RECORD_BYTES",
+    "PRESENCE",
     "PROGRESS",
+    "PresenceRecord",
+    "ProgressRecord",
+    "RELEASED",
     "RUN",
-    "WORK",
+    "RUNNING",
+    "Record",
     "RecordKind",
+    "RunRecord",
+    "STOPPED",
     "SkippedRecords",
+    "WORK",
+    "WorkRecord",
     "loads_object",
     "parse",
 ]
@@ -202,6 +227,12 @@ class RecordKind:
     required: tuple[str, ...] = ()
 
 
+ACTIVE, RELEASED = "active", "released"
+"""A claim's ``state`` in the elastic queue: being worked on, or handed back for anyone to take."""
+
+RUNNING, STOPPED = "running", "stopped"
+"""A lease's or presence record's ``state``: its writer runs, or has stopped for good."""
+
 CLAIM = RecordKind(
     "claim",
     {
@@ -212,7 +243,7 @@ CLAIM = RecordKind(
         "worker": _nullable(_COUNT),
         "claimed_at": _time,
         "incarnation": _text,
-        "state": _one_of("active", "released"),
+        "state": _one_of(ACTIVE, RELEASED),
         "step": _nullable(_STEP),
         "taken_from": _nullable(_segment),
         "released_at": _time,
@@ -242,8 +273,25 @@ LEASE = RecordKind(
         "consumed": _COUNT,
         "time": _time,
         "lease_s": _positive,
-        "state": _one_of("running", "stopped"),
+        "state": _one_of(RUNNING, STOPPED),
     },
+)
+PRESENCE = RecordKind(
+    "presence record",
+    {
+        "learner": _segment,
+        "incarnation": _text,
+        "state": _one_of(RUNNING, STOPPED),
+        "beat": _COUNT,
+        "time": _time,
+        "renew_s": _positive,
+        "host": _text,
+        "boot": _nullable(_text),
+        "pidns": _nullable(_text),
+        "pid": _COUNT,
+        "pid_start": _nullable(_COUNT),
+    },
+    required=("incarnation", "state", "host", "pid"),
 )
 PROGRESS = RecordKind(
     "progress record",
@@ -262,6 +310,7 @@ PROGRESS = RecordKind(
     },
 )
 RUN = RecordKind("run record", {"units": _COUNT, "created": _time, "fingerprint": _fingerprint})
+MEMBER = RecordKind("member record", {"learner": _segment, "joined": _time})
 
 
 # -- parsing -----------------------------------------------------------------------------------
@@ -329,6 +378,350 @@ def parse(kind: RecordKind, data: bytes, key: str = "") -> dict[str, Any]:
     return record
 
 
+# -- typed records: each record's writer and reader together ---------------------------------------
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+"""``json.dumps(..., separators=(",", ":"))``'s encoder, built once instead of per record."""
+
+RecordT = TypeVar("RecordT", bound="Record")
+T = TypeVar("T")
+
+
+def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
+    """``value`` if it is a ``kind`` (never a bool standing in for a number), else None."""
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        return None
+    return value if isinstance(value, kind) else None
+
+
+def _number(value: Any) -> float | None:
+    value = _typed(value, (int, float))
+    return None if value is None else float(value)
+
+
+class Field(Generic[T]):
+    """A typed read of one record field: the stored value when it has the type, else None.
+
+    ``kind`` float accepts any JSON number (as a float); ``at_least`` refuses smaller ints.
+    """
+
+    def __init__(self, kind: type[T], doc: str = "", *, at_least: int | None = None) -> None:
+        self.kind = kind
+        self.at_least = at_least
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, record: None, owner: type) -> Field[T]: ...
+    @overload
+    def __get__(self, record: Record, owner: type) -> T | None: ...
+    def __get__(self, record: Record | None, owner: type) -> Field[T] | T | None:
+        if record is None:
+            return self
+        value = record.fields.get(self.name)
+        if self.kind is float:
+            return _number(value)  # type: ignore[return-value]
+        value = _typed(value, self.kind)
+        if self.at_least is not None and value is not None and value < self.at_least:
+            return None
+        return value
+
+
+class Record:
+    """A record body: typed fields over the exact JSON object it was read from or built as.
+
+    ``to_bytes`` gives back exactly the body it holds: unknown fields (a newer writer's) and
+    the key order are kept, so a rewrite changes only what it means to change.
+    """
+
+    KIND: ClassVar[RecordKind]
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        self.fields: Mapping[str, Any] = MappingProxyType(dict(fields))
+        """The body, key order kept (read-only); unknown fields are kept and ignored."""
+
+    @classmethod
+    def from_bytes(cls: type[RecordT], data: bytes, key: str = "") -> RecordT:
+        """The record in ``data``, bounded and checked.
+
+        Raises:
+            RecordError: not a usable record of this kind (too large or deep, not JSON, a bad field).
+        """
+        return cls(parse(cls.KIND, data, key))
+
+    @classmethod
+    def read(cls: type[RecordT], data: bytes | None, key: str = "") -> RecordT | None:
+        """The record in ``data``, or None when it is missing (None) or unusable."""
+        if data is None:
+            return None
+        try:
+            return cls.from_bytes(data, key)
+        except RecordError:
+            return None
+
+    def to_bytes(self) -> bytes:
+        """The body as compact JSON: the bytes the record is stored as."""
+        return _ENCODER.encode(dict(self.fields)).encode()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A mutable copy of the body."""
+        return dict(self.fields)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A field as stored (for display; code that decides reads the typed properties)."""
+        return self.fields.get(name, default)
+
+    def replace(self: RecordT, **changes: Any) -> RecordT:
+        """A copy with ``changes``: fields already present keep their place, new ones go last."""
+        return type(self)({**self.fields, **changes})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.fields)!r})"
+
+    learner = Field(str, "The learner that wrote it (every record but the run's names one).")
+
+
+class ClaimRecord(Record):
+    """``units/{identifier}``: who owns a unit (and, in the elastic queue, its state).
+
+    Example:
+        >>> record = ClaimRecord.from_bytes(b'{"learner":"node-0","token":"t0","worker":null}')
+        >>> record.learner, record.token, record.state
+        ('node-0', 't0', None)
+        >>> record.to_bytes()
+        b'{"learner":"node-0","token":"t0","worker":null}'
+    """
+
+    KIND = CLAIM
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, claim: Mapping[str, Any] | ClaimRecord) -> ClaimRecord:
+        """``claim`` itself, or a claim dict (as the queue's callbacks see it) wrapped."""
+        return claim if isinstance(claim, ClaimRecord) else cls(claim)
+
+    token = Field(str)
+    host = Field(str)
+    pid = Field(int)
+
+    @property
+    def worker(self) -> Any:
+        """The DataLoader worker that claimed (None: the main process), as stored."""
+        return self.fields.get("worker")
+
+    claimed_at = Field(float)
+    state = Field(str, "``ACTIVE`` or ``RELEASED`` for elastic claims, None for the seed's.")
+    incarnation = Field(str)
+    step = Field(int)
+    position = Field(int, at_least=0)
+    taken_from = Field(str)
+
+
+class WorkRecord(Record):
+    """``work/{learner}/{identifier}``: the last batch the loop consumed under a claim.
+
+    Example:
+        >>> record = WorkRecord.from_bytes(WorkRecord.new("node-0", "t0", "i0", 7, position=3).to_bytes())
+        >>> record.step, record.position, record.done
+        (7, 3, False)
+    """
+
+    KIND = WORK
+    __slots__ = ()
+
+    @classmethod
+    def new(
+        cls,
+        learner: str,
+        token: str,
+        incarnation: str,
+        step: int | None,
+        *,
+        position: int | None = None,
+        done: bool = False,
+    ) -> WorkRecord:
+        return cls(
+            {
+                "learner": learner,
+                "token": token,
+                "incarnation": incarnation,
+                "step": step,
+                "position": position,
+                "done": done,
+                "updated": time.time(),
+            }
+        )
+
+    token = Field(str)
+    incarnation = Field(str)
+    step = Field(int, "The last consumed batch's step label (any int; None before the first).")
+    position = Field(int, "Its index in the unit's ``load()`` iteration (None: an older writer's record).", at_least=0)
+
+    @property
+    def done(self) -> bool:
+        return self.fields.get("done") is True
+
+
+class DoneRecord(Record):
+    """``done/{identifier}``: a unit's batches were all consumed, under claim ``token``."""
+
+    KIND = DONE
+    __slots__ = ()
+
+    @classmethod
+    def new(cls, learner: str, token: str) -> DoneRecord:
+        return cls({"learner": learner, "token": token, "at": time.time()})
+
+    token = Field(str)
+
+
+class LeaseRecord(Record):
+    """``leases/{learner}.json``: one heartbeat of an elastic learner (``verdict.judge_lease``)."""
+
+    KIND = LEASE
+    __slots__ = ()
+
+    @classmethod
+    def new(cls, learner: str, incarnation: str, beat: int, consumed: int, lease_s: float, state: str) -> LeaseRecord:
+        return cls(
+            {
+                "learner": learner,
+                "incarnation": incarnation,
+                "beat": beat,
+                "consumed": consumed,
+                "time": time.time(),
+                "lease_s": lease_s,
+                "state": state,
+            }
+        )
+
+    incarnation = Field(str)
+    state = Field(str, "``RUNNING`` or ``STOPPED``.")
+    time = Field(float, "When its writer wrote it (unix seconds, the writer's clock).")
+    consumed = Field(int)
+
+
+class PresenceRecord(Record):
+    """``learners/{learner}.json``: the live incarnation of a learner id, and where it runs.
+
+    Example:
+        >>> record = PresenceRecord.new("node-0", "i0", RUNNING, 1, 10.0, {"host": "h"}, pid=42, pid_start=None)
+        >>> PresenceRecord.from_bytes(record.to_bytes()).pid
+        42
+    """
+
+    KIND = PRESENCE
+    __slots__ = ()
+
+    @classmethod
+    def new(
+        cls,
+        learner: str,
+        incarnation: str,
+        state: str,
+        beat: int,
+        renew_s: float,
+        machine: Mapping[str, Any],
+        *,
+        pid: int,
+        pid_start: int | None,
+        now: float | None = None,
+    ) -> PresenceRecord:
+        return cls(
+            {
+                "learner": learner,
+                "incarnation": incarnation,
+                "state": state,
+                "beat": beat,
+                "time": time.time() if now is None else now,
+                "renew_s": renew_s,
+                **machine,
+                "pid": pid,
+                "pid_start": pid_start,
+            }
+        )
+
+    @property
+    def incarnation(self) -> str:
+        return self.fields["incarnation"]  # required and checked
+
+    @property
+    def state(self) -> str:
+        """``RUNNING`` or ``STOPPED``."""
+        return self.fields["state"]
+
+    @property
+    def host(self) -> str:
+        return self.fields["host"]
+
+    @property
+    def pid(self) -> int:
+        return self.fields["pid"]
+
+    pid_start = Field(int, "The process's start time in clock ticks since boot (None: unknown).")
+    time = Field(float)
+    renew_s = Field(float)
+
+
+class RunRecord(Record):
+    """``run.json``: the run's unit count and unit-set fingerprint, written once."""
+
+    KIND = RUN
+    __slots__ = ()
+
+    @classmethod
+    def new(cls, units: int, fingerprint: str | None) -> RunRecord:
+        fields: dict[str, Any] = {"units": units, "created": time.time()}
+        if fingerprint is not None:
+            fields["fingerprint"] = fingerprint
+        return cls(fields)
+
+    units = Field(int)
+    fingerprint = Field(str, "``unit_fingerprint`` of the run's identifiers (None: an older version's record).")
+
+
+class MemberRecord(Record):
+    """``session/members/{learner}.{joined ms}``: a learner in the Session (its key says who and
+    since when; peers count the keys, the body repeats them for a reader of the store)."""
+
+    KIND = MEMBER
+    __slots__ = ()
+
+    @classmethod
+    def new(cls, learner: str, joined: float) -> MemberRecord:
+        return cls({"learner": learner, "joined": joined})
+
+    joined = Field(float)
+
+
+class ProgressRecord(Record):
+    """``progress/{learner}.json``: a learner's training progress, as ``gradientmail status`` shows it."""
+
+    KIND = PROGRESS
+    __slots__ = ()
+
+    @classmethod
+    def new(
+        cls,
+        progress: Mapping[str, Any],
+        *,
+        units: int | None,
+        samples_in_run: int | None,
+        unit_spans: Mapping[str, Any] | None = None,
+    ) -> ProgressRecord:
+        """The Session's figures (``progress``), the queue's ``units`` and ``unit_spans``."""
+        fields = dict(progress, units=units, samples_in_run=samples_in_run)
+        if unit_spans is not None:
+            fields["unit_spans"] = dict(unit_spans)
+        return cls(fields)
+
+    steps = Field(int)
+    samples = Field(int)
+
+
 class SkippedRecords:
     """Counts the records a reader skipped, and warns once per (kind, learner).
 
@@ -347,14 +740,14 @@ class SkippedRecords:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def parse(self, kind: RecordKind, data: bytes | None, key: str, who: str | None = None) -> dict[str, Any] | None:
-        """The record, or None when ``data`` is None (missing) or unusable (counted, warned)."""
+    def read(self, record: type[RecordT], data: bytes | None, key: str, who: str | None = None) -> RecordT | None:
+        """The ``record`` in ``data``, or None when it is missing or unusable (counted, warned)."""
         if data is None:
             return None
         try:
-            return parse(kind, data, key)
+            return record.from_bytes(data, key)
         except RecordError as exc:
-            self.skip(kind, exc, who)
+            self.skip(record.KIND, exc, who)
             return None
 
     def skip(self, kind: RecordKind, error: RecordError, who: str | None = None) -> None:

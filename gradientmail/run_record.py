@@ -1,4 +1,4 @@
-"""The run record (``run.json``): written once per run, checked by every node that joins it.
+"""Joining a run: the unit set's fingerprint, and the check of ``run.json`` every node makes.
 
 A prefix holds one run of one unit set: the record carries the set's ``fingerprint``, and a node
 whose units differ is refused (``RunMismatchError``) before it claims anything. See docs/queue.md.
@@ -7,16 +7,13 @@ whose units differ is refused (``RunMismatchError``) before it claims anything. 
 from __future__ import annotations
 
 import hashlib
-import json
-import time
 from collections.abc import Iterable
-from typing import Any
 
 from gradientmail.errors import RecordError, RunMismatchError
 from gradientmail.layout import RUN_KEY
-from gradientmail.records import RUN, parse
+from gradientmail.records import RunRecord
 
-__all__ = ["check_run_record", "run_record", "unit_fingerprint"]
+__all__ = ["check_run_record", "unit_fingerprint"]
 
 
 def unit_fingerprint(identifiers: Iterable[str]) -> str:
@@ -37,15 +34,7 @@ def unit_fingerprint(identifiers: Iterable[str]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def run_record(units: int, fingerprint: str | None) -> bytes:
-    """The body of a new ``run.json`` (fields documented in ``gradientmail.layout``)."""
-    record: dict[str, Any] = {"units": units, "created": time.time()}
-    if fingerprint is not None:
-        record["fingerprint"] = fingerprint
-    return json.dumps(record).encode()
-
-
-def check_run_record(data: bytes, units: int, fingerprint: str | None, store: str) -> dict[str, Any]:
+def check_run_record(data: bytes, units: int, fingerprint: str | None, store: str) -> RunRecord:
     """Check the existing ``run.json`` against this node's units.
 
     Args:
@@ -62,16 +51,16 @@ def check_run_record(data: bytes, units: int, fingerprint: str | None, store: st
         RunMismatchError: ``data`` is no run record, or records another unit set.
     """
     try:
-        record = parse(RUN, data, RUN_KEY)
+        record = RunRecord.from_bytes(data, RUN_KEY)
     except RecordError as exc:
         raise RunMismatchError(
             f"{store}: {exc}; this prefix does not hold a run this version can join: use a fresh prefix"
         ) from None
-    recorded = record.get("fingerprint")
+    recorded = record.fingerprint
     if fingerprint is None or recorded is None or recorded == fingerprint:
         return record
-    total = record.get("units")
-    theirs = f"{total} units" if isinstance(total, int) else "other units"
+    total = record.units
+    theirs = f"{total} units" if total is not None else "other units"
     raise RunMismatchError(
         f"{store} holds a run of another unit set ({theirs}, {recorded[:19]}...) than this node's "
         f"({units} units, {fingerprint[:19]}...): claims are per unit identifier, so joining would "

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gradientmail.claim_record import STOPPED, ClaimRecord, Sightings, judge_lease
 from gradientmail.errors import RecordError, RunNotFoundError
 from gradientmail.layout import (
     CLAIMS_PREFIX,
@@ -26,8 +25,16 @@ from gradientmail.layout import (
     RUN_KEY,
 )
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.records import CLAIM, LEASE, PROGRESS, RUN, RecordKind
+from gradientmail.records import (
+    STOPPED,
+    ClaimRecord,
+    LeaseRecord,
+    ProgressRecord,
+    RecordT,
+    RunRecord,
+)
 from gradientmail.records import parse as parse_record
+from gradientmail.verdict import Sightings, judge_lease
 
 DEFAULT_THREADS = 16
 """Parallel GETs when reading claim bodies; object stores answer each in tens of ms."""
@@ -193,10 +200,10 @@ _PLAIN_LEARNER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@:+-]{0,199}")
 """Older or foreign claims may hold just the learner id as text."""
 
 
-def _checked(kind: RecordKind, key: str, data: bytes) -> tuple[dict[str, Any] | None, str | None]:
+def _checked(record: type[RecordT], key: str, data: bytes) -> tuple[RecordT | None, str | None]:
     """``(record, None)``, or ``(None, problem)`` for a record ``gradientmail.records`` refuses."""
     try:
-        return parse_record(kind, data, key), None
+        return record.from_bytes(data, key), None
     except RecordError as exc:
         return None, str(exc)
 
@@ -206,7 +213,7 @@ def _claim(identifier: str, data: bytes) -> tuple[Claim, str | None]:
     try:
         # ``ClaimRecord.from_bytes`` less its wrapper: the fields are checked (``records.CLAIM``)
         # and read once each, which is a sixth of the cost of a 100k-unit status.
-        body = parse_record(CLAIM, data, CLAIMS_PREFIX + identifier)
+        body = parse_record(ClaimRecord.KIND, data, CLAIMS_PREFIX + identifier)
     except RecordError as exc:
         text = data.decode("utf-8", "replace").strip() if len(data) <= 200 else ""
         if _PLAIN_LEARNER.fullmatch(text):
@@ -237,7 +244,7 @@ def parse_progress(learner: str, data: bytes | None) -> LearnerStatus | None:
     return _progress(learner, data)[0]
 
 
-def _spans(body: dict[str, Any]) -> list[UnitSpan]:
+def _spans(body: ProgressRecord) -> list[UnitSpan]:
     """The ``unit_spans`` of a progress record already checked by ``gradientmail.records``."""
     spans = body.get("unit_spans") or {}
     return [
@@ -247,7 +254,7 @@ def _spans(body: dict[str, Any]) -> list[UnitSpan]:
 
 
 def _progress(learner: str, data: bytes) -> tuple[LearnerStatus | None, str | None, list[UnitSpan]]:
-    body, problem = _checked(PROGRESS, f"{PROGRESS_PREFIX}{learner}.json", data)
+    body, problem = _checked(ProgressRecord, f"{PROGRESS_PREFIX}{learner}.json", data)
     if body is None:
         return None, problem, []
     finished = body.get("finished")
@@ -313,8 +320,8 @@ class RunReader:
         read_at = time.time()
         unreadable: dict[str, str] = {}
         run_data = self.mailbox.get(RUN_KEY)
-        run_body, unreadable[RUN_KEY] = (None, None) if run_data is None else _checked(RUN, RUN_KEY, run_data)
-        run = run_body or {}
+        run_body, unreadable[RUN_KEY] = (None, None) if run_data is None else _checked(RunRecord, RUN_KEY, run_data)
+        run = {} if run_body is None else run_body.fields
 
         listed = [key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)]
         self._done.update(key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX))
@@ -345,7 +352,7 @@ class RunReader:
             elif key.startswith(LEASES_PREFIX):
                 leases[key[len(LEASES_PREFIX) : -len(".json")]] = data
                 if data is not None:
-                    unreadable[key] = _checked(LEASE, key, data)[1]
+                    unreadable[key] = _checked(LeaseRecord, key, data)[1]
             elif data is not None:
                 name = key[len(PROGRESS_PREFIX) : -len(".json")]
                 row, unreadable[key], spans = _progress(name, data)
@@ -403,7 +410,7 @@ class RunReader:
         """``live``, ``expired`` or ``stopped`` for one ``leases/{learner}.json`` record."""
         if data is None:
             return None
-        body = _checked(LEASE, LEASES_PREFIX + learner + ".json", data)[0]
+        body = _checked(LeaseRecord, LEASES_PREFIX + learner + ".json", data)[0]
         if body is None:
             return None
         lease_s = _number(body.get("lease_s"))

@@ -29,11 +29,11 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from gradientmail.claim_record import ClaimRecord
 from gradientmail.errors import InvalidKeyError, KeyTypeError, LeaseLostError, RecordError, UnsafeStoreError, short_repr
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
+from gradientmail.records import ClaimRecord
 
 __all__ = [
     "CONFIRM_ATTEMPTS",

@@ -44,7 +44,8 @@ from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
 from gradientmail.queue.telemetry import queue_figures, register_counter
 from gradientmail.queue.units import ClaimIndex
-from gradientmail.run_record import check_run_record, run_record, unit_fingerprint
+from gradientmail.records import RunRecord
+from gradientmail.run_record import check_run_record, unit_fingerprint
 
 __all__ = ["SharedQueueDataset", "WorkerControl", "guarded", "prepare_mailbox"]
 
@@ -112,7 +113,7 @@ def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | N
         >>> prepare_mailbox(MemoryMailbox("doctest-prepare"), 2, ["a", "b"])
     """
     fingerprint = unit_fingerprint(identifiers) if identifiers is not None else None
-    if mailbox.put_if_absent(RUN_KEY, run_record(units, fingerprint)):
+    if mailbox.put_if_absent(RUN_KEY, RunRecord.new(units, fingerprint).to_bytes()):
         verify_mailbox(mailbox)
         return
     existing = mailbox.get(RUN_KEY)

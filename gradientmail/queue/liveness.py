@@ -1,9 +1,11 @@
 """Who is alive: lease records of the elastic queue and presence records of learner ids.
 
-Section ``leases`` below: The elastic queue's shared vocabulary: claim states, work and lease bodies, lease expiry.
+Section ``leases`` below: The elastic queue's lease expiry, judged on this process's own clock.
 
 Both sides use it: ``queue.reclaim`` (which unit to load, takeovers) and ``queue.progress``
-(what the training loop consumed, heartbeats). Record formats: ``gradientmail.layout``.
+(what the training loop consumed, heartbeats). The records themselves (``LeaseRecord``,
+``WorkRecord``, ``PresenceRecord``) are in ``gradientmail.records``, the verdict in
+``gradientmail.verdict``.
 
 Section ``presence`` below: One live incarnation per ``learner_id``: the presence record ``learners/{learner_id}.json``.
 
@@ -16,50 +18,34 @@ under one id would take each other's units. One read and one write at start, one
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from gradientmail.claim_record import LIVE, STOPPED, Sightings, judge_lease
 from gradientmail.errors import DuplicateLearnerError, RecordError
 from gradientmail.layout import learner_key
 from gradientmail.mailbox.base import Mailbox, supports_replace_if
-from gradientmail.records import LEASE, RecordKind
-from gradientmail.records import parse as parse_record
+from gradientmail.records import RUNNING, STOPPED, LeaseRecord, PresenceRecord
+from gradientmail.verdict import LIVE, Sightings, judge_lease
 
 __all__ = [
-    "ACTIVE",
     "LeaseWatch",
     "POLL_S",
     "Presence",
-    "RELEASED",
     "RENEW_S",
-    "RUNNING",
-    "dumps",
-    "lease_body",
     "lease_seconds",
     "machine",
-    "position_value",
     "presence_renew_s",
-    "read_record",
-    "step_value",
-    "work_body",
 ]
 
 
 # -- leases ------------------------------------------------------------------------------------------
-
-ACTIVE, RELEASED = "active", "released"
-"""A claim's ``state``: being worked on, or handed back for anyone to take."""
-RUNNING = "running"
-"""A lease's or a presence record's ``state`` while its node runs (``STOPPED`` once it stopped)."""
 
 POLL_S = 0.05
 """Granularity of waits that must notice a stop request."""
@@ -86,49 +72,6 @@ def lease_seconds(lease: timedelta | float | None) -> float | None:
     return seconds
 
 
-def dumps(body: Mapping[str, Any]) -> bytes:
-    """A record's compact JSON bytes."""
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def read_record(kind: RecordKind, data: bytes | None) -> dict[str, Any] | None:
-    """A bounded, validated record (``gradientmail.records``), or None: missing or unusable."""
-    if data is None:
-        return None
-    try:
-        return parse_record(kind, data)
-    except RecordError:
-        return None
-
-
-def step_value(value: Any) -> int | None:
-    """``value`` if it is an int step label (not a bool), else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def position_value(value: Any) -> int | None:
-    """``value`` if it is a batch position (an int >= 0), else None."""
-    step = step_value(value)
-    return step if step is not None and step >= 0 else None
-
-
-def work_body(
-    learner_id: str, token: str, incarnation: str, step: int | None, done: bool = False, position: int | None = None
-) -> bytes:
-    """The body of ``work/{learner}/{identifier}``: the last batch consumed under a claim."""
-    return dumps(
-        {
-            "learner": learner_id,
-            "token": token,
-            "incarnation": incarnation,
-            "step": step,
-            "position": position,
-            "done": done,
-            "updated": time.time(),
-        }
-    )
-
-
 class LeaseWatch:
     """Judges peers' leases on this process's own monotonic clock (``judge_lease``).
 
@@ -144,29 +87,14 @@ class LeaseWatch:
         self._sightings = Sightings(clock)
 
     def expired(self, learner: str, record: bytes | None, incarnation: str | None = None) -> bool:
-        body = read_record(LEASE, record)  # unusable: judged like a record that never changes
+        lease = LeaseRecord.read(record)  # unusable: judged like a record that never changes
         state = judge_lease(
-            body,
+            lease,
             self.lease_s,
             unchanged_s=lambda: self._sightings.unchanged_s(learner, record),
             incarnation=incarnation,
         )
         return state != LIVE
-
-
-def lease_body(learner_id: str, incarnation: str, beat: int, consumed: int, lease_s: float, state: str) -> bytes:
-    """The body of ``leases/{learner}.json``: one heartbeat."""
-    return dumps(
-        {
-            "learner": learner_id,
-            "incarnation": incarnation,
-            "beat": beat,
-            "consumed": consumed,
-            "time": time.time(),
-            "lease_s": lease_s,
-            "state": state,
-        }
-    )
 
 
 # -- presence ----------------------------------------------------------------------------------------
@@ -185,9 +113,6 @@ whose clock runs minutes ahead must watch, not take over a live learner."""
 
 CLOCK_TOLERANCE_S = 30.0
 """Clock skew tolerated when a writer's own time already shows its record is long dead."""
-
-MAX_RECORD_BYTES = 4096
-"""A presence record is a few hundred bytes; anything larger is not one."""
 
 ATTEMPTS = 5
 """Registration attempts when the record keeps changing under a compare-and-swap."""
@@ -261,52 +186,28 @@ def _alive(pid: int, start: int | None) -> bool:
 # -- records -----------------------------------------------------------------------------------
 def _body(learner_id: str, incarnation: str, state: str, beat: int, renew_s: float) -> bytes:
     pid = os.getpid()
-    return json.dumps(
-        {
-            "learner": learner_id,
-            "incarnation": incarnation,
-            "state": state,
-            "beat": beat,
-            "time": time.time(),
-            "renew_s": renew_s,
-            **machine(),
-            "pid": pid,
-            "pid_start": _process_start(pid),
-        },
-        separators=(",", ":"),
-    ).encode()
+    record = PresenceRecord.new(
+        learner_id, incarnation, state, beat, renew_s, machine(), pid=pid, pid_start=_process_start(pid)
+    )
+    return record.to_bytes()
 
 
-def _parse(key: str, data: bytes | None) -> dict[str, Any] | None:
-    """A presence record's fields, or None (with a warning when the record is unreadable)."""
+def _parse(key: str, data: bytes | None) -> PresenceRecord | None:
+    """A presence record, or None (with a warning when the record is unreadable)."""
     if data is None:
         return None
-    record: Any = None
-    if len(data) <= MAX_RECORD_BYTES:
-        try:
-            record = json.loads(data)
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            record = None
-    fields = {"incarnation": str, "state": str, "host": str, "pid": int}
-    if not isinstance(record, dict) or not all(
-        isinstance(record.get(name), kind) and not isinstance(record.get(name), bool) for name, kind in fields.items()
-    ):
+    try:
+        return PresenceRecord.from_bytes(data, key)
+    except RecordError as exc:
         warnings.warn(
             f"gradientmail: the presence record {key!r} ({len(data)} bytes) is not one this "
-            "library wrote; ignoring it (it is overwritten)",
+            f"library wrote ({exc}); ignoring it (it is overwritten)",
             stacklevel=4,
         )
         return None
-    return record
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        return None
-    return float(value)
-
-
-def _same_machine(record: dict[str, Any]) -> bool:
+def _same_machine(record: PresenceRecord) -> bool:
     return all(record.get(name) == value for name, value in machine().items())
 
 
@@ -353,7 +254,7 @@ class Presence:
         for _ in range(ATTEMPTS):
             data, version = self._get()
             record = _parse(self.key, data)
-            if record is not None and record.get("incarnation") != self.incarnation:
+            if record is not None and record.incarnation != self.incarnation:
                 judged = self._judge(record, data)
                 if judged is not None:
                     raise self._duplicate(judged)
@@ -416,7 +317,7 @@ class Presence:
         try:
             data, version = self._get()
             record = _parse(self.key, data)
-            if record is None or record.get("incarnation") != self.incarnation:
+            if record is None or record.incarnation != self.incarnation:
                 return
             body = _body(self.learner_id, self.incarnation, STOPPED, self._beat + 1, self.renew_s)
             if version is not None:
@@ -447,22 +348,35 @@ class Presence:
         self.mailbox.put(self.key, body)  # no compare-and-swap: best effort
         return True
 
-    def _judge(self, record: dict[str, Any], data: bytes | None) -> dict[str, Any] | None:
-        """``record`` (or the newer one seen) when its process is alive, else None."""
-        if record.get("state") != RUNNING:
+    def _judge(self, record: PresenceRecord, data: bytes | None) -> PresenceRecord | None:
+        """``record`` (or the newer one seen) when its process is alive, else None.
+
+        On this machine the process itself answers (its PID and start time); from another,
+        ``verdict.judge_lease`` does, as for a lease: stopped, long dead by its writer's clock
+        (allowing for skew), or unchanged for three of its renewal intervals on this one's.
+        """
+        if record.state != RUNNING:
             return None
         if _same_machine(record):
-            if record["pid"] == os.getpid():
+            if record.pid == os.getpid():
                 with _OPEN_LOCK:
-                    return record if record["incarnation"] in _OPEN else None
-            start = record.get("pid_start")
-            start = start if isinstance(start, int) and not isinstance(start, bool) else None
-            return record if _alive(record["pid"], start) else None
-        renew = _number(record.get("renew_s"))
+                    return record if record.incarnation in _OPEN else None
+            return record if _alive(record.pid, record.pid_start) else None
+        renew = record.renew_s
         renew = min(max(renew, 0.01), RENEW_S) if renew is not None else RENEW_S
         window = WINDOW_RENEWALS * renew
-        written = _number(record.get("time"))
-        if written is not None and self._wall() - written > max(LONG_DEAD_S, window + CLOCK_TOLERANCE_S):
+        seen = Sightings(self._clock)
+
+        def verdict() -> str:
+            return judge_lease(
+                record,
+                window,
+                now=self._wall(),
+                stale_s=max(LONG_DEAD_S, window + CLOCK_TOLERANCE_S),
+                unchanged_s=lambda: seen.unchanged_s(self.key, data),
+            )
+
+        if verdict() != LIVE:
             return None  # long dead, even allowing for clock skew
         _log.warning(
             "learner %r is registered by another process (host %s pid %s): waiting up to %.0f s "
@@ -470,33 +384,32 @@ class Presence:
             "stops with DuplicateLearnerError (give each process its own learner_id: the default, "
             "default_learner_id(), is host name + launcher rank), else this one takes over",
             self.learner_id,
-            record["host"],
-            record["pid"],
+            record.host,
+            record.pid,
             window,
         )
-        began = self._clock()
-        while self._clock() - began < window:
+        while True:
             self._sleep(min(renew / 4, 1.0))
             now, _ = self._get()
             if now != data:
                 newer = _parse(self.key, now)
-                alive = newer is not None and newer.get("state") == RUNNING
-                return newer if alive else None
-        return None
+                return newer if newer is not None and judge_lease(newer, window) == LIVE else None
+            if verdict() != LIVE:
+                return None  # unchanged for the window: that process is gone
 
-    def _duplicate(self, record: dict[str, Any]) -> DuplicateLearnerError:
-        written = _number(record.get("time"))
+    def _duplicate(self, record: PresenceRecord) -> DuplicateLearnerError:
+        written = record.time
         age = f"{max(0.0, self._wall() - written):.0f} s ago" if written is not None else "recently"
         return DuplicateLearnerError(
             f"learner {self.learner_id!r} is already running in this run (renewed {age} by "
-            f"host {record['host']} pid {record['pid']}); give each process its own learner_id "
+            f"host {record.host} pid {record.pid}); give each process its own learner_id "
             "(omit it: the default is host name + launcher rank, or set GRADIENTMAIL_LEARNER_ID). If that "
             "process has stopped, start again: a dead process's record is recognised at once on "
             "its own machine, and from another machine once it has not changed for "
             f"{WINDOW_RENEWALS} renewal intervals",
             learner=self.learner_id,
-            host=record["host"],
-            pid=record["pid"],
+            host=record.host,
+            pid=record.pid,
         )
 
     def _renew(self) -> None:
@@ -525,7 +438,7 @@ class Presence:
             began = self._clock()
             data, version = self._get()
             record = _parse(self.key, data)
-            if record is not None and record.get("incarnation") != self.incarnation:
+            if record is not None and record.incarnation != self.incarnation:
                 self._replaced = self._replaced_by(record)
                 _log.warning("%s", self._replaced)
                 return
@@ -542,14 +455,14 @@ class Presence:
                 self._renewed_at = began
                 return
 
-    def _replaced_by(self, record: dict[str, Any]) -> DuplicateLearnerError:
+    def _replaced_by(self, record: PresenceRecord) -> DuplicateLearnerError:
         return DuplicateLearnerError(
             f"learner {self.learner_id!r}: this process (pid {os.getpid()}) was replaced by another "
-            f"process under the same learner_id (host {record['host']} pid {record['pid']}), which "
+            f"process under the same learner_id (host {record.host} pid {record.pid}), which "
             "judged it dead: it stood still longer than its peers wait (SIGSTOP, a frozen VM) or "
             "that process's clock is far ahead; this one stops so that the two do not take each "
             "other's units",
             learner=self.learner_id,
-            host=record["host"],
-            pid=record["pid"],
+            host=record.host,
+            pid=record.pid,
         )

@@ -15,15 +15,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gradientmail.claim_record import STOPPED
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
 from gradientmail.queue.batches import Item, UnitTag
 from gradientmail.queue.claims import UnitOwnership, load_claim
-from gradientmail.queue.liveness import RELEASED, RUNNING, dumps, lease_body, position_value, step_value, work_body
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
-from gradientmail.records import WORK, SkippedRecords
+from gradientmail.records import RELEASED, RUNNING, STOPPED, DoneRecord, LeaseRecord, SkippedRecords, WorkRecord
 from gradientmail.session.folded_units import folded_mark
 
 __all__ = ["Consumption", "ProgressTracker", "consume_inline", "tagged_items"]
@@ -252,14 +250,14 @@ class ProgressTracker:
         released = 0
         prefix = work_prefix(self.learner_id)
         for key in list(self.mailbox.list(prefix)):
-            record = self.skipped.parse(WORK, self.mailbox.get(key), key, self.learner_id)
-            if record is None or record.get("incarnation") != self.options.incarnation:
+            record = self.skipped.read(WorkRecord, self.mailbox.get(key), key, self.learner_id)
+            if record is None or record.incarnation != self.options.incarnation:
                 continue
             identifier = key[len(prefix) :]
             got = self.mailbox.get_versioned(claim_key(identifier))
             claim = load_claim(got[0]) if got is not None else None
-            if claim is not None and claim.token == record.get("token"):
-                step, position = step_value(record.get("step")), position_value(record.get("position"))
+            if claim is not None and claim.token == record.token:
+                step, position = record.step, record.position
                 marks = [self.gate.folded_mark(identifier)]  # the run holds a batch not recorded (the last)
                 if self._ask_state:
                     try:
@@ -353,7 +351,7 @@ class ProgressTracker:
                 continue  # the done record below supersedes it
             self.mailbox.put(
                 work_key(self.learner_id, identifier),
-                work_body(self.learner_id, token, self.options.incarnation, step, position=position),
+                WorkRecord.new(self.learner_id, token, self.options.incarnation, step, position=position).to_bytes(),
             )
             self.gate.written(identifier, index)
             self.writes["progress"] += 1
@@ -361,8 +359,7 @@ class ProgressTracker:
             claim = load_claim(self.mailbox.get(claim_key(identifier)))
             if claim is not None and claim.token == token:
                 # Another node that took the unit over (this one was judged dead) finishes it.
-                record = {"learner": self.learner_id, "token": token, "at": time.time()}
-                self.mailbox.put_if_absent(done_key(identifier), dumps(record))
+                self.mailbox.put_if_absent(done_key(identifier), DoneRecord.new(self.learner_id, token).to_bytes())
                 self.writes["done"] += 1
             self.gate.written(identifier, index)
             self.mailbox.delete(work_key(self.learner_id, identifier))
@@ -377,7 +374,7 @@ class ProgressTracker:
             beat, consumed = self._beat, self._consumed
         self.mailbox.put(
             lease_key(self.learner_id),
-            lease_body(self.learner_id, self.options.incarnation, beat, consumed, lease, state),
+            LeaseRecord.new(self.learner_id, self.options.incarnation, beat, consumed, lease, state).to_bytes(),
         )
         self.writes["lease"] += 1
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from gradientmail.claim_record import LIVE, ClaimRecord, judge_lease
 from gradientmail.fold_gate import UnitMark, held_everywhere
 from gradientmail.layout import (
     CLAIMS_PREFIX,
@@ -40,19 +39,10 @@ from gradientmail.layout import (
 from gradientmail.mailbox.base import Mailbox, require_replace_if
 from gradientmail.queue.claimer import Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
-from gradientmail.queue.liveness import (
-    ACTIVE,
-    POLL_S,
-    RELEASED,
-    LeaseWatch,
-    lease_seconds,
-    position_value,
-    read_record,
-    step_value,
-    work_body,
-)
-from gradientmail.records import CLAIM, LEASE, WORK, SkippedRecords
+from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
+from gradientmail.records import ACTIVE, RELEASED, ClaimRecord, LeaseRecord, SkippedRecords, WorkRecord
 from gradientmail.session.folded_units import folded_mark
+from gradientmail.verdict import LIVE, judge_lease
 
 __all__ = [
     "Assignment",
@@ -170,7 +160,8 @@ def take_over(
             if at is not None and (start_position is None or at > start_position):
                 start, start_position = step, at
     mailbox.put(
-        work_key(learner_id, identifier), work_body(learner_id, token, incarnation, start, position=start_position)
+        work_key(learner_id, identifier),
+        WorkRecord.new(learner_id, token, incarnation, start, position=start_position).to_bytes(),
     )
     if owner and owner != learner_id:
         try:  # the previous owner's record: keeps its listing small; harmless if it stays
@@ -193,9 +184,9 @@ def recorded_progress(
     record if it matches, else from the claim (taken over or released there)."""
     record = ClaimRecord.of(claim)
     if record.state != RELEASED and record.learner is not None:
-        work = read_record(WORK, mailbox.get(work_key(record.learner, identifier)))
-        if work is not None and work.get("token") == record.fields.get("token"):
-            return step_value(work.get("step")), position_value(work.get("position"))
+        work = WorkRecord.read(mailbox.get(work_key(record.learner, identifier)))
+        if work is not None and work.token == record.token:
+            return work.step, work.position
     return record.step, record.position
 
 
@@ -322,8 +313,8 @@ class ElasticClaimer:
             found = self._take(
                 identifier,
                 expect=_restorable(self.learner_id, state),
-                after=lambda claim, state=state: step_value(state.get("step")),
-                position=lambda claim, state=state: position_value(state.get("position")),
+                after=lambda claim, state=state: _step_value(state.get("step")),
+                position=lambda claim, state=state: _position_value(state.get("position")),
             )
             if found is not None:
                 return found
@@ -358,7 +349,7 @@ class ElasticClaimer:
                 token = self._fresh.token
                 self.mailbox.put(
                     work_key(self.learner_id, identifier),
-                    work_body(self.learner_id, token, self.options.incarnation, None),
+                    WorkRecord.new(self.learner_id, token, self.options.incarnation, None).to_bytes(),
                 )
                 return Assignment(identifier, token)
             self._fresh_left = False
@@ -393,8 +384,8 @@ class ElasticClaimer:
         prefix = work_prefix(self.learner_id)
         found = []
         for key in self.mailbox.list(prefix):
-            record = self.skipped.parse(WORK, self.mailbox.get(key), key, self.learner_id)
-            if record is None or record.get("incarnation") == self.options.incarnation:
+            record = self.skipped.read(WorkRecord, self.mailbox.get(key), key, self.learner_id)
+            if record is None or record.incarnation == self.options.incarnation:
                 continue  # unusable (warned), or a sibling worker's current unit
             found.append(key[len(prefix) :])
         rank = {identifier: position for position, identifier in enumerate(self.order)}
@@ -445,8 +436,7 @@ class ElasticClaimer:
             if identifier not in claimed or identifier in done:
                 continue
             key = claim_key(identifier)
-            body = self.skipped.parse(CLAIM, self.mailbox.get(key), key)
-            claim = None if body is None else ClaimRecord(body)
+            claim = self.skipped.read(ClaimRecord, self.mailbox.get(key), key)
             if claim is None or claim.incarnation == self.options.incarnation:
                 continue  # unusable (warned; nobody can take it over), or being worked on by this node
             if self.takeable(identifier, claim, leases):
@@ -478,14 +468,25 @@ class ElasticClaimer:
         first_seen = self._claims_seen.setdefault(seen, now)
         if owner not in leases:  # one read per owner and scan
             leases[owner] = self.mailbox.get(lease_key(owner))
-            self.skipped.parse(LEASE, leases[owner], lease_key(owner), owner)  # counted and warned
+            self.skipped.read(LeaseRecord, leases[owner], lease_key(owner), owner)  # counted and warned
         incarnation = record.incarnation
         if not self._watch.expired(owner, leases[owner], incarnation):
             return False
         # Stopped or restarted (judged from the record alone) frees the unit at once.
-        lease = read_record(LEASE, leases[owner])
+        lease = LeaseRecord.read(leases[owner])
         gone = lease is not None and judge_lease(lease, self._watch.lease_s, incarnation=incarnation) != LIVE
         return gone or now - first_seen >= self._watch.lease_s
+
+
+def _step_value(value: Any) -> int | None:
+    """``value`` if it is an int step label (not a bool), else None: a state_dict is user input."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _position_value(value: Any) -> int | None:
+    """``value`` if it is a batch position (an int >= 0), else None."""
+    step = _step_value(value)
+    return step if step is not None and step >= 0 else None
 
 
 def _restorable(learner_id: str, state: Mapping[str, Any]) -> Callable[[dict[str, Any]], bool]:

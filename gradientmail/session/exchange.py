@@ -7,7 +7,6 @@ imports this module, never the reverse.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -23,6 +22,7 @@ from gradientmail.errors import GradientMailError, SessionError
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import member_key, progress_key
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.records import MemberRecord, ProgressRecord
 from gradientmail.session.chain import ABSORB, FragmentChain, View
 from gradientmail.session.fragments import Fragment, FragmentPlan, Piece, widen
 from gradientmail.session.mail import Contribution, State, all_finite
@@ -198,8 +198,9 @@ class Exchanger:
                 base = chain.create_base({p.name: _slice(initial[p.name], p) for p in fragment.pieces}, me)
                 view = chain.view(base)
             states.append(view)
-        self._member = member_key(me, time.time())
-        mailbox.put(self._member, json.dumps({"learner": me, "joined": time.time()}).encode())
+        joined = time.time()
+        self._member = member_key(me, joined)
+        mailbox.put(self._member, MemberRecord.new(me, joined).to_bytes())
         # An earlier incarnation's member key stays: N counts a learner once whatever its keys,
         # and the key may be a live process's (a duplicate refused later must not unseat it).
         self.known = [view.base for view in states]
@@ -352,10 +353,13 @@ class Exchanger:
     def put_progress(self, progress: dict[str, Any]) -> None:
         """Write this learner's progress record (what ``gradientmail status`` shows)."""
         figures = gate_for(describe(self.mailbox), self.learner_id).queue_figures()  # from its queue, if any
-        record = dict(progress, units=figures.units, samples_in_run=self.samples_in_run())
-        if figures.unit_spans is not None:  # when and for how long this learner trained its recent units
-            record["unit_spans"] = figures.unit_spans
-        self.mailbox.put(progress_key(self.learner_id), json.dumps(record).encode())
+        record = ProgressRecord.new(
+            progress,
+            units=figures.units,
+            samples_in_run=self.samples_in_run(),
+            unit_spans=figures.unit_spans,  # when and for how long this learner trained its recent units
+        )
+        self.mailbox.put(progress_key(self.learner_id), record.to_bytes())
 
 
 def logical(view: View) -> dict[str, Tensor]:

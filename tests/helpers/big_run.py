@@ -20,7 +20,7 @@ from pathlib import Path
 from gradientmail import LocalMailbox
 from gradientmail.layout import claim_key, done_key, lease_key, progress_key
 from gradientmail.queue.claims import claim_fields
-from gradientmail.queue.liveness import dumps, lease_body
+from gradientmail.records import LeaseRecord, Record
 
 HOST = "machine-with-a-long-hostname"
 """Long enough that the learner names (``HOST-0`` ...) cannot fit whole at 80 columns."""
@@ -48,8 +48,10 @@ def write_big_run(mailbox, *, units: int, learners: int = 4, host: str = HOST, u
         seconds = unit_s * (names.index(name) + 1)
         body = claim_fields(name, f"t{index}", 0, incarnation=f"i-{name}", state="active")
         body["claimed_at"] = ready[name]
-        mailbox.put_if_absent(claim_key(identifier), dumps(body))
-        mailbox.put_if_absent(done_key(identifier), dumps({"learner": name, "token": f"t{index}", "at": ready[name]}))
+        mailbox.put_if_absent(claim_key(identifier), Record(body).to_bytes())
+        mailbox.put_if_absent(
+            done_key(identifier), Record({"learner": name, "token": f"t{index}", "at": ready[name]}).to_bytes()
+        )
         trained[name].append({"unit": identifier, "first": ready[name], "last": ready[name] + seconds, "batches": 4})
         ready[name] += seconds
     for name in names:
@@ -72,8 +74,10 @@ def write_big_run(mailbox, *, units: int, learners: int = 4, host: str = HOST, u
                 },
             },
         }
-        mailbox.put(progress_key(name), dumps(record))
-        mailbox.put(lease_key(name), lease_body(name, f"i-{name}", 1, len(trained[name]), 30.0, "stopped"))
+        mailbox.put(progress_key(name), Record(record).to_bytes())
+        mailbox.put(
+            lease_key(name), LeaseRecord.new(name, f"i-{name}", 1, len(trained[name]), 30.0, "stopped").to_bytes()
+        )
     return names
 
 

@@ -136,6 +136,46 @@ def test_no_import_circle() -> None:
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
+LAYERS = (
+    ("gradientmail.errors", "gradientmail.learner_id"),
+    ("gradientmail.mailbox", "gradientmail.data"),
+    ("gradientmail.layout", "gradientmail.records", "gradientmail.fold_gate"),
+    ("gradientmail.verdict", "gradientmail.run_record"),
+    ("gradientmail.session",),
+    ("gradientmail.queue",),
+    ("gradientmail.status", "gradientmail.plot", "gradientmail.patterns", "gradientmail.testing"),
+    ("gradientmail.cli",),
+)
+"""The package's layers, lowest first: a module imports only from its own layer or below.
+The front door (``gradientmail/__init__.py``) and ``__main__`` entry points sit above them all.
+The Session is below the queue: the elastic queue reads the learners' unit marks from the
+run's state (``session.folded_units``) to continue a dead learner's unit; the Session needs
+nothing from the queue (the queue hands its figures over through ``fold_gate``)."""
+
+
+VERSION_FALLBACK = {("gradientmail.cli.parser", "gradientmail")}
+"""``gradientmail --version`` from a source tree without installed metadata reads ``__version__``."""
+
+
+def _layer(module: str) -> int:
+    if module == "gradientmail" or module.endswith(".__main__"):
+        return len(LAYERS)
+    for index, prefixes in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_no_import_runs_back_up_the_layers() -> None:
+    upward = [
+        f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+        for module in sorted(MODULES)
+        for target in sorted(_edges(module))
+        if _layer(target) > _layer(module) and (module, target) not in VERSION_FALLBACK
+    ]
+    assert not upward, upward
+
+
 def test_no_module_imports_from_its_own_package_init() -> None:
     """``from gradientmail.mailbox import X`` inside ``gradientmail/mailbox/`` is a hidden circle."""
     found = []

@@ -12,7 +12,7 @@ import torch
 
 from gradientmail import MemoryMailbox, RecordSkippedWarning
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.records import PROGRESS, SkippedRecords
+from gradientmail.records import ProgressRecord, SkippedRecords
 
 
 def load_two(value: int):
@@ -55,10 +55,10 @@ def test_a_skipped_record_is_logged_a_warning_the_first_time(caplog):
     caplog.set_level(logging.DEBUG, logger="gradientmail")
     skipped = SkippedRecords("node-R")
     with pytest.warns(RecordSkippedWarning):
-        assert skipped.parse(PROGRESS, b"not json", "progress/x.json", "x") is None
+        assert skipped.read(ProgressRecord, b"not json", "progress/x.json", "x") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second one is not warned again...
-        assert skipped.parse(PROGRESS, b"[1]", "progress/x.json", "x") is None
+        assert skipped.read(ProgressRecord, b"[1]", "progress/x.json", "x") is None
     warned = messages(caplog, "gradientmail.records", logging.WARNING)
     assert len(warned) == 1 and "progress/x.json" in warned[0] and "not JSON" in warned[0]
     assert len(messages(caplog, "gradientmail.records", logging.DEBUG)) == 1  # ...but logged

@@ -22,7 +22,17 @@ from gradientmail.queue.claims import parse_claim
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, take_over
-from gradientmail.records import CLAIM, LEASE, MAX_DEPTH, MAX_RECORD_BYTES, PROGRESS, SkippedRecords, parse
+from gradientmail.records import (
+    CLAIM,
+    LEASE,
+    MAX_DEPTH,
+    MAX_RECORD_BYTES,
+    PROGRESS,
+    ClaimRecord,
+    LeaseRecord,
+    SkippedRecords,
+    parse,
+)
 
 NESTED = b"[" * 50_000 + b"]" * 50_000  # within no bound; json.loads alone: RecursionError
 DEEP_SMALL = b'{"learner": "x", "a": ' + b"[" * 3000 + b"]" * 3000 + b"}"  # under the size bound
@@ -103,16 +113,16 @@ def test_skipped_records_warn_once_per_kind_and_learner():
     skipped = SkippedRecords("learner 'me'")
     with pytest.warns(RecordSkippedWarning) as caught:
         for _ in range(5):
-            assert skipped.parse(CLAIM, b"{", "units/a") is None
-            assert skipped.parse(CLAIM, NESTED, "units/b") is None
-            assert skipped.parse(LEASE, b"[]", "leases/x.json", "x") is None
-            assert skipped.parse(LEASE, b"[]", "leases/y.json", "y") is None
+            assert skipped.read(ClaimRecord, b"{", "units/a") is None
+            assert skipped.read(ClaimRecord, NESTED, "units/b") is None
+            assert skipped.read(LeaseRecord, b"[]", "leases/x.json", "x") is None
+            assert skipped.read(LeaseRecord, b"[]", "leases/y.json", "y") is None
     assert skipped.counts == {"claim": 10, "lease": 10} and skipped.total == 20
     messages = [str(warning.message) for warning in caught]
     assert len(messages) == 3, messages  # claims (no learner known), lease of x, lease of y
     assert "units/a" in messages[0] and "not JSON" in messages[0]
     assert "of learner 'x'" in messages[1] and "of learner 'y'" in messages[2]
-    assert skipped.parse(CLAIM, None, "units/c") is None  # missing is not unusable
+    assert skipped.read(ClaimRecord, None, "units/c") is None  # missing is not unusable
     assert skipped.total == 20
 
 

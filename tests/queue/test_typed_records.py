@@ -1,4 +1,4 @@
-"""Issue 15: one typed claim record (``ClaimRecord``) and one lease judgement (``judge_lease``).
+"""Typed records (issue 15: ``ClaimRecord``; issue 26: one class per record) and one liveness verdict.
 
 The claim's bytes on the store must not change: ``to_bytes`` gives exactly what ``claim_body``
 wrote before, a read-and-rewrite keeps every field and its place, and a bad record is refused
@@ -14,14 +14,25 @@ import time
 import pytest
 
 from gradientmail import RecordError
-from gradientmail.claim_record import EXPIRED, LIVE, STOPPED, ClaimRecord, Sightings, judge_lease
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.queue import claims
 from gradientmail.queue.claims import claim_body, load_claim, parse_claim
 from gradientmail.queue.liveness import LeaseWatch
-from gradientmail.records import MAX_RECORD_BYTES
+from gradientmail.records import (
+    MAX_RECORD_BYTES,
+    STOPPED,
+    ClaimRecord,
+    DoneRecord,
+    LeaseRecord,
+    MemberRecord,
+    PresenceRecord,
+    ProgressRecord,
+    RunRecord,
+    WorkRecord,
+)
 from gradientmail.status import Claim, RunReader, read_run
+from gradientmail.verdict import EXPIRED, LIVE, Sightings, judge_lease
 
 NESTED = b"[" * 50_000 + b"]" * 50_000
 
@@ -175,15 +186,58 @@ def test_an_unusable_lease_is_still_skipped():
 
 
 def test_judge_lease_rules():
-    running = {"state": "running", "incarnation": "i", "time": 100.0}
+    running = LeaseRecord({"state": "running", "incarnation": "i", "time": 100.0})
+    stopped = running.replace(state="stopped")
     assert judge_lease(running, 5.0) == LIVE
-    assert judge_lease({**running, "state": "stopped"}, 5.0) == STOPPED
+    assert judge_lease(stopped, 5.0) == STOPPED
     assert judge_lease(running, 5.0, incarnation="j") == EXPIRED
     assert judge_lease(running, 5.0, now=105.0) == LIVE and judge_lease(running, 5.0, now=105.5) == EXPIRED
+    assert judge_lease(running, 5.0, now=150.0, stale_s=60.0) == LIVE, "stale_s: the writer's clock's own bound"
+    assert judge_lease(running, 5.0, now=161.0, stale_s=60.0) == EXPIRED
     assert judge_lease(None, 5.0, unchanged_s=lambda: 5.0) == EXPIRED
     asked = []
-    judge_lease({**running, "state": "stopped"}, 5.0, unchanged_s=lambda: asked.append(1) or 0.0)
+    judge_lease(stopped, 5.0, unchanged_s=lambda: asked.append(1) or 0.0)
     assert not asked, "the standing-still clock is asked only when the record leaves it live"
+
+
+def test_a_presence_record_is_judged_by_the_same_verdict():
+    record = PresenceRecord.new("node-0", "i", "running", 1, 10.0, {"host": "h"}, pid=1, pid_start=None, now=100.0)
+    assert judge_lease(record, 30.0, now=120.0) == LIVE
+    assert judge_lease(record.replace(state="stopped"), 30.0) == STOPPED
+    assert judge_lease(record, 30.0, unchanged_s=lambda: 30.0) == EXPIRED
+
+
+WRITTEN = {
+    WorkRecord: lambda: WorkRecord.new("n", "t", "i", -3, position=2),
+    DoneRecord: lambda: DoneRecord.new("n", "t"),
+    LeaseRecord: lambda: LeaseRecord.new("n", "i", 2, 5, 30.0, "running"),
+    PresenceRecord: lambda: PresenceRecord.new("n", "i", "running", 1, 10.0, {"host": "h"}, pid=7, pid_start=3),
+    RunRecord: lambda: RunRecord.new(4, None),
+    MemberRecord: lambda: MemberRecord.new("n", 1.7e9),
+    ProgressRecord: lambda: ProgressRecord.new({"learner": "n", "steps": 3}, units=2, samples_in_run=9),
+}
+
+
+@pytest.mark.parametrize("record", list(WRITTEN), ids=lambda record: record.__name__)
+def test_every_record_reads_back_what_its_writer_wrote(record):
+    """Each record's writer (``new``) and reader (``from_bytes``) live in one class and agree;
+    the reader is bounded like every other (``records.parse``) and refuses another kind's body."""
+    data = WRITTEN[record]().to_bytes()
+    read = record.from_bytes(data)
+    assert read.to_bytes() == data and type(read) is record
+    assert record.read(None) is None and record.read(b"[]") is None
+    with pytest.raises(RecordError, match="more than a record may hold"):
+        record.from_bytes(b" " * (MAX_RECORD_BYTES + 1))
+
+
+def test_a_presence_record_is_refused_like_any_record():
+    """Presence records are parsed by the same bounded reader: a field of the wrong type or a
+    missing required field is refused (the Presence warns and overwrites it)."""
+    good = PresenceRecord.new("n", "i", "running", 1, 10.0, {"host": "h"}, pid=7, pid_start=None).to_bytes()
+    assert PresenceRecord.from_bytes(good).pid == 7
+    for bad in (b'{"incarnation": "i", "state": "running", "host": "h", "pid": true}', b'{"state": "running"}'):
+        with pytest.raises(RecordError):
+            PresenceRecord.from_bytes(bad)
 
 
 def test_sightings_count_from_the_first_sight_of_a_content():
