@@ -323,6 +323,7 @@ class Claimer:
         self._looked = array("q", [-SUMMARY_RECHECK]) * len(self._summaries)
         self._wanted = bytearray(len(self._summaries))  # 1: looked for and missing
         self._pending: set[int] = set()
+        self._outbox: list[int] = []  # spans whose summary is due (written by ``settle``)
         self._top = -1  # the highest sorted position a listing showed claimed
         self._warned = False
 
@@ -443,6 +444,9 @@ class Claimer:
     def settle(self, pick: Pick, won: bool) -> str | None:
         """Record the outcome of an attempt; the identifier if it was won."""
         self._pending.discard(pick.position)  # its claim exists now, whoever won it
+        if self._span:
+            self._summarise(pick.position, pick.position)  # it may have been its span's last
+            self._write_summaries()
         self._conflicted = not won
         self._losses = self._losses + 1 if not won else 0
         if not won:
@@ -589,11 +593,16 @@ class Claimer:
     def _summarised_span(self, position: int) -> bool:
         """Before listing claims for ``position``: list the summaries first when its span may
         have one (it lies behind the highest claim seen, and this claimer has not looked for it
-        in its last ``SUMMARY_RECHECK`` claim listings). True when a summary settled ``position``
+        in its last ``SUMMARY_RECHECK`` claim listings), and before the claimer's first listing
+        (a node that joins a run late skips what is done). True when a summary settled ``position``
         (its whole span is claimed): no claim listing then."""
         span = position // self._span
         listings = self.stats["listings"]
-        if span + SUMMARY_BEHIND >= self._top // self._span or listings - self._looked[span] < SUMMARY_RECHECK:
+        if len(self._summarised) <= SUMMARY_BEHIND + 1:
+            return False  # too few spans: none is ever far enough behind to be read
+        if self._listed and (
+            span + SUMMARY_BEHIND >= self._top // self._span or listings - self._looked[span] < SUMMARY_RECHECK
+        ):
             return False
         self._looked[span] = listings
         self._read_summaries()
@@ -641,7 +650,7 @@ class Claimer:
             self._advance_low()
 
     def _summarise(self, first: int, last: int) -> None:
-        """Create the summary of each span from ``first`` to ``last`` that is now known complete:
+        """Queue the summary of each span from ``first`` to ``last`` that is now known complete:
         every unit known claimed from a listing, a summary or a settled attempt (not one still
         in flight: its create may yet fail)."""
         size = self._span
@@ -660,6 +669,13 @@ class Claimer:
             if any(start <= position < end for position in self._pending):
                 continue
             self._summarised[span] = 1
+            self._outbox.append(span)
+
+    def _write_summaries(self) -> None:
+        """Create the summaries ``_summarise`` found due, after an attempt settles: never
+        between a listing and the create that relies on it."""
+        while self._outbox:
+            span = self._outbox.pop()
             created = self.mailbox.put_if_absent(self._summary_names[span], b"")
             self.stats["summaries_written" if created else "summaries_lost"] += 1
 
