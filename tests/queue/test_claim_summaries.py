@@ -172,3 +172,28 @@ def test_summary_span_must_be_a_non_negative_int(store):
     for bad in [-1, 1.5, True, "8"]:
         with pytest.raises(ValueError, match="summary_span"):
             Claimer(store, UNITS, "node-a", summary_span=bad)
+
+
+@pytest.mark.slow
+def test_simulated_nodes_skip_summarised_spans_and_pay_for_them(monkeypatch):
+    """64 nodes on spans of 64 units: summaries are read and written, every unit is claimed once,
+    and the simulator bills their listings and creates like any other request."""
+    from gradientmail.queue.simulate import simulate
+    from gradientmail.queue.units import unit_grid
+
+    def run(span: int):
+        monkeypatch.setitem(Claimer.__init__.__kwdefaults__, "summary_span", span)
+        lanes = 64
+        units = unit_grid(8192 // lanes, 1, lanes)
+        return simulate(units, [(1, 2, 2, 4)[rank % 4] for rank in range(lanes)], rotate_lanes=lanes, jitter=0.2)
+
+    plain, summarised = run(0), run(64)
+    for result in (plain, summarised):
+        assert result.claims == 8192  # every unit claimed, none skipped
+    stats = summarised.claim_stats
+    assert stats["summarised"] > 0 and stats["summaries_written"] > 0
+    assert not plain.claim_stats["summary_listings"] and not plain.claim_stats["summaries_written"]
+    startup = plain.requests["put_if_absent"] - plain.claim_stats["attempts"]
+    creates = stats["attempts"] + stats["summaries_written"] + stats["summaries_lost"]
+    assert summarised.requests["put_if_absent"] == startup + creates
+    assert summarised.requests["list"] >= stats["listings"] + stats["summary_listings"]
