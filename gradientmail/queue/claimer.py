@@ -566,9 +566,14 @@ class Claimer:
             self._summarise(start, listed)
 
     def _reach(self, position: int) -> tuple[int, int]:
-        """The highest position within a page above ``position`` that the claimer's next units
-        in order (a few runs of them) will ask about: a listing that ends there settles them
-        too, where one that ends at ``position`` leaves the walk's next units unsettled."""
+        """The lowest and highest positions within a page either side of ``position`` that the
+        claimer's next ``REACH_UNITS`` units in order (``REACH_RUNS`` runs at most) ask about.
+
+        A listing that spans them settles the walk's next units too; one that ends at
+        ``position`` leaves them unsettled, and a claimer helping a lane (``rotated_order``: a
+        group's units up from its own, then the group's start, then the group below) would list
+        again for nearly every unit it passes.
+        """
         order = self._order
         starts = self._runs.starts
         index = self._next
