@@ -28,6 +28,10 @@ LEARNERS_PREFIX = "learners/"
 SUMMARIES_PREFIX = "claimed/"
 """Per-span "every claim exists" records (``summary_key``): never under ``units/`` or ``done/``."""
 
+SUMMARY_BODY = b"{}"
+"""A summary's body, never read (its key says everything): not empty, because a store reached
+through s3fs cannot create an empty object conditionally."""
+
 
 def claim_key(identifier: str) -> str:
     """A unit's claim, created once (replaced, never deleted, by elastic queues' takeovers)."""
@@ -36,7 +40,7 @@ def claim_key(identifier: str) -> str:
 
 def summary_key(span: int, check: int) -> str:
     """``claimed/{span:08d}.{check:08x}``: every unit of span ``span`` (``size`` consecutive claim
-    keys in sorted order) is claimed. Created once (empty body, never read), never removed: claims
+    keys in sorted order) is claimed. Created once (``SUMMARY_BODY``, never read), never removed: claims
     are permanent, so it stays true. ``check`` names the span's units (``ClaimIndex.summary_keys``),
     so a node of another unit set or span size never mistakes it for one of its own spans.
 

@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX, parse_summary_key
+from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX, SUMMARY_BODY, parse_summary_key
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.queue.claims import try_claim
 from gradientmail.queue.units import ClaimIndex, OrderRuns, PositionOrder
@@ -687,7 +687,7 @@ class Claimer:
         between a listing and the create that relies on it."""
         while self._outbox:
             span = self._outbox.pop()
-            created = self.mailbox.put_if_absent(self._summary_names[span], b"")
+            created = self.mailbox.put_if_absent(self._summary_names[span], SUMMARY_BODY)
             self.stats["summaries_written" if created else "summaries_lost"] += 1
 
     def _pages(self, after: str | None) -> Iterator[Sequence[str]]:
