@@ -25,11 +25,39 @@ WORK_PREFIX = "work/"
 DONE_PREFIX = "done/"
 LEASES_PREFIX = "leases/"
 LEARNERS_PREFIX = "learners/"
+SUMMARIES_PREFIX = "claimed/"
+"""Per-span "every claim exists" records (``summary_key``): never under ``units/`` or ``done/``."""
+
+SUMMARY_BODY = b"{}"
+"""A summary's body, never read (its key says everything): not empty, because a store reached
+through s3fs cannot create an empty object conditionally."""
 
 
 def claim_key(identifier: str) -> str:
     """A unit's claim, created once (replaced, never deleted, by elastic queues' takeovers)."""
     return f"{CLAIMS_PREFIX}{identifier}"
+
+
+def summary_key(span: int, check: int) -> str:
+    """``claimed/{span:08d}.{check:08x}``: every unit of span ``span`` (``size`` consecutive claim
+    keys in sorted order) is claimed. Created once (``SUMMARY_BODY``, never read), never removed: claims
+    are permanent, so it stays true. ``check`` names the span's units (``ClaimIndex.summary_keys``),
+    so a node of another unit set or span size never mistakes it for one of its own spans.
+
+    Example:
+        >>> summary_key(12, 0xBEEF)
+        'claimed/00000012.0000beef'
+    """
+    return f"{SUMMARIES_PREFIX}{span:08d}.{check:08x}"
+
+
+_SUMMARY = re.compile(r"^claimed/(\d{8})\.([0-9a-f]{8})$")
+
+
+def parse_summary_key(key: str) -> tuple[int, int] | None:
+    """``(span, check)`` of a summary key, else None (a key of no format this code writes)."""
+    match = _SUMMARY.match(key)
+    return None if match is None else (int(match[1]), int(match[2], 16))
 
 
 def progress_key(learner_id: str) -> str:

@@ -24,19 +24,21 @@ from __future__ import annotations
 import bisect
 import ctypes
 import itertools
+import logging
 import math
 import multiprocessing
 import threading
 import time
 import uuid
 import zlib
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from gradientmail.layout import CLAIMS_PREFIX
+from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX, SUMMARY_BODY, parse_summary_key
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.queue.claims import try_claim
 from gradientmail.queue.units import ClaimIndex, OrderRuns, PositionOrder
@@ -58,6 +60,14 @@ __all__ = [
     "RISK_MEMORY",
     "SPREAD",
     "STRETCH",
+    "REACH_PAGES",
+    "REACH_RUNS",
+    "REACH_UNITS",
+    "SUMMARY_BEHIND",
+    "SUMMARY_RECHECK",
+    "SUMMARY_SPAN",
+    "SUMMARY_WANTED",
+    "SUMMARY_WRITERS",
     "Settled",
     "TIED_S",
     "UNSEEN_RISK",
@@ -178,6 +188,39 @@ claimer's claims (alone, it uses its overall rate): it lists first, then learns.
 
 _STEP_CLASSES = 4096  # distinct steps remembered; beyond that, new steps use the overall rate
 
+REACH_RUNS = 8
+"""How many runs of its order ahead a listing tries to settle (``Claimer._reach``)."""
+
+REACH_PAGES = 1
+
+REACH_UNITS = 500
+"""How many units of its order ahead (in at most ``REACH_RUNS`` runs) a listing tries to settle:
+further ahead, the pages it would add are seldom needed before they go stale (measured: 1,000
+costs 0.05 requests a claim at 256 nodes, 250 costs 0.03 at 512 and 1,024)."""
+"""How far (in pages) either side of its candidate a listing tries to settle the next units."""
+
+SUMMARY_SPAN = 2048
+"""Sorted claim positions per "all claimed" summary (``layout.summary_key``): a claimer that sees
+every unit of a span claimed may create the span's summary, and one listing of ``claimed/`` then
+tells every other claimer that the whole span is claimed, instead of pages of claims each."""
+
+SUMMARY_RECHECK = 8
+"""Claim listings a claimer makes before it lists the summaries again for the same span."""
+
+SUMMARY_BEHIND = 1
+"""A claimer lists the summaries before listing claims only for a span at least this many spans
+behind the span of the highest claim it has seen: spans near the frontier are not complete yet."""
+
+SUMMARY_WRITERS = 16
+"""About one claimer in this many creates a given span's summary when it sees the span complete
+(chosen by a hash of the span and the claimer): every claimer creating every summary would cost
+a create per span per node, most of them lost."""
+
+SUMMARY_WANTED = 4
+"""About one in this many when the claimer looked for that summary and found it missing."""
+
+_log = logging.getLogger("gradientmail.queue")
+
 
 @dataclass(frozen=True)
 class Pick:
@@ -208,6 +251,9 @@ class Claimer:
         listing: One of ``LISTING_POLICIES``.
         page: Keys per listing page.
         index: A ``ClaimIndex`` of the same units to share (built from ``order`` if None).
+        summary_span: Units per "all claimed" summary (``SUMMARY_SPAN``); 0: neither read nor
+            write summaries. Every claimer of a run must use the same (a summary of another
+            size is ignored, not misread).
 
     Raises:
         ValueError: an unknown policy, ``page < 1``, or ``order`` not the index's units.
@@ -231,11 +277,14 @@ class Claimer:
         listing: str = DEFAULT_LISTING,
         page: int = LIST_PAGE,
         index: ClaimIndex | None = None,
+        summary_span: int = SUMMARY_SPAN,
     ) -> None:
         if listing not in LISTING_POLICIES:
             raise ValueError(f"listing must be one of {LISTING_POLICIES}, not {listing!r}")
         if page < 1:
             raise ValueError(f"page must be >= 1, not {page}")
+        if isinstance(summary_span, bool) or not isinstance(summary_span, int) or summary_span < 0:
+            raise ValueError(f"summary_span must be an int >= 0, not {summary_span!r}")
         self.mailbox = mailbox
         self.learner_id = learner_id
         self.worker = worker
@@ -271,6 +320,18 @@ class Claimer:
         self._crowd = 0.0
         self._seat = zlib.crc32(f"{learner_id}/{worker}".encode())  # spreads claimers after a loss
         self.stats: Counter[str] = Counter()
+        # "All claimed" summaries: which spans' summaries exist, when each was last looked for,
+        # and the attempts not yet settled (a span holding one is not known complete yet).
+        self._span = summary_span
+        self._summaries: dict[str, int] = index.summary_keys(summary_span) if summary_span else {}
+        self._summary_names = {span: key for key, span in self._summaries.items()}
+        self._summarised = bytearray(len(self._summaries))
+        self._looked = array("q", [-SUMMARY_RECHECK]) * len(self._summaries)
+        self._wanted = bytearray(len(self._summaries))  # 1: looked for and missing
+        self._pending: set[int] = set()
+        self._outbox: list[int] = []  # spans whose summary is due (written by ``settle``)
+        self._top = -1  # the highest sorted position a listing showed claimed
+        self._warned = False
 
     def claim_next(self) -> str | None:
         """Claim and return the next free identifier in preference order, or None when none is."""
@@ -345,6 +406,7 @@ class Claimer:
         self.stats["attempts"] += 1
         self._fresh = False
         self._known[position] = 1
+        self._pending.add(position)
         self._advance_low()
         token, self._token = self._token or uuid.uuid4().hex, None
         return Pick(position, self._keys[position][len(CLAIMS_PREFIX) :], step, blind, token, stretch)
@@ -387,6 +449,10 @@ class Claimer:
 
     def settle(self, pick: Pick, won: bool) -> str | None:
         """Record the outcome of an attempt; the identifier if it was won."""
+        self._pending.discard(pick.position)  # its claim exists now, whoever won it
+        if self._span:
+            self._summarise(pick.position, pick.position)  # it may have been its span's last
+            self._write_summaries()
         self._conflicted = not won
         self._losses = self._losses + 1 if not won else 0
         if not won:
@@ -452,11 +518,17 @@ class Claimer:
             # the listing shows and the create that relies on it: the shorter that gap, the
             # fewer claimers that listed at the same moment create the same unit.
             self._token = uuid.uuid4().hex
-        start = max(self._low, position - self.page)
+        if self._span and self._summarised_span(position):
+            return
+        floor, reach = self._reach(position)
+        start = max(self._low, min(position, floor, reach - self.page + 1))
+        if start < position:
+            start = self._known.find(0, start, position + 1)  # what it knows needs no listing
         after = self._keys[start - 1] if start > 0 else None
-        target = self._keys[position]
+        target = self._keys[reach]
         page = self.page
         last: str | None = None
+        listed = start  # the last unit the listing showed claimed
         complete = True
         pages = self._pages(after)
         try:
@@ -465,6 +537,10 @@ class Claimer:
                 # candidate is not yet covered.
                 if self._claim_index.mark(chunk, self._known):
                     self._others = True  # new to this claimer, hence not its own
+                if len(chunk):
+                    listed = self._claim_index.positions.get(chunk[-1], listed)
+                    if listed > self._top:
+                        self._top = listed
                 if len(chunk) < page:
                     break
                 last = chunk[-1]
@@ -486,6 +562,133 @@ class Claimer:
                 covered = bisect.bisect_right(self._keys, last) - 1
         self._settled = Settled(start, covered)
         self._advance_low()
+        if self._span:
+            self._summarise(start, listed)
+
+    def _reach(self, position: int) -> tuple[int, int]:
+        """The lowest and highest positions within a page either side of ``position`` that the
+        claimer's next ``REACH_UNITS`` units in order (``REACH_RUNS`` runs at most) ask about.
+
+        A listing that spans them settles the walk's next units too; one that ends at
+        ``position`` leaves them unsettled, and a claimer helping a lane (``rotated_order``: a
+        group's units up from its own, then the group's start, then the group below) would list
+        again for nearly every unit it passes.
+        """
+        order = self._order
+        starts = self._runs.starts
+        index = self._next
+        end = len(order)
+        width = REACH_PAGES * self.page
+        limit = position + width - 1
+        bottom = position - width + 1
+        floor = reach = position
+        run = bisect.bisect_right(starts, index) - 1
+        budget = REACH_UNITS
+        for _ in range(REACH_RUNS):
+            if index >= end or budget <= 0:
+                break
+            stop = starts[run + 1] if run + 1 < len(starts) else end
+            stop = min(stop, index + budget)
+            a, b = order[index], order[stop - 1]
+            low, high = (a, b) if a <= b else (b, a)
+            if low <= limit and high >= reach:
+                reach = min(high, limit)
+            if high >= bottom and low < floor:
+                floor = max(low, bottom)
+            budget -= stop - index
+            index = stop
+            run += 1
+        return floor, min(reach, len(self._keys) - 1)
+
+    # -- "all claimed" summaries -----------------------------------------------------------
+    def _summarised_span(self, position: int) -> bool:
+        """Before listing claims for ``position``: list the summaries first when its span may
+        have one (it lies behind the highest claim seen, and this claimer has not looked for it
+        in its last ``SUMMARY_RECHECK`` claim listings), and before the claimer's first listing
+        (a node that joins a run late skips what is done). True when a summary settled ``position``
+        (its whole span is claimed): no claim listing then."""
+        span = position // self._span
+        listings = self.stats["listings"]
+        if len(self._summarised) <= SUMMARY_BEHIND + 1:
+            return False  # too few spans: none is ever far enough behind to be read
+        if self._listed and (
+            span + SUMMARY_BEHIND >= self._top // self._span or listings - self._looked[span] < SUMMARY_RECHECK
+        ):
+            return False
+        self._looked[span] = listings
+        self._read_summaries()
+        if not self._summarised[span]:
+            self._wanted[span] = 1  # missing: whoever finds it complete now writes it
+            return False
+        first = span * self._span
+        self.stats["summarised"] += 1
+        self._listed = True
+        self._fresh = True
+        self._settled = Settled(first, min(len(self._keys), first + self._span) - 1)
+        return True
+
+    def _read_summaries(self) -> None:
+        """List ``claimed/`` and flag every unit of each span summarised there as claimed.
+
+        Only keys this run's spans would have (``ClaimIndex.summary_keys``) count; any other key
+        there is ignored (with one warning): a summary of another unit set or span size, or a
+        garbled key. A summary's body is never read.
+        """
+        self.stats["summary_listings"] += 1
+        known = self._known
+        summarised = self._summarised
+        size = self._span
+        fresh = False
+        for key in self.mailbox.list(SUMMARIES_PREFIX):
+            span = self._summaries.get(key)
+            if span is None:
+                self.stats["foreign_summaries"] += 1
+                if not self._warned:
+                    self._warned = True
+                    what = "a summary of another unit set or span size" if parse_summary_key(key) else "not a summary"
+                    _log.warning("%s: ignoring %r under %r: %s", self.learner_id, key, SUMMARIES_PREFIX, what)
+                continue
+            if summarised[span]:
+                continue
+            summarised[span] = 1
+            first = span * size
+            end = min(len(known), first + size)
+            if known.count(1, first, end) != end - first:
+                known[first:end] = b"\x01" * (end - first)
+                fresh = True
+        if fresh:
+            self._others = True
+            self._advance_low()
+
+    def _summarise(self, first: int, last: int) -> None:
+        """Queue the summary of each span from ``first`` to ``last`` that is now known complete:
+        every unit known claimed from a listing, a summary or a settled attempt (not one still
+        in flight: its create may yet fail)."""
+        size = self._span
+        known = self._known
+        for span in range(first // size, last // size + 1):
+            if self._summarised[span]:
+                continue
+            if zlib.crc32(span.to_bytes(4, "little"), self._seat) % (
+                SUMMARY_WANTED if self._wanted[span] else SUMMARY_WRITERS
+            ):
+                continue  # not among the span's writers: spares a create that others make
+            start = span * size
+            end = min(len(known), start + size)
+            if known.count(1, start, end) != end - start:
+                continue
+            if any(start <= position < end for position in self._pending):
+                continue
+            self._summarised[span] = 1
+            self._outbox.append(span)
+
+    def _write_summaries(self) -> None:
+        """Create the summaries ``_summarise`` found due, after an attempt settles: never
+        between a listing and the create that relies on it."""
+        while self._outbox:
+            span = self._outbox.pop()
+            created = self.mailbox.put_if_absent(self._summary_names[span], SUMMARY_BODY)
+            self.stats["summaries_written" if created else "summaries_lost"] += 1
 
     def _pages(self, after: str | None) -> Iterator[Sequence[str]]:
         """The claims after ``after``, ``page`` keys at a time, fetched as they are asked for.

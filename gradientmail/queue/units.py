@@ -26,12 +26,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import sys
+import zlib
 from array import array
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gradientmail.layout import CLAIMS_PREFIX, claim_key
+from gradientmail.layout import CLAIMS_PREFIX, claim_key, summary_key
 
 __all__ = ["ClaimIndex", "IndexedPage", "OrderRuns", "PositionOrder"]
 
@@ -185,6 +186,33 @@ class ClaimIndex:
         self._by_identifier = {identifier: position for position, (_, identifier) in enumerate(named)}
         if len(self.positions) != len(self.keys):
             raise ValueError("unit identifiers must be unique")
+        self._summaries: dict[int, dict[str, int]] = {}
+
+    def summary_keys(self, size: int) -> dict[str, int]:
+        """Each span's summary key (``layout.summary_key``) and the span: spans are ``size``
+        consecutive sorted positions (the last one shorter), ``span * size`` on.
+
+        The key's check is the CRC-32 of the span's size and first and last claim keys: the same
+        span of the same units, the same key, on every node; a span of another unit set or size
+        gets another check (a claimer ignores keys that are not in this mapping). Computed once
+        per size and shared by the index's claimers.
+
+        Example:
+            >>> index = ClaimIndex(["a", "b", "c"])
+            >>> sorted(index.summary_keys(2).values())
+            [0, 1]
+        """
+        keys = self._summaries.get(size)
+        if keys is None:
+            if size < 1:
+                raise ValueError(f"size must be >= 1, not {size}")
+            keys = {}
+            for span, first in enumerate(range(0, len(self.keys), size)):
+                last = min(len(self.keys), first + size) - 1
+                check = zlib.crc32(f"{size}\0{self.keys[first]}\0{self.keys[last]}".encode())
+                keys[summary_key(span, check)] = span
+            self._summaries[size] = keys
+        return keys
 
     def __len__(self) -> int:
         return len(self.keys)

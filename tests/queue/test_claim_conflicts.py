@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from gradientmail import rotated_order, unit_grid
-from gradientmail.layout import CLAIMS_PREFIX
+from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.queue import claims
 from gradientmail.queue.claimer import Claimer
@@ -31,7 +31,7 @@ def box(memory_mailbox):
 
 
 class Recorder(CountingMailbox):
-    """Appends ``("list",)`` and ``("create", key, token)`` to a shared event log."""
+    """Appends ``("list",)``, ``("create", key, token)`` and ``("summary", key)`` to a shared event log."""
 
     def __init__(self, inner, events):
         super().__init__(inner)
@@ -42,6 +42,9 @@ class Recorder(CountingMailbox):
         return super().list(prefix, start_after)
 
     def put_if_absent(self, key, data):
+        if key.startswith(SUMMARIES_PREFIX):  # an "all claimed" summary, not a claim: no token
+            self.events.append(("summary", key))
+            return super().put_if_absent(key, data)
         self.events.append(("create", key, json.loads(data)["token"]))
         return super().put_if_absent(key, data)
 
