@@ -464,7 +464,13 @@ class Record:
 
     def to_bytes(self) -> bytes:
         """The body as compact JSON: the bytes the record is stored as."""
-        return _ENCODER.encode(dict(self.fields)).encode()
+        return self.encode(self.fields)
+
+    @staticmethod
+    def encode(fields: Mapping[str, Any]) -> bytes:
+        """``fields`` as the bytes a record holding them is stored as (``to_bytes`` without the
+        record: a claim is written per unit)."""
+        return _ENCODER.encode(dict(fields)).encode()
 
     def to_dict(self) -> dict[str, Any]:
         """A mutable copy of the body."""

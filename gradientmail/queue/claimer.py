@@ -29,7 +29,6 @@ import math
 import multiprocessing
 import threading
 import time
-import uuid
 import zlib
 from array import array
 from collections import Counter, deque
@@ -40,7 +39,7 @@ from typing import NamedTuple
 
 from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX, SUMMARY_BODY, parse_summary_key
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
-from gradientmail.queue.claims import try_claim
+from gradientmail.queue.claims import new_token, try_claim
 from gradientmail.queue.units import ClaimIndex, OrderRuns, PositionOrder
 
 __all__ = [
@@ -408,7 +407,7 @@ class Claimer:
         self._known[position] = 1
         self._pending.add(position)
         self._advance_low()
-        token, self._token = self._token or uuid.uuid4().hex, None
+        token, self._token = self._token or new_token(), None
         return Pick(position, self._keys[position][len(CLAIMS_PREFIX) :], step, blind, token, stretch)
 
     def _stretch_pick(self) -> Pick | None:
@@ -517,7 +516,7 @@ class Claimer:
             # Drawn now (os.urandom is a system call) so that nothing slow runs between what
             # the listing shows and the create that relies on it: the shorter that gap, the
             # fewer claimers that listed at the same moment create the same unit.
-            self._token = uuid.uuid4().hex
+            self._token = new_token()
         if self._span and self._summarised_span(position):
             return
         floor, reach = self._reach(position)

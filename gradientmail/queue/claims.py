@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -43,6 +42,7 @@ __all__ = [
     "claim_record",
     "host_name",
     "load_claim",
+    "new_token",
     "parse_claim",
     "read_back",
     "read_claim",
@@ -132,6 +132,12 @@ def host_name() -> str:
     return socket.gethostname()
 
 
+def new_token() -> str:
+    """A claim attempt's token: 128 random bits from the OS as 32 hex digits (never from
+    ``random`` or torch's generator, which a training script seeds alike on every node)."""
+    return os.urandom(16).hex()
+
+
 def claim_fields(learner_id: str, token: str, worker: int | None, **extra: Any) -> dict[str, Any]:
     """The seed's claim fields plus ``extra`` (see ``gradientmail.layout``)."""
     return {
@@ -151,8 +157,8 @@ def claim_record(learner_id: str, token: str, worker: int | None = None, **extra
 
 
 def claim_body(learner_id: str, token: str, worker: int | None = None, **extra: Any) -> bytes:
-    """The JSON body of a claim (fields documented in ``gradientmail.layout``)."""
-    return claim_record(learner_id, token, worker, **extra).to_bytes()
+    """The JSON body of a claim (fields documented in ``gradientmail.layout``): ``claim_record``'s bytes."""
+    return ClaimRecord.encode(claim_fields(learner_id, token, worker, **extra))
 
 
 def load_claim(data: bytes | None) -> ClaimRecord | None:
@@ -248,7 +254,7 @@ def try_claim(
         identifier: The unit.
         learner_id: Who claims it.
         worker: The DataLoader worker claiming, if any.
-        token: Unique to this attempt (default: a fresh ``uuid4``).
+        token: Unique to this attempt (default: ``new_token()``).
         **extra: More fields for the claim's body (the elastic queue's incarnation and state).
 
     Returns:
@@ -262,7 +268,7 @@ def try_claim(
     """
     key = claim_key(identifier)
     if token is None:
-        token = uuid.uuid4().hex
+        token = new_token()
     body = claim_body(learner_id, token, worker, **extra)
     if not mailbox.put_if_absent(key, body):
         return False

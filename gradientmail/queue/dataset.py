@@ -381,13 +381,10 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     if gauge is not None:
                         gauge.produced(worker)
                     yield Item(step, tensor, UnitTag(identifier)) if self.wiring.timed else (step, tensor)
-                log.debug(
-                    "%s loaded unit %s (%d batches)",
-                    self.learner_id,
-                    identifier,
-                    self._positions.get(identifier, {}).get("position", -1) + 1,
-                )
-                self._positions.pop(identifier, None)
+                loaded = self._positions.pop(identifier, None)
+                if log.isEnabledFor(logging.DEBUG):
+                    batches = 0 if loaded is None else loaded["position"] + 1
+                    log.debug("%s loaded unit %s (%d batches)", self.learner_id, identifier, batches)
         finally:
             claims.close()
             self._claim_stats.update(claimer.stats)
