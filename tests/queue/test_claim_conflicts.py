@@ -2,7 +2,7 @@
 
 Two claimers that list at about the same moment both see the same unit free, and the one whose
 create lands second loses (a conflict). The gap between what the listing shows and the create
-is the window for that race, so the claimer draws the attempt's token (``uuid4``:
+is the window for that race, so the claimer draws the attempt's token (``claims.new_token``:
 ``os.urandom``, a system call) before the listing and asks for the host name once per process,
 not for each claim. Checked here on the order of requests and calls, not on timing.
 """
@@ -10,7 +10,6 @@ not for each claim. Checked here on the order of requests and calls, not on timi
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
@@ -53,15 +52,15 @@ class Recorder(CountingMailbox):
 def events(monkeypatch):
     """The event log, with token draws and host name look-ups recorded in it too."""
     log: list[tuple] = []
-    real_uuid4 = uuid.uuid4
+    real_urandom = claims.os.urandom
 
-    def uuid4():
-        value = real_uuid4()
-        log.append(("token", value.hex))
+    def urandom(size: int) -> bytes:
+        value = real_urandom(size)
+        log.append(("token", value.hex()))
         return value
 
     claims.host_name()  # the one look-up of this process, before anything is recorded
-    monkeypatch.setattr(claims.uuid, "uuid4", uuid4)
+    monkeypatch.setattr(claims.os, "urandom", urandom)
     monkeypatch.setattr(claims.socket, "gethostname", lambda: log.append(("hostname",)) or "h")
     return log
 
