@@ -50,7 +50,13 @@ __all__ = [
     "Claimer",
     "DEFAULT_CLAIM_AHEAD",
     "DEFAULT_LISTING",
+    "CLIMB_GAIN",
+    "CLIMB_S",
+    "CLIMB_STEP",
+    "CLIMB_UNITS",
+    "DepthClimb",
     "DepthGauge",
+    "HOLD_S",
     "JUMP_WINDOW",
     "LISTING_POLICIES",
     "NEAR",
@@ -765,8 +771,104 @@ class DepthGauge:
             return limit
         return min(limit, max(1, int(tied_s / self.unit_s)))
 
+    def deeper(self, depth: int, limit: int) -> int:
+        """The depth to try when the loop starved at ``depth``: the target, or ``CLIMB_STEP`` more."""
+        step = max(1, depth // CLIMB_STEP)
+        return min(max(depth + step, self.target()), self.bound(limit))
+
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else old + self._smoothing * (new - old)
+
+
+CLIMB_GAIN = 0.05
+"""A deeper claim-ahead is kept only when units are handed out at least this much faster with it."""
+
+CLIMB_UNITS = 8
+"""Fewest units handed out in a rate's measurement (a trial also waits for its depth's units first)."""
+
+CLIMB_S = 0.1
+"""Fewest seconds in a rate's measurement: a few time slices of a busy machine, so one slice
+given to another process does not decide a trial."""
+
+CLIMB_STEP = 4
+"""Without a higher target, a starving loop tries ``depth // CLIMB_STEP`` more claims in flight (at
+least one): where claims are what the loop waits for, units then come about 25 % faster, well
+over ``CLIMB_GAIN``; one more at a time would gain less than ``CLIMB_GAIN`` beyond 20 in flight."""
+
+HOLD_S = 5.0
+"""Seconds a depth that did not pay stays the most claims in flight before a deeper one is tried
+again (the store or the loader may have changed)."""
+
+
+class _Trial(NamedTuple):
+    before: int  # the depth before the trial, restored if the trial does not pay
+    rate: float  # units per second handed out at that depth
+    settle: int  # units handed out when the trial's measurement starts
+    started: float | None  # the clock then (None until that unit is handed out)
+
+
+class DepthClimb:
+    """Keeps a deeper claim-ahead only when it hands units out faster (hill-climbing on the rate).
+
+    ``DepthGauge`` says how deep claims must run to hide their latency, from the time a claim
+    takes; but on a store with no latency a claim's time is CPU work, and more claims in flight
+    only take turns at the interpreter with the loader (and with each other, which makes each
+    claim slower and the gauge ask for more). So each deeper depth is a trial: the units handed
+    out per second at the old depth are compared with those at the new one, measured once the
+    new depth's extra claims had time to land; a depth that does not pay ``CLIMB_GAIN`` goes back
+    and stays the most for ``HOLD_S``. On a slow store the first step (from on-demand claims to
+    the gauge's target) pays many times over and is kept at once.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._since: tuple[int, float] | None = None  # (units handed, clock) when this depth's rate began
+        self._trial: _Trial | None = None
+        self._ceiling: tuple[int, float] | None = None  # (most depth, until the clock reads this)
+
+    def handed(self, handed: int, depth: int) -> int:
+        """``handed`` units are out now: the depth to keep (a trial that did not pay ends here)."""
+        now = self._clock()
+        if self._since is None:
+            self._since = (handed, now)  # the first unit's wait is start-up, not a rate
+        trial = self._trial
+        if trial is None:
+            return depth
+        if trial.started is None:
+            if handed >= trial.settle:
+                self._trial = trial._replace(settle=handed, started=now)
+            return depth
+        units, seconds = handed - trial.settle, now - trial.started
+        if units < max(CLIMB_UNITS, depth) or seconds < CLIMB_S:
+            return depth
+        self._trial = None
+        if units / seconds >= trial.rate * (1 + CLIMB_GAIN):
+            self._since = (trial.settle, trial.started)  # the new depth's rate so far
+            return depth
+        self._since = (handed, now)
+        self._ceiling = (trial.before, now + HOLD_S)
+        return trial.before
+
+    def deeper(self, handed: int, depth: int, wanted: int) -> int:
+        """The loop starved and ``wanted`` claims in flight would hide a claim: the depth to try."""
+        now = self._clock()
+        if self._ceiling is not None:
+            if now < self._ceiling[1]:
+                wanted = min(wanted, self._ceiling[0])
+            else:
+                self._ceiling = None
+        if wanted <= depth or self._trial is not None or self._since is None:
+            return depth
+        units, seconds = handed - self._since[0], now - self._since[1]
+        if units < 1 or seconds < CLIMB_S:
+            return depth  # this depth's rate is not known yet
+        self._trial = _Trial(before=depth, rate=units / seconds, settle=handed + wanted, started=None)
+        return wanted
+
+    @property
+    def trying(self) -> bool:
+        """Whether a deeper depth is being measured now."""
+        return self._trial is not None
 
 
 class BufferGauge:
@@ -814,8 +916,10 @@ class ClaimAhead:
         gauge: BufferGauge | None = None,
         count: Callable[[], None] = lambda: None,
         name: str = "gradientmail-claim",
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._claimer = claimer
+        self._clock = clock
         self._limit = limit
         self._gauge = gauge
         self._count = count
@@ -827,18 +931,20 @@ class ClaimAhead:
         self._exhausted = False  # a pick found no free unit: start no more claims
         self._closing = False
         self._handed = 0
-        self._handed_at = time.perf_counter()
+        self._handed_at = clock()
         self._dry = 0  # waits in a row during which the loop ran dry
         self.depth = 0
         self.times = DepthGauge()
         """Measured claim and unit times, which set ``depth`` once the loop starves."""
+        self.climb = DepthClimb(clock)
+        """Keeps a deeper ``depth`` only when units are handed out faster with it."""
 
     def next(self) -> str | None:
         """The next claimed unit (claiming it now if none is ready), or None when none is left.
 
         A claim's error is raised here, after the units picked before it.
         """
-        asked = time.perf_counter()
+        asked = self._clock()
         unit_s = asked - self._handed_at  # how long the previous unit kept the loader busy
         if self._handed:
             self.times.loaded(unit_s)
@@ -856,10 +962,11 @@ class ClaimAhead:
             if identifier is None:
                 self._exhausted = True
                 continue  # claims started earlier may still have won a unit
-            self._handed_at = time.perf_counter()
+            self._handed_at = self._clock()
+            self._handed += 1
+            self.depth = self.climb.handed(self._handed, self.depth)
             if waited:
                 self._adapt(mark)
-            self._handed += 1
             self.depth = min(self.depth, self.times.bound(self._limit))  # the loader's pace changes
             self._top_up()
             return identifier
@@ -899,10 +1006,11 @@ class ClaimAhead:
         is busy, or has stopped) lost nothing to the wait. It takes two such waits in a row (a
         start-up transient, such as a loop that takes its first batch and stops, is not a
         trend). Without a gauge every wait counts. The first unit's wait is start-up. The depth
-        jumps to ``DepthGauge.target`` (at least one more than before), within
-        ``DepthGauge.bound``, so a slow store is hidden after a unit or two, not after ``limit``.
+        jumps to ``DepthGauge.target`` (at least a quarter more than before), within
+        ``DepthGauge.bound``, so a slow store is hidden after a unit or two, not after ``limit``;
+        and it stays there only if units are then handed out faster (``DepthClimb``).
         """
-        if self._handed == 0 or self.depth >= self._limit:
+        if self._handed == 1 or self.depth >= self._limit:
             return
         if mark is not None:
             assert self._gauge is not None
@@ -914,7 +1022,7 @@ class ClaimAhead:
             self._dry += 1
             if self._dry < 2:
                 return
-        self.depth = min(max(self.depth + 1, self.times.target()), self.times.bound(self._limit))
+        self.depth = self.climb.deeper(self._handed, self.depth, self.times.deeper(self.depth, self._limit))
 
     def _top_up(self) -> None:
         while not self._exhausted and not self._closing and len(self._pending) < self.depth:
@@ -932,7 +1040,7 @@ class ClaimAhead:
         The slot is taken in the same hold of the lock as the first pick, so the k-th slot gets
         the k-th unit picked even when the pool runs a later claim first.
         """
-        started = time.perf_counter()
+        started = self._clock()
         with self._lock:
             slot = self._untaken.popleft()
             try:
@@ -947,7 +1055,7 @@ class ClaimAhead:
 
     def _claim(self) -> str | None:
         """A claim on demand, on the loader's thread."""
-        started = time.perf_counter()
+        started = self._clock()
         with self._lock:
             pick = self._pick()
         return self._win(pick, started)
@@ -965,7 +1073,7 @@ class ClaimAhead:
                 identifier = claimer.settle(pick, won)
                 if identifier is not None:
                     self._count()
-                    self.times.claimed(time.perf_counter() - started)
+                    self.times.claimed(self._clock() - started)
                     return identifier
                 pick = self._pick()
         return None

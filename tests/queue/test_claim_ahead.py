@@ -73,6 +73,31 @@ class FixedTimes(DepthGauge):
         pass
 
 
+class SlowStoreClock:
+    """The test's clock, moved only by ``take``: a unit takes what ``depth`` claims in flight leave
+    of a 200 ms claim behind 5 ms of loading, so claiming deeper pays up to about 41 in flight
+    (``DepthClimb`` keeps a deeper depth only when units come faster)."""
+
+    claim_s, unit_s = 0.2, 0.005
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def take(self, ahead: ClaimAhead) -> str | None:
+        self.now += max(self.unit_s, (self.claim_s + self.unit_s) / (ahead.depth + 1))
+        return ahead.next()
+
+    def until_depth(self, ahead: ClaimAhead, depth: int, most: int = 200) -> list[str | None]:
+        """Units taken until ``ahead`` runs ``depth`` claims in flight (at most ``most``)."""
+        taken = []
+        while ahead.depth < depth and len(taken) < most:
+            taken.append(self.take(ahead))
+        return taken
+
+
 class StalledGauge:
     """A loop that has stopped taking batches, with some buffered."""
 
@@ -95,12 +120,15 @@ def test_limit_zero_claims_on_demand_like_the_claimer(box):
 def test_grows_while_the_loop_starves_and_claims_ahead(box):
     order = ids(40)
     counted = Counter()
-    ahead = ClaimAhead(Claimer(box, order, "node-0"), limit=3, gauge=DryGauge(), count=lambda: counted.update(["won"]))
-    handed = [ahead.next() for _ in range(10)]
+    clock = SlowStoreClock()
+    ahead = ClaimAhead(
+        Claimer(box, order, "node-0"), limit=3, gauge=DryGauge(), count=lambda: counted.update(["won"]), clock=clock
+    )
+    handed = clock.until_depth(ahead, 3)
     assert ahead.depth == 3
     ahead.wait_in_flight()
-    # Ten units handed out, three more claimed ahead and waiting, nothing else.
-    assert len(claimed(box)) == 13 == counted["won"]
+    # The units handed out, three more claimed ahead and waiting, nothing else.
+    assert len(claimed(box)) == len(handed) + 3 == counted["won"]
     handed += drain(ahead)
     ahead.close()
     assert sorted(handed) == order, "every unit handed out once, none lost"
@@ -117,9 +145,9 @@ def test_a_stalled_loop_never_makes_it_claim_ahead(box):
 
 
 def test_without_a_gauge_every_wait_counts(box):
-    ahead = ClaimAhead(Claimer(box, ids(20), "node-0"), limit=2)
-    for _ in range(4):
-        ahead.next()
+    clock = SlowStoreClock()
+    ahead = ClaimAhead(Claimer(box, ids(40), "node-0"), limit=2, clock=clock)
+    clock.until_depth(ahead, 2)
     assert ahead.depth == 2
     ahead.close()
 
@@ -207,14 +235,15 @@ def test_units_and_errors_keep_the_pick_order_whatever_order_claims_run_in(box, 
 
     monkeypatch.setattr("gradientmail.queue.claimer.ThreadPoolExecutor", pool)
     order = ids(10)
-    ahead = ClaimAhead(Claimer(failing_claim(box, "u0003"), order, "node-0"), limit=3)
+    clock = SlowStoreClock()
+    ahead = ClaimAhead(Claimer(failing_claim(box, "u0003"), order, "node-0"), limit=3, clock=clock)
     ahead.times = FixedTimes(claim_s=0.2, unit_s=0.005)  # the second unit's wait starts 3 claims at once
     handed = []
     with pytest.raises(MailboxError, match="store unavailable"):
         while True:
             for started in pools:
                 started.run()  # the three claims for u0002-u0004 run newest first
-            handed.append(ahead.next())
+            handed.append(clock.take(ahead))
     ahead.close()
     assert ahead.depth == 3
     assert handed == order[:3], "units handed out in the order they were picked, the error after them"
@@ -244,9 +273,11 @@ class BlockingMailbox(MailboxWrapper):
 
 def test_close_waits_for_the_claim_in_flight(box):
     blocking = BlockingMailbox(box, f"{CLAIMS_PREFIX}u0003")
-    ahead = ClaimAhead(Claimer(blocking, ids(10), "node-0"), limit=2)
-    for _ in range(3):  # by the third unit, two claims run ahead: u0003 blocks
-        ahead.next()
+    clock = SlowStoreClock()
+    ahead = ClaimAhead(Claimer(blocking, ids(10), "node-0"), limit=2, clock=clock)
+    ahead.times = FixedTimes(claim_s=0.2, unit_s=0.005)
+    for _ in range(2):  # by the second unit, two claims run ahead: u0003 blocks
+        clock.take(ahead)
     assert blocking.entered.wait(30)
     closer = threading.Thread(target=ahead.close)
     closer.start()
@@ -261,8 +292,12 @@ def test_close_waits_for_the_claim_in_flight(box):
 def test_claims_after_the_end_are_still_handed_out(box):
     # Pending claims that won units when another pick found none are not lost.
     order = ids(7)
-    ahead = ClaimAhead(Claimer(box, order, "node-0"), limit=4)
-    handed = drain(ahead)
+    clock = SlowStoreClock()
+    ahead = ClaimAhead(Claimer(box, order, "node-0"), limit=4, clock=clock)
+    ahead.times = FixedTimes(claim_s=0.2, unit_s=0.005)  # four claims in flight from the second unit
+    handed = []
+    while (identifier := clock.take(ahead)) is not None:
+        handed.append(identifier)
     assert ahead.next() is None
     ahead.close()
     assert handed == sorted(handed) and sorted(handed) == order
