@@ -37,7 +37,15 @@ from gradientmail.queue.batches import (
     describe_value,
     loaded_batches,
 )
-from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, BufferGauge, ClaimAhead, Claimer
+from gradientmail.queue.claimer import (
+    CROWD_LIMIT,
+    DEFAULT_LISTING,
+    LISTING_POLICIES,
+    SHARED_CROWD_LIMIT,
+    BufferGauge,
+    ClaimAhead,
+    Claimer,
+)
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
@@ -217,6 +225,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self.mailbox = mailbox
         self.load = load
         self.order: list[str] = checked_order(order, self.units)
+        # Every node without an order walks the mapping's: they crowd the same next units.
+        self._crowd_limit = SHARED_CROWD_LIMIT if order is None else CROWD_LIMIT
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
         self._counter = register_counter(self.learner_id)
         gate_for(describe(mailbox), self.learner_id).report_figures(queue_figures(describe(mailbox), self.learner_id))
@@ -358,6 +368,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             worker=worker,
             listing=self._listing,
             index=self._claim_index,
+            crowd_limit=self._crowd_limit,
         )
         gauge = self.wiring.gauge
         claims = ClaimAhead(
@@ -402,6 +413,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             options or ElasticOptions(resume=False, lease_s=None),
             worker=worker,
             listing=self._listing,
+            crowd_limit=self._crowd_limit,
             restore=self._restore,
             stopping=lambda: halt[0] or (control is not None and control.stop.is_set()),
         )

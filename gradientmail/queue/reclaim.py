@@ -37,7 +37,7 @@ from gradientmail.layout import (
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, require_replace_if
-from gradientmail.queue.claimer import Claimer, Pick
+from gradientmail.queue.claimer import CROWD_LIMIT, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
 from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
 from gradientmail.records import ACTIVE, RELEASED, ClaimRecord, LeaseRecord, SkippedRecords, WorkRecord
@@ -268,6 +268,7 @@ class ElasticClaimer:
         *,
         worker: int | None = None,
         listing: str = "adaptive",
+        crowd_limit: float = CROWD_LIMIT,
         restore: Mapping[str, Mapping[str, Any]] | None = None,
         stopping: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
@@ -285,6 +286,7 @@ class ElasticClaimer:
             learner_id,
             worker=worker,
             listing=listing,
+            crowd_limit=crowd_limit,
             incarnation=options.incarnation,
         )
         self._watch = LeaseWatch(options.lease_s, clock) if options.lease_s else None

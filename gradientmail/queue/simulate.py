@@ -325,8 +325,16 @@ def simulate(
     index = ClaimIndex(units)
     store = PagedMemoryMailbox(f"simulate-{uuid.uuid4().hex}", index=index)
     mailboxes = [PagedCountingMailbox(store) for _ in range(nodes)]
+    own_orders = rotate_lanes is not None or orders is not None
     template = SharedQueueDataset(
-        units, mailbox=mailboxes[0], learner_id="node-0", load=load, listing=listing, claim_index=index, prepared=True
+        units,
+        mailbox=mailboxes[0],
+        learner_id="node-0",
+        load=load,
+        order=list(units) if own_orders else None,  # as real nodes given orders would: order=...
+        listing=listing,
+        claim_index=index,
+        prepared=True,
     )
     # Each node's start-up bill as its first next() would pay it (5 requests for the node that
     # creates run.json, 2 for the others); the unit set's fingerprint is computed once, by the

@@ -11,7 +11,9 @@ import random
 import pytest
 
 from gradientmail import MemoryMailbox
-from gradientmail.queue.claimer import SPREAD, Claimer
+from gradientmail.queue.claimer import CROWD_LIMIT, SHARED_CROWD_LIMIT, SPREAD, Claimer
+from gradientmail.queue.simulate import simulate
+from gradientmail.queue.units import unit_grid
 
 
 @pytest.fixture
@@ -68,3 +70,30 @@ def test_spreading_is_deterministic(box):
     box.clear()
     second = lockstep([Claimer(box, identifiers, f"node-{rank}") for rank in range(6)])
     assert first == second
+
+
+@pytest.mark.parametrize("claimers", [2, 4])
+def test_claimers_walking_one_order_in_lockstep_jump_apart(box, claimers):
+    # Every node without an order of its own walks the mapping's: whoever is behind catches up
+    # with whoever is ahead, and in lockstep they race for every next unit. At the shared
+    # order's crowd limit they jump apart and list about once per stretch instead.
+    order = [f"u{i:05d}" for i in range(3000)]
+    figures = {}
+    for limit in (CROWD_LIMIT, SHARED_CROWD_LIMIT):
+        box.clear()
+        racing = [Claimer(box, order, f"node-{rank}", crowd_limit=limit) for rank in range(claimers)]
+        won = lockstep(racing)
+        assert sorted(won) == order, "every unit once"
+        figures[limit] = {key: sum(c.stats[key] for c in racing) / len(order) for key in ("conflicts", "listings")}
+    assert figures[CROWD_LIMIT]["conflicts"] > 0.3 and figures[CROWD_LIMIT]["listings"] >= 1.0
+    assert figures[SHARED_CROWD_LIMIT]["conflicts"] < 0.1 and figures[SHARED_CROWD_LIMIT]["listings"] < 0.5
+
+
+def test_nodes_without_an_order_use_the_shared_orders_crowd_limit():
+    # The simulator runs the same datasets: nodes given orders (even the mapping's) keep
+    # CROWD_LIMIT, as SharedQueueDataset(order=...) does; order=None uses SHARED_CROWD_LIMIT.
+    units = unit_grid(steps=2000, unit_steps=1, lanes=2)
+    shared = simulate(units, [1.0, 1.0], jitter=0.2)
+    given = simulate(units, [1.0, 1.0], orders=[list(units)] * 2, jitter=0.2)
+    assert shared.claims == given.claims == len(units)
+    assert shared.claim_stats["listings"] < 0.8 * given.claim_stats["listings"]  # 1,404 vs 1,900
