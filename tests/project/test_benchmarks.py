@@ -209,6 +209,8 @@ def test_a_full_run_measures_the_1m_simulation_directly() -> None:
     assert script_command("scale", quick=False)[-3:] == ["--direct", "--repeats", "3"]
     assert script_command("scale", quick=True)[-1] == "--quick"
     assert script_command("balance", quick=False)[-1] == "benchmarks.balance"
+    assert script_command("throughput", quick=False)[-1] == "benchmarks.throughput"  # within 3 minutes
+    assert script_command("throughput", quick=False, full=True)[-1] == "--disk"
 
 
 def test_results_table_marks_targets() -> None:
