@@ -975,6 +975,10 @@ class ClaimAhead:
 
         A claim's error is raised here, after the units picked before it.
         """
+        if not self._limit:  # the seed's claims on demand: no depth to measure or adapt
+            identifier = None if self._exhausted else self._claim()
+            self._exhausted = identifier is None
+            return identifier
         asked = self._clock()
         unit_s = asked - self._handed_at  # how long the previous unit kept the loader busy
         if self._handed:
