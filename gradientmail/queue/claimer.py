@@ -279,7 +279,8 @@ class Claimer:
         crowd_limit: ``CROWD_LIMIT``, or ``SHARED_CROWD_LIMIT`` when every node walks this order.
 
     Raises:
-        ValueError: an unknown policy, ``page < 1``, or ``order`` not the index's units.
+        ValueError: an unknown policy, ``page < 1``, a ``summary_span`` or ``crowd_limit`` out of
+            range, or ``order`` not the index's units.
 
     Example:
         >>> from gradientmail.mailbox.memory import MemoryMailbox
@@ -309,6 +310,8 @@ class Claimer:
             raise ValueError(f"page must be >= 1, not {page}")
         if isinstance(summary_span, bool) or not isinstance(summary_span, int) or summary_span < 0:
             raise ValueError(f"summary_span must be an int >= 0, not {summary_span!r}")
+        if isinstance(crowd_limit, bool) or not isinstance(crowd_limit, (int, float)) or not 0 < crowd_limit <= 1:
+            raise ValueError(f"crowd_limit must be a share in (0, 1], not {crowd_limit!r}")
         self.mailbox = mailbox
         self.learner_id = learner_id
         self.worker = worker

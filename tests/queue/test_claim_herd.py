@@ -97,3 +97,9 @@ def test_nodes_without_an_order_use_the_shared_orders_crowd_limit():
     given = simulate(units, [1.0, 1.0], orders=[list(units)] * 2, jitter=0.2)
     assert shared.claims == given.claims == len(units)
     assert shared.claim_stats["listings"] < 0.8 * given.claim_stats["listings"]  # 1,404 vs 1,900
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, 1.5, -0.1, True, "0.5"])
+def test_a_crowd_limit_out_of_range_is_refused(box, bad):
+    with pytest.raises(ValueError, match="crowd_limit must be a share in"):
+        Claimer(box, ["a"], "node-0", crowd_limit=bad)
