@@ -22,11 +22,9 @@ until the loader waits for a claim while the training loop starves, and never ex
 from __future__ import annotations
 
 import bisect
-import ctypes
 import itertools
 import logging
 import math
-import multiprocessing
 import threading
 import time
 import zlib
@@ -40,10 +38,10 @@ from typing import NamedTuple
 from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX, SUMMARY_BODY, parse_summary_key
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.queue.claims import new_token, try_claim
+from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.units import ClaimIndex, OrderRuns, PositionOrder
 
 __all__ = [
-    "BufferGauge",
     "CROWD_LIMIT",
     "CROWD_MEMORY",
     "SHARED_CROWD_LIMIT",
@@ -66,6 +64,7 @@ __all__ = [
     "RISK_LIMIT",
     "RISK_MEMORY",
     "SPREAD",
+    "STARVED_S",
     "STRETCH",
     "REACH_PAGES",
     "REACH_RUNS",
@@ -370,6 +369,11 @@ class Claimer:
             identifier = self.settle(pick, self.attempt(pick))
             if identifier is not None:
                 return identifier
+
+    def unclaimed(self) -> int:
+        """Units not known to be claimed: at least the units really left (claims made since the
+        last listing are unknown), exact right after a listing that covered the run."""
+        return len(self._known) - self._known.count(1)
 
     # -- the three steps of a claim: several attempts may be in flight between pick and settle ----
     def pick(self) -> Pick | None:
@@ -905,31 +909,9 @@ class DepthClimb:
         return self._trial is not None
 
 
-class BufferGauge:
-    """How many batches are buffered between the loader(s) and the training loop.
-
-    Loaders count the batches they produce (one slot each: a DataLoader worker process is the
-    only writer of its slot), the loop counts the batches it takes; the difference is what is
-    buffered. Lives in shared memory, so DataLoader worker processes of any start method read it.
-    """
-
-    def __init__(self, loaders: int = 1, prefetch: int | None = None) -> None:
-        self.low = 1 if prefetch is None else max(1, prefetch // 2)
-        """Fewer batches buffered than this: the loaders are not keeping up."""
-        self._counts = multiprocessing.RawArray(ctypes.c_int64, loaders + 1)
-
-    def produced(self, loader: int | None) -> None:
-        self._counts[1 + (loader or 0)] += 1
-
-    def consumed(self) -> None:
-        self._counts[0] += 1
-
-    def taken(self) -> int:
-        return self._counts[0]
-
-    def buffered(self) -> int:
-        counts = self._counts
-        return sum(counts[1:]) - counts[0]
+STARVED_S = 0.005
+"""Seconds the loop must have waited for a batch during a claim for that claim to count as
+starving it (a batch already buffered reaches the loop in microseconds)."""
 
 
 class ClaimAhead:
@@ -1030,31 +1012,28 @@ class ClaimAhead:
         return len(pending)
 
     # -- internals ---------------------------------------------------------------------------
-    def _mark(self) -> tuple[int, int] | None:
+    def _mark(self) -> float | None:
         gauge = self._gauge
-        return None if gauge is None else (gauge.buffered(), gauge.taken())
+        return None if gauge is None else gauge.waited()
 
-    def _adapt(self, mark: tuple[int, int] | None) -> None:
+    def _adapt(self, mark: float | None) -> None:
         """After the loader waited for a claim: claim further ahead if the loop was starving.
 
-        The loop was starving when it kept taking batches during the wait and the buffer could
-        not absorb the wait: it took every batch buffered when the wait began, or that buffer
-        was under half full (``BufferGauge.low``: a loader that cannot keep the buffer full is
-        the bottleneck, and every wait of it is lost for good). A loop that took nothing (it
-        is busy, or has stopped) lost nothing to the wait. It takes two such waits in a row (a
-        start-up transient, such as a loop that takes its first batch and stops, is not a
-        trend). Without a gauge every wait counts. The first unit's wait is start-up. The depth
-        jumps to ``DepthGauge.target`` (at least a quarter more than before), within
-        ``DepthGauge.bound``, so a slow store is hidden after a unit or two, not after ``limit``;
-        and it stays there only if units are then handed out faster (``DepthClimb``).
+        The loop was starving when it waited for a batch during the claim (``BufferGauge.
+        waited``): that wait is lost for good. A loop that kept training on buffered batches
+        lost nothing, however few were left (the loader claims just in time on purpose:
+        ``queue.pacing``). It takes two such waits in a row (a start-up transient, such as a
+        loop that takes its first batch and stops, is not a trend). Without a gauge every wait
+        counts. The first unit's wait is start-up. The depth jumps to ``DepthGauge.target`` (at
+        least a quarter more than before), within ``DepthGauge.bound``, so a slow store is
+        hidden after a unit or two, not after ``limit``; and it stays there only if units are
+        then handed out faster (``DepthClimb``).
         """
         if self._handed == 1 or self.depth >= self._limit:
             return
         if mark is not None:
             assert self._gauge is not None
-            buffered, taken = mark
-            taken = self._gauge.taken() - taken
-            if taken == 0 or (taken < buffered and buffered >= self._gauge.low):
+            if self._gauge.waited() - mark <= STARVED_S:
                 self._dry = 0
                 return
             self._dry += 1

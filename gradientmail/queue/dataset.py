@@ -42,12 +42,12 @@ from gradientmail.queue.claimer import (
     DEFAULT_LISTING,
     LISTING_POLICIES,
     SHARED_CROWD_LIMIT,
-    BufferGauge,
     ClaimAhead,
     Claimer,
 )
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.liveness import Presence, presence_renew_s
+from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
 from gradientmail.queue.telemetry import queue_figures, register_counter
@@ -144,7 +144,8 @@ class Wiring:
 
     Attributes:
         prepared: ``prepare_mailbox`` already ran (in the main process, once).
-        gauge: The consumer's buffer, which claiming ahead watches.
+        gauge: The loop's buffer and pace: loaders claim just in time for it (``queue.pacing``)
+            and claim ahead when it starves.
         control: Stops DataLoader workers between operations.
         tagged: Yield elastic items tagged for a ``ProgressTracker`` in the consumer.
         timed: Batches travel as ``Item``s that name their unit (for ``unit_timing``), not pairs.
@@ -371,6 +372,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             crowd_limit=self._crowd_limit,
         )
         gauge = self.wiring.gauge
+        pacer = (
+            None if gauge is None else UnitPacer(gauge, worker, Endgame(claimer.unclaimed, self.mailbox, gauge.holds))
+        )
         claims = ClaimAhead(
             claimer,
             limit=self.claim_ahead,
@@ -380,6 +384,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         )
         try:
             while True:
+                if pacer is not None and not pacer.wait():
+                    return  # the loop has left: claim nothing more
                 try:
                     identifier = claims.next()
                 except Exception as exc:
@@ -389,14 +395,18 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     return
                 for position, (step, tensor) in enumerate(self._load_unit(identifier)):
                     self._positions[identifier] = {"token": None, "step": step, "position": position}
-                    if gauge is not None:
-                        gauge.produced(worker)
+                    if pacer is not None:
+                        pacer.produced()
                     yield Item(step, tensor, UnitTag(identifier)) if self.wiring.timed else (step, tensor)
+                if pacer is not None:
+                    pacer.ended()  # a unit without batches
                 loaded = self._positions.pop(identifier, None)
                 if log.isEnabledFor(logging.DEBUG):
                     batches = 0 if loaded is None else loaded["position"] + 1
                     log.debug("%s loaded unit %s (%d batches)", self.learner_id, identifier, batches)
         finally:
+            if pacer is not None:
+                pacer.ended()
             claims.close()
             self._claim_stats.update(claimer.stats)
             _log_claims(self.learner_id, worker, claimer.stats)
@@ -418,8 +428,14 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             stopping=lambda: halt[0] or (control is not None and control.stop.is_set()),
         )
         self._restore = {}
+        gauge = self.wiring.gauge
+        pacer = (
+            None if gauge is None else UnitPacer(gauge, worker, Endgame(claimer.unclaimed, self.mailbox, gauge.holds))
+        )
         try:
-            items = tagged_items(claimer, self._load_unit, lambda: self._counter.add(worker))
+            items = tagged_items(
+                claimer, self._load_unit, lambda: self._counter.add(worker), None if pacer is None else pacer.wait
+            )
             while True:
                 try:
                     item = next(items)
@@ -437,10 +453,16 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                 else:
                     self._positions[tag.unit] = {"token": tag.token, "step": step, "position": tag.position}
                 if options is not None:
+                    if pacer is not None:
+                        pacer.produced()  # end markers too: they take a place in the buffer
                     yield item  # for the consuming side's ProgressTracker
                 elif not tag.end:
+                    if pacer is not None:
+                        pacer.produced()
                     yield item._replace(tag=UnitTag(tag.unit)) if self.wiring.timed else item.pair
         finally:
+            if pacer is not None:
+                pacer.ended()
             self._claim_stats.update(claimer.claim_stats)
 
     def _load_unit(self, identifier: str) -> Iterator[Batch]:

@@ -384,10 +384,16 @@ def tagged_items(
     claimer: ElasticClaimer,
     load_unit: Callable[[str], Iterator[tuple[int, Any]]],
     on_claim: Callable[[], None] = lambda: None,
+    turn: Callable[[], bool] | None = None,
 ) -> Iterator[Item]:
     """Each owned unit's batches not consumed before (``Assignment.skips``), then an end marker,
-    unit by unit; each batch tagged with its claim token and its position in ``load``'s iteration."""
+    unit by unit; each batch tagged with its claim token and its position in ``load``'s iteration.
+
+    ``turn()`` is asked before each claim and waits for the loader's turn (``pacing.UnitPacer``);
+    False ends the items (the loop has left)."""
     while True:
+        if turn is not None and not turn():
+            return
         assignment = claimer.claim_next()
         if assignment is None:
             return

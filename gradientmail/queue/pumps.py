@@ -37,6 +37,7 @@ from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.queue.batches import Batch, Item, keep_pairs
 from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
+from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import Consumption, ProgressTracker
 from gradientmail.queue.telemetry import BatchWatch
 
@@ -71,6 +72,10 @@ class Batches(Iterator[Batch]):
     """Called before each batch; raises to stop the loop (``Presence.check``: this process was
     replaced by another incarnation of its learner)."""
 
+    pace: BufferGauge | None = None
+    """Stamped when the loop asks for a batch and when it gets it: the loop's pace, which the
+    loaders claim by (``queue.pacing``). Set on the iterator the loop itself holds."""
+
     def __init__(self) -> None:
         self._finished = False
 
@@ -80,6 +85,9 @@ class Batches(Iterator[Batch]):
     def __next__(self) -> Batch:
         if self._finished:
             raise StopIteration
+        pace = self.pace
+        if pace is not None:
+            pace.asked()
         if self.guard is not None:
             try:
                 self.guard()
@@ -91,6 +99,8 @@ class Batches(Iterator[Batch]):
             watch.ended()  # the loop asks for a batch: it has trained the previous one
         try:
             item = self._next()
+            if pace is not None:
+                pace.returned()
             return item if watch is None else watched(watch, item)
         except StopIteration:
             self._finished = True
@@ -293,6 +303,8 @@ class ThreadBatches(Batches):
     def close(self) -> None:
         """Stop the thread, then close the dataset's iterator (waiting up to ``timeout``)."""
         self._finished = True
+        if self._gauge is not None:
+            self._gauge.close()  # a loader waiting for its turn to claim leaves at once
         self._pump.stop()
         if self._pump.finish(self._timeout, self._close_source):
             self._close_source()
@@ -388,6 +400,8 @@ class LoaderBatches(Batches):
             return
         pump, self._pump = self._pump, None
         self._control.stop.set()
+        if self._gauge is not None:
+            self._gauge.close()
         if pump is not None:
             pump.stop()
         deadline = None if self._timeout is None else time.monotonic() + self._timeout

@@ -307,6 +307,10 @@ class ElasticClaimer:
     def claim_stats(self) -> Any:
         return self._fresh.stats
 
+    def unclaimed(self) -> int:
+        """Fresh units not known to be claimed, plus the released or orphaned ones found and not taken."""
+        return self._fresh.unclaimed() + len(self._candidates)
+
     # -- public ------------------------------------------------------------------------------
     def claim_next(self) -> Assignment | None:
         """The next unit this claimer owns, or None when there is nothing left to take."""

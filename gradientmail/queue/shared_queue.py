@@ -23,9 +23,10 @@ from gradientmail.fold_gate import gate_for
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.queue.batches import Batch, TensorTree, checked_count
-from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD, BufferGauge
+from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.liveness import Presence, presence_renew_s
+from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
 from gradientmail.queue.telemetry import BatchWatch, ProgressDisplay, unit_times
@@ -205,7 +206,7 @@ def shared_queue(
             prepared=True,
             timed=True,
             tagged=tracker is not None,
-            gauge=BufferGauge(max(1, workers), prefetch) if elastic is None else None,
+            gauge=BufferGauge(max(1, workers), prefetch),
         )
         batches: Batches
         if workers == 0:
@@ -217,6 +218,7 @@ def shared_queue(
             )
         batches.watch = watch
         if tracker is None:
+            batches.pace = dataset.gauge
             batches.guard = presence.check
             try:
                 batches.on_end = _warn_if_nothing_claimed(dataset)
@@ -226,6 +228,7 @@ def shared_queue(
                 batches.close()
             return
         consumed = ElasticBatches(batches, tracker, dataset.stop_claiming)
+        consumed.pace = dataset.gauge
         consumed.guard = presence.check
         clean = False
         try:

@@ -82,6 +82,7 @@ class NodeSpec:
     workers: int = 1
     prefetch: int = 4
     order: list[str] | None = None
+    step_time: float = 0.0  # the training loop's time per batch (a sleep): the node's speed
     stop_after: int | None = None
     barrier: Any = None
     names: dict[int, str] = field(default_factory=dict)
@@ -108,6 +109,8 @@ def run_node(spec: NodeSpec) -> None:
         order=spec.order,
     ) as batches:
         for step, batch in batches:
+            if spec.step_time:
+                time.sleep(spec.step_time)
             index, batch_step = (int(v) for v in batch)
             assert batch_step == step
             lines.append(f"{names.get(index, f'{index:05d}')} {step}")

@@ -13,10 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gradientmail"
-MAX_QUEUE_MODULES = 12
-"""The queue's rooms (issue #26): the claim protocol, the choice of the next unit, units and orders,
-liveness, the elastic loading and consuming sides, batches, pumps, telemetry, the dataset, the
-context manager and the simulator."""
 CALLERS = ("gradientmail", "benchmarks", "examples", "tests")
 OURS = {*CALLERS, "", *(path.stem for path in (ROOT / "tests").rglob("*.py"))}
 """Our modules: the packages, relative imports, and the test modules and helpers imported by name."""
@@ -93,11 +89,6 @@ def test_every_module_says_its_one_concept_in_its_first_line(name: str) -> None:
     where = MODULES[name].relative_to(ROOT)
     assert first.endswith("."), f"{where}: the docstring's first line should say the module's concept in one sentence"
     assert len(first) <= 120 and ". " not in first.rstrip("."), f"{where}: one sentence, one line: {first!r}"
-
-
-def test_the_queue_has_at_most_twelve_modules() -> None:
-    modules = [name for name in MODULES if name.startswith("gradientmail.queue.")]
-    assert len(modules) <= MAX_QUEUE_MODULES, sorted(modules)
 
 
 def _cycle() -> list[str] | None:

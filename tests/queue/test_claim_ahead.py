@@ -18,8 +18,9 @@ from gradientmail.errors import MailboxError
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, MailboxWrapper
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD, BufferGauge, ClaimAhead, Claimer, DepthGauge
+from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD, ClaimAhead, Claimer, DepthGauge
 from gradientmail.queue.claims import parse_claim
+from gradientmail.queue.pacing import BufferGauge
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,17 +47,14 @@ def drain(ahead: ClaimAhead) -> list[str]:
 
 
 class DryGauge:
-    """A loop that takes every buffered batch while the loader claims (it is starving)."""
+    """A loop that waits for a batch while the loader claims (it is starving)."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.seconds = 0.0
 
-    def buffered(self) -> int:
-        return 1
-
-    def taken(self) -> int:
-        self.count += 1  # each look sees one more batch taken since the last
-        return self.count
+    def waited(self) -> float:
+        self.seconds += 1.0  # each look sees the loop waited one more second since the last
+        return self.seconds
 
 
 class FixedTimes(DepthGauge):
@@ -99,13 +97,10 @@ class SlowStoreClock:
 
 
 class StalledGauge:
-    """A loop that has stopped taking batches, with some buffered."""
+    """A loop that has stopped taking batches, with some buffered: it never waits."""
 
-    def buffered(self) -> int:
-        return 2
-
-    def taken(self) -> int:
-        return 5
+    def waited(self) -> float:
+        return 5.0
 
 
 def test_limit_zero_claims_on_demand_like_the_claimer(box):

@@ -63,6 +63,32 @@ def test_seed_schedule_four_processes(tmp_path):
         assert units[first].lane == rank
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "options",
+    [{"prefetch": 8, "workers": 1}, {"prefetch": 2, "workers": 0}],
+    ids=["shared_queue-defaults", "workers0"],
+)
+def test_seed_schedule_with_one_batch_units_and_default_options(tmp_path, options):
+    """The documented case with the units many users pick, one batch each, and the defaults:
+    the fast node takes the most units and the slow one the fewest (each node's buffer could
+    hold 8 of the 24 units; a node that filled it would keep units a faster node starts sooner)."""
+    tick = 0.25
+    mailbox = LocalMailbox(tmp_path / "box")
+    units = unit_grid(steps=6, unit_steps=1, lanes=4)
+    names = {unit.first * 4 + unit.lane: ident for ident, unit in units.items()}
+    specs = [
+        NodeSpec(mailbox, f"node-{rank}", units, str(tmp_path), step_time=tick * time_per_unit, names=names, **options)
+        for rank, time_per_unit in enumerate((1, 2, 2, 4))
+    ]
+    run_nodes(specs)
+    by_learner = check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
+    counts = [len(by_learner.get(f"node-{rank}", [])) for rank in range(4)]
+    print(f"one-batch units, {options}: units per node {counts} (ideal 11/5/5/3)")
+    assert counts[0] > max(counts[1], counts[2]) >= min(counts[1], counts[2]) > counts[3] >= 1, counts
+    assert counts[0] >= 9 and counts[3] <= 4, counts
+
+
 @pytest.mark.timeout(150)
 def test_exactly_once_six_processes_two_workers_each(tmp_path):
     mailbox = LocalMailbox(tmp_path / "box")

@@ -1,0 +1,182 @@
+"""The documented case at every unit size: four node processes of speeds 1:2:2:4 drain 24 units.
+
+Each node is a real process running the documented loop (``shared_queue`` beside a
+``Session``) on one fresh ``LocalMailbox``; a batch's training is a sleep of the node's time per
+batch, so the schedule, not the CPU, sets the makespan. A *time unit* is node A's time for one
+unit of work: the ideal makespan is 12 of them (A 11 units, B and C 5, D 3), a fixed split 24.
+
+- ``small_units_makespan``: makespan / time unit with **one-batch units** and ``shared_queue``'s
+  default options (``prefetch=8``, ``workers=1``, the mapping's order); median of the repeats.
+  ``small_units_fastest`` is the fastest node's units in the same runs (ideal 11).
+- ``small_units_makespan_workers0``: the same with ``prefetch=2, workers=0``.
+- ``demo_units_makespan``: four batches a unit with the demo's options (``prefetch=2,
+  workers=0``), the ``gradientmail demo`` case.
+
+Every run checks that each unit was trained exactly once (its batches name their unit).
+
+Usage: ``python -m benchmarks.small_units [--quick] [--repeats N] [--time-unit S]``; the last
+line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from benchmarks._common import emit, parser, table, verdicts
+
+SPEEDS = (1.0, 2.0, 2.0, 4.0)
+"""Time per unit of nodes A, B, C and D, in time units (the documented case)."""
+UNITS = 24
+IDEAL = 12.0
+FIXED = 24.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration of the documented case."""
+
+    name: str
+    unit_steps: int
+    options: dict[str, Any] = field(default_factory=dict)
+    units: int = UNITS
+
+
+CASES = (
+    Case("small_units_makespan", 1),
+    Case("small_units_makespan_workers0", 1, {"prefetch": 2, "workers": 0}),
+    Case("demo_units_makespan", 4, {"prefetch": 2, "workers": 0}),
+)
+
+
+def load(unit: Any, unit_steps: int) -> Iterator[tuple[int, Any]]:
+    """A unit's batches; each names its unit (group, lane) so the run can be checked."""
+    import torch
+
+    for step in range(unit.first, unit.first + unit.count):
+        yield step, torch.tensor([unit.first // unit_steps, unit.lane, step])
+
+
+def _node(
+    rank: int, directory: str, case: Case, time_unit: float, start_at: float, results: Any, start_method: str
+) -> None:
+    """One node process: reports ``(rank, [(unit, started, ended), ...])`` or ``(rank, error)``.
+
+    Its DataLoader workers start the way a user's script would start them (``start_method``:
+    this platform's default), not the way the benchmark starts its nodes.
+    """
+    multiprocessing.set_start_method(start_method, force=True)
+    try:
+        results.put((rank, _train(rank, directory, case, time_unit, start_at)))
+    except BaseException as exc:
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _train(rank: int, directory: str, case: Case, time_unit: float, start_at: float) -> list[tuple[str, float, float]]:
+    """The documented loop, a sleep of the node's time per batch standing for its training step."""
+    import torch
+
+    from gradientmail import Session, unit_grid
+    from gradientmail.mailbox.local import LocalMailbox
+    from gradientmail.patterns.shared_queue import shared_queue
+
+    torch.set_num_threads(1)
+    box = LocalMailbox(directory)
+    lanes = len(SPEEDS)
+    units = unit_grid(steps=case.units // lanes * case.unit_steps, unit_steps=case.unit_steps, lanes=lanes)
+    batch_s = SPEEDS[rank] * time_unit / case.unit_steps
+
+    loader = functools.partial(load, unit_steps=case.unit_steps)
+    model = torch.nn.Linear(4, 1)
+    spans: list[tuple[str, float, float]] = []
+    time.sleep(max(0.0, start_at - time.time()))
+    session = Session(model, mailbox=box, learner_id=f"node-{rank}", every=timedelta(seconds=0.5))
+    with session, shared_queue(units, mailbox=box, learner_id=f"node-{rank}", load=loader, **case.options) as batches:
+        for _step, batch in batches:
+            began = time.time()
+            group, lane, _ = (int(value) for value in batch)
+            time.sleep(max(0.0, began + batch_s - time.time()))  # the node's training step
+            session.step(samples=1)
+            spans.append((f"{group:06d}-{lane}.json", began, time.time()))
+    return spans
+
+
+def run(case: Case, time_unit: float, context: Any) -> dict[str, Any]:
+    """One run of ``case``: makespan in time units, units per node, units trained twice or never."""
+    start_method = multiprocessing.get_start_method()  # the platform's default, before any is set
+    with tempfile.TemporaryDirectory(prefix="gm-small-units-") as directory:
+        results = context.Queue()
+        start_at = time.time() + 1.0
+        processes = [
+            context.Process(target=_node, args=(rank, directory, case, time_unit, start_at, results, start_method))
+            for rank in range(len(SPEEDS))
+        ]
+        for process in processes:
+            process.start()
+        spans = dict(results.get(timeout=300) for _ in processes)
+        failed = {rank: error for rank, error in spans.items() if isinstance(error, str)}
+        if failed:
+            raise RuntimeError(f"node processes failed: {failed}")
+        for process in processes:
+            process.join(timeout=60)
+    batches = Counter(unit for node in spans.values() for unit, _, _ in node)
+    per_node = [len({unit for unit, _, _ in spans[rank]}) for rank in range(len(SPEEDS))]
+    end = max((ended for node in spans.values() for _, _, ended in node), default=start_at)
+    return {
+        "makespan": (end - start_at) / time_unit,
+        "units": per_node,
+        "wrong": sum(1 for count in batches.values() if count != case.unit_steps) + (case.units - len(batches)),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    options = parser(__doc__)
+    options.add_argument("--repeats", type=int, default=None, help="runs per case (default 3, quick 1)")
+    options.add_argument("--time-unit", type=float, default=0.25, help="seconds of node A per unit (default 0.25)")
+    args = options.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "gradientmail", "gradientmail.patterns.shared_queue"])
+    figures: dict[str, Any] = {}
+    rows = []
+    for case in CASES:
+        runs = [run(case, args.time_unit, context) for _ in range(repeats)]
+        spans = [result["makespan"] for result in runs]
+        figures[case.name] = statistics.median(spans)
+        figures[f"{case.name}_spread"] = [min(spans), max(spans)]
+        figures[f"{case.name}_wrong"] = sum(result["wrong"] for result in runs)
+        if case.name == "small_units_makespan":
+            figures["small_units_fastest"] = min(result["units"][0] for result in runs)
+        rows.append(
+            (
+                case.name,
+                case.unit_steps,
+                " ".join(f"{k}={v}" for k, v in case.options.items()) or "defaults",
+                f"{statistics.median(spans):.2f} [{min(spans):.2f}, {max(spans):.2f}]",
+                "; ".join("/".join(str(n) for n in result["units"]) for result in runs),
+                sum(result["wrong"] for result in runs),
+            )
+        )
+    print(
+        table(
+            ("case", "batches/unit", "options", "makespan (ideal 12, fixed 24)", "units A/B/C/D", "units not once"),
+            rows,
+        )
+    )
+    for line in verdicts(figures):
+        print(line)
+    emit(figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
