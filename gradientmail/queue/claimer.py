@@ -682,7 +682,12 @@ class Claimer:
         summarised = self._summarised
         size = self._span
         fresh = False
-        for key in self.mailbox.list(SUMMARIES_PREFIX):
+        try:
+            keys = list(self.mailbox.list(SUMMARIES_PREFIX))
+        except Exception as exc:
+            self._summaries_off(exc, "listing")
+            keys = []
+        for key in keys:
             span = self._summaries.get(key)
             if span is None:
                 self.stats["foreign_summaries"] += 1
@@ -730,8 +735,29 @@ class Claimer:
         between a listing and the create that relies on it."""
         while self._outbox:
             span = self._outbox.pop()
-            created = self.mailbox.put_if_absent(self._summary_names[span], SUMMARY_BODY)
+            try:
+                created = self.mailbox.put_if_absent(self._summary_names[span], SUMMARY_BODY)
+            except Exception as exc:
+                self._summaries_off(exc, "writing")
+                return
             self.stats["summaries_written" if created else "summaries_lost"] += 1
+
+    def _summaries_off(self, exc: Exception, doing: str) -> None:
+        """Summaries are an optimisation: one that fails (a store refusing writes under
+        ``claimed/``, a stray object named ``claimed``) is turned off for this claimer, with one
+        warning, and never stops the claim that was being settled or the node."""
+        self._span = 0
+        self._outbox.clear()
+        self.stats["summary_failures"] += 1
+        _log.warning(
+            "%s: %s claim summaries under %r failed (%s: %s); this claimer goes on without them "
+            "(they only save listings)",
+            self.learner_id,
+            doing,
+            SUMMARIES_PREFIX,
+            type(exc).__name__,
+            exc,
+        )
 
     def _pages(self, after: str | None) -> Iterator[Sequence[str]]:
         """The claims after ``after``, ``page`` keys at a time, fetched as they are asked for.

@@ -197,3 +197,58 @@ def test_simulated_nodes_skip_summarised_spans_and_pay_for_them(monkeypatch):
     creates = stats["attempts"] + stats["summaries_written"] + stats["summaries_lost"]
     assert summarised.requests["put_if_absent"] == startup + creates
     assert summarised.requests["list"] >= stats["listings"] + stats["summary_listings"]
+
+
+def refusing_summaries(inner: MemoryMailbox):
+    """A store that refuses every write and listing under ``claimed/`` (a policy, a quota)."""
+    from gradientmail.errors import MailboxError
+    from gradientmail.mailbox.wrappers import FaultyMailbox
+
+    def fault(operation: str, key: str) -> BaseException | None:
+        return MailboxError(f"{operation} {key}: access denied") if key.startswith(SUMMARIES_PREFIX) else None
+
+    return FaultyMailbox(inner, fault)
+
+
+def test_a_store_refusing_summaries_never_stops_a_claim(store, every_writer, caplog):
+    """Summaries only save listings: a refused one is logged once and turned off, and the claim
+    being settled when it failed is still handed out (a won unit is never stranded)."""
+    refusing = refusing_summaries(store)
+    claimer = Claimer(refusing, UNITS, "n0", summary_span=SPAN)
+    with caplog.at_level(logging.WARNING, logger="gradientmail.queue"):
+        won = [claimer.claim_next() for _ in UNITS]
+    assert won == UNITS and claimer.claim_next() is None
+    assert sorted(key[len(CLAIMS_PREFIX) :] for key in store.list(CLAIMS_PREFIX)) == UNITS
+    assert claimer.stats["summary_failures"] == 1
+    assert len([r for r in caplog.records if "claim summaries" in r.getMessage()]) == 1
+
+
+def test_a_late_joiner_whose_summary_listing_fails_claims_what_is_left(store, every_writer):
+    first = Claimer(store, UNITS, "n0", summary_span=SPAN)
+    for _ in range(3 * SPAN):
+        first.claim_next()
+    assert summaries(store), "the first node wrote summaries of the spans it completed"
+    late = Claimer(refusing_summaries(store), UNITS, "n1", summary_span=SPAN)
+    left = []
+    while (unit := late.claim_next()) is not None:
+        left.append(unit)
+    assert left == UNITS[3 * SPAN :]
+
+
+@pytest.mark.slow
+def test_a_stray_object_named_claimed_never_strands_a_unit(tmp_path):
+    """A file ``claimed`` where the summaries' folder would be (a user's, a tool's): every unit of a
+    run long enough to write summaries is still trained once."""
+    import torch
+
+    from gradientmail import LocalMailbox
+    from gradientmail.patterns.shared_queue import shared_queue
+
+    box = LocalMailbox(tmp_path / "box")
+    box.put("claimed", b"not a folder")
+    units = {f"{n:05d}": n for n in range(2 * claimer_module.SUMMARY_SPAN + 5)}
+    with shared_queue(
+        units, mailbox=box, learner_id="n0", load=lambda n: [(n, torch.tensor([n]))], workers=0
+    ) as batches:
+        trained = [step for step, _ in batches]
+    assert sorted(trained) == list(range(len(units)))
