@@ -12,9 +12,10 @@ its units trains the rest again. Nothing is held without a Session (the queue al
 A record written after its fold leaves a window: a node frozen or killed after the fold landed
 and before the record was written would have the batches trained again by whoever continues. So
 each snapshot also carries the *unit marks* (``UnitMark``): for every unit whose latest batch
-delivered is not yet in a written record, that batch's position. The Session stores them in the
-learner's line of the run's state, and a takeover continues after the further of the record and
-the marks every fragment holds (``gradientmail.session.folded_units``).
+delivered is not yet in a written record, that batch's position, however many units that is.
+The Session stores them in the learner's line of the run's state (past ``MAX_UNIT_MARKS``, in an
+object the line names: ``gradientmail.session.marks_store``), and a takeover continues after the
+further of the record and the marks every fragment holds (``gradientmail.session.folded_units``).
 
 One gate per store and learner id in this process: the Session and the queue of one learner
 find each other by those two names (``gate_for``), so the documented loop needs no new argument.
@@ -57,8 +58,8 @@ __all__ = [
 ]
 
 MAX_UNIT_MARKS = 64
-"""Unit marks one snapshot carries at most (the most recent): a learner has one unit in training
-and a few whose records wait; a mark left out only means those batches may be trained twice."""
+"""Unit marks a line of the run's state holds itself; a snapshot with more (small units, many
+folded per exchange) puts them all in an object the line names (``session.marks_store``)."""
 
 
 class UnitMark(NamedTuple):
@@ -75,15 +76,15 @@ MAX_MARK_CHARS = 1024
 """Longest unit id or claim token a unit mark may hold (both are key segments or hex tokens)."""
 
 
-def unit_marks_from_json(value: object, limit: int) -> tuple[UnitMark, ...]:
-    """Unit marks read back from the store (untrusted): at most ``MAX_UNIT_MARKS``, strings
-    short, steps and positions within ``limit``.
+def unit_marks_from_json(value: object, limit: int, most: int = MAX_UNIT_MARKS) -> tuple[UnitMark, ...]:
+    """Unit marks read back from the store (untrusted): at most ``most``, strings short, steps
+    and positions within ``limit``.
 
     Raises:
         ValueError: naming what is wrong.
     """
-    if not isinstance(value, list) or len(value) > MAX_UNIT_MARKS:
-        raise ValueError(f"units is not a list of at most {MAX_UNIT_MARKS} marks")
+    if not isinstance(value, list) or len(value) > most:
+        raise ValueError(f"units is not a list of at most {most} marks")
     marks = []
     for item in value:
         if not (isinstance(item, list) and len(item) == 4):
@@ -323,10 +324,9 @@ class FoldGate:
 
     def snapshot(self) -> tuple[int, dict[str, UnitMark]]:
         """``mark()`` and the unit marks of the batches it holds whose records are not written
-        (the ``MAX_UNIT_MARKS`` most recently delivered)."""
+        (every one of them: a mark left out would let those batches be trained twice)."""
         with self._lock:
-            marks = [mark for _, mark in self._unwritten.values()][-MAX_UNIT_MARKS:]
-            return self._delivered, {mark.unit: mark for mark in marks}
+            return self._delivered, {mark.unit: mark for _, mark in self._unwritten.values()}
 
     def landed(self, link: SessionLink, fragment: int, mark: int) -> None:
         """``link``'s fragment ``fragment`` folded (or left pending) a snapshot taken at ``mark``."""

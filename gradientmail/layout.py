@@ -98,8 +98,19 @@ FRAGMENT_DIGITS = 4
 
 FRAGMENTS_PREFIX = f"{SESSION_PREFIX}fragments/"
 MEMBERS_PREFIX = f"{SESSION_PREFIX}members/"
+MARKS_PREFIX = f"{SESSION_PREFIX}marks/"
+"""Unit marks too many for a learner's line of the run's state, one object per snapshot."""
 OLD_STATE_PREFIX = f"{SESSION_PREFIX}state/"
 """Where format 2 kept its one chain; only used to recognise and refuse old runs."""
+
+
+def marks_prefix(learner_id: str) -> str:
+    return f"{MARKS_PREFIX}{learner_id}/"
+
+
+def marks_key(learner_id: str, token: str) -> str:
+    """``session/marks/{learner_id}/{token}.json``: the unit marks of one of its snapshots."""
+    return f"{marks_prefix(learner_id)}{token}.json"
 
 
 def fragment_prefix(fragment: int) -> str:

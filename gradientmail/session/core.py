@@ -26,6 +26,7 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
+from gradientmail.session.marks_store import MarksWriter
 from gradientmail.session.options import (
     DEFAULT_EVERY,
     DEFAULT_MAX_STALENESS,
@@ -171,6 +172,7 @@ class Session:
         self._next_fragment = 0
         self._last_weights: dict[str, int] = {}
         self._buffers: list[dict[str, Tensor]] = []  # per fragment, the snapshot, reused
+        self._marks = MarksWriter(mailbox, learner_id)  # used on the exchange thread only
         self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
             mailbox,
             learner_id,
@@ -268,6 +270,7 @@ class Session:
         # The queue of this learner in this process records a batch as done once folded.
         self._guard = QueueGuard(gate_for(describe(self.mailbox), self.learner_id), self.learner_id)
         self._guard.attach(self._fold_now, len(plan), self._wait_for_fold, exchanger.joined_marks)
+        self._marks.earlier = exchanger.joined_marks_object
         exchanger.before_create = self._guard.before_write
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._next_fragment = random.randrange(len(plan))
@@ -320,6 +323,9 @@ class Session:
                 if not self._stuck:  # leave the member list, so peers stop counting this node
                     self._worker.submit(self._exchanger.leave).done.wait(self._timeout_s)
         finally:
+            if folded_all and self._guard.link is not None and not self._guard.link.snapshot()[1]:
+                # Every record is written (the queue has left): no marks object is needed any more.
+                self._worker.submit(self._marks.clear).done.wait(self._timeout_s)
             # After the final fold every batch delivered is in the run; after a failure nothing
             # more is released (the queue drops those records: their batches are trained again).
             self._guard.detach(release=folded_all)
@@ -443,9 +449,11 @@ class Session:
 
         def job() -> list[Merge]:
             merges = []
+            # Many marks (small units) go to one object, written before any fold names it.
+            inline, marks = self._marks.inline_or_write(units)
             for i, snapshot in snapshots:
                 guard.fold_started(since)  # frozen since the last step, units taken over? stop
-                merges.append(exchanger.exchange(i, snapshot, totals, final, taken, units))
+                merges.append(exchanger.exchange(i, snapshot, totals, final, taken, inline, marks))
                 link.landed(i, mark)
             if final:
                 exchanger.leave()

@@ -26,6 +26,7 @@ from gradientmail.records import MemberRecord, ProgressRecord
 from gradientmail.session.chain import ABSORB, FragmentChain, View
 from gradientmail.session.fragments import Fragment, FragmentPlan, Piece, widen
 from gradientmail.session.mail import Contribution, State, all_finite
+from gradientmail.session.marks_store import MarksRef, lines_marks
 from gradientmail.session.members import Members, active_learners, check_prefix, list_members
 from gradientmail.session.outer import OuterOptimizer, OuterState
 from gradientmail.session.overlap import parallel
@@ -168,6 +169,7 @@ class Exchanger:
         self._anchors: list[dict[str, Tensor]] = []  # where this learner's progress is measured from
         self._tables: list[dict[str, Contribution]] = []  # each learner's line, as last seen
         self.joined_marks: tuple[tuple[UnitMark, ...], ...] = ()  # this learner's, per fragment, at enter
+        self.joined_marks_object = False  # some of those came from a marks object
         self._seqs: list[int] = []  # the sequence number of this learner's next contribution
         self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
         self._since: list[float] = []  # per fragment, when the progress not yet folded began
@@ -222,7 +224,8 @@ class Exchanger:
         # batches folded into some fragments only, before a crash, are trained again by whoever
         # continues their units, and counted once, by that node.
         own = [table.get(me) for table in self._tables]
-        self.joined_marks = tuple(() if line is None else line.units for line in own)
+        self.joined_marks = tuple(lines_marks(mailbox, me, own))
+        self.joined_marks_object = any(line is not None and line.marks is not None for line in own)
         held = None if None in own or not own else min(own, key=lambda entry: (entry.samples, entry.step))
         return values, held
 
@@ -234,9 +237,11 @@ class Exchanger:
         final: bool,
         taken: float,
         units: tuple[UnitMark, ...] = (),
+        marks: MarksRef | None = None,
     ) -> Merge:
         """Fold the progress in ``snapshot`` (fragment ``index``, taken at wall time ``taken``)
-        into the run; ``totals`` is ``(steps, samples)``, ``units`` the snapshot's unit marks."""
+        into the run; ``totals`` is ``(steps, samples)``, ``units`` the snapshot's unit marks
+        (or ``marks``, the object that holds them: ``session.marks_store``)."""
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         for name, tensor in local.items():  # never spread a diverged model to every node
@@ -290,7 +295,9 @@ class Exchanger:
         seq = self._seqs[index]
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
-        entry = Contribution(seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final, units=units)
+        entry = Contribution(
+            seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final, units=units, marks=marks
+        )
         folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
         self._unsure[index] = None
         self._seqs[index] = seq + 1

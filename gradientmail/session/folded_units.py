@@ -9,7 +9,8 @@ a model (headers checked, tensors only checked to be readable and finite), and a
 continues after the further of the record and the mark every fragment holds.
 
 Cost: one read of each fragment's newest version and of the learner's pending contributions,
-on takeovers only (and one listing when the run has no state).
+and of the marks object their lines name when the marks were many (``session.marks_store``), on
+takeovers only (and one listing when the run has no state).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from gradientmail.fold_gate import UnitMark, held_everywhere
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.session.chain import FragmentChain, run_fragments
+from gradientmail.session.marks_store import lines_marks
 from gradientmail.session.overlap import parallel
 
 __all__ = ["folded_mark"]
@@ -40,4 +42,4 @@ def folded_mark(mailbox: Mailbox, learner: str, unit: str, token: str) -> UnitMa
     lines = [None if view is None else view.learners.get(learner) for view in views]
     if None in lines:
         return None
-    return held_everywhere([line.units for line in lines if line is not None], unit, token)
+    return held_everywhere(lines_marks(mailbox, learner, lines), unit, token)

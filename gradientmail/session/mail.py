@@ -23,6 +23,7 @@ from torch import Tensor
 
 from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError
 from gradientmail.fold_gate import UnitMark, unit_marks_from_json
+from gradientmail.session.marks_store import MarksRef
 
 FORMAT = "gradientmail.session/3"
 """Value of the ``format`` metadata field. Any other value is refused with ``MailRejectedError``."""
@@ -57,6 +58,8 @@ class Contribution:
         units: where this fold's snapshot stood in each unit whose consumption record was not
             written yet (``gradientmail.fold_gate``): a node that continues such a unit after
             this learner died skips what the run holds (``session.folded_units``).
+        marks: when those were more than ``MAX_UNIT_MARKS``, the object that holds them all
+            (``units`` is then empty; ``session.marks_store``).
     """
 
     seq: int
@@ -65,17 +68,20 @@ class Contribution:
     time: float
     final: bool = False
     units: tuple[UnitMark, ...] = ()
+    marks: MarksRef | None = None
 
     def to_json(self) -> list:
         line: list = [self.seq, self.step, self.samples, self.time, self.final]
-        if self.units:
+        if self.units or self.marks is not None:
             line.append([list(mark) for mark in self.units])
+        if self.marks is not None:
+            line.append(self.marks.to_json())
         return line
 
     @classmethod
     def from_json(cls, value: object, *, where: str) -> Contribution:
-        if not (isinstance(value, list) and len(value) in (5, 6)):
-            raise UnusableStateError(f"{where}: expected [seq, step, samples, time, final(, units)]")
+        if not (isinstance(value, list) and len(value) in (5, 6, 7)):
+            raise UnusableStateError(f"{where}: expected [seq, step, samples, time, final(, units(, marks))]")
         seq, step, samples, time, final = value[:5]
         for name, count in (("seq", seq), ("step", step), ("samples", samples)):
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
@@ -85,10 +91,11 @@ class Contribution:
         if not isinstance(final, bool):
             raise UnusableStateError(f"{where}: final {final!r} is not a boolean")
         try:
-            units = unit_marks_from_json(value[5], MAX_COUNT) if len(value) == 6 else ()
+            units = unit_marks_from_json(value[5], MAX_COUNT) if len(value) >= 6 else ()
+            marks = MarksRef.from_json(value[6]) if len(value) == 7 else None
         except ValueError as exc:
             raise UnusableStateError(f"{where}: {exc}") from None
-        return cls(seq=seq, step=step, samples=samples, time=float(time), final=final, units=units)
+        return cls(seq=seq, step=step, samples=samples, time=float(time), final=final, units=units, marks=marks)
 
 
 @dataclass(frozen=True)

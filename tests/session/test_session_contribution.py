@@ -369,3 +369,77 @@ def test_unit_marks_travel_in_the_learner_s_line_and_bad_ones_are_refused():
     for units in bad:
         with pytest.raises(UnusableStateError, match="unit"):
             Contribution.from_json([1, 1, 1, 1.0, False, units], where="state 'x'")
+
+
+SMALL_UNITS = {f"u{n:03d}": n for n in range(300)}
+"""One-batch units, all folded in one exchange: many more than a line of the state holds itself."""
+
+
+def load_one(value: int):
+    yield value, torch.tensor([value])
+
+
+def die_after_folding_every_unit(box_path: str, consumed_path: str, fragments: int, kill: bool) -> None:
+    """A node process: the documented loop over ``SMALL_UNITS`` with ``resume=True`` and a lease,
+    a Session that folds once all of them are trained; with ``kill`` it SIGKILLs itself the moment
+    the run holds every batch, before the queue's writer records any of them."""
+    import os
+    import signal
+
+    box = LocalMailbox(box_path)
+    model = torch.nn.Linear(2, 1)
+    every = len(SMALL_UNITS)
+    session = Session(model, mailbox=box, learner_id="node-0", every=None, every_steps=every, fragments=fragments)
+    with session, open(consumed_path, "a", encoding="ascii") as log:
+        if kill:
+            gate = gate_for(describe(box), "node-0")
+            gate.listen(lambda folded: folded is not None and folded >= every and os.kill(os.getpid(), signal.SIGKILL))
+        with shared_queue(
+            SMALL_UNITS,
+            mailbox=box,
+            learner_id="node-0",
+            load=load_one,
+            workers=0,
+            resume=True,
+            lease=timedelta(seconds=30),
+        ) as batches:
+            for step, _ in batches:
+                log.write(f"{step}\n")
+                log.flush()
+                with torch.no_grad():
+                    model.bias.add_(1.0)
+                session.step(samples=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_three_hundred_units_folded_in_one_exchange_count_once_after_a_kill(tmp_path, fragments):
+    """The window after a fold, with small units: 300 one-batch units in one fold, the node killed
+    before any of their records is written, restarted with ``resume=True``. Every unit's mark
+    reaches the restart (an object the line names: a line holds 64 marks itself), so none is
+    trained again: before, the marks of all but the last 64 were dropped and the run held 536
+    samples of 300."""
+    import multiprocessing
+
+    from gradientmail.layout import MARKS_PREFIX
+
+    context = multiprocessing.get_context("fork")
+    box, consumed = str(tmp_path / "box"), str(tmp_path / "consumed.txt")
+    first = context.Process(target=die_after_folding_every_unit, args=(box, consumed, fragments, True))
+    first.start()
+    first.join(120)
+    assert first.exitcode == -9, "the node was to die right after its fold landed"
+    assert not steps_recorded(LocalMailbox(box)), "no batch recorded: the run holds them all, unrecorded"
+    assert list(LocalMailbox(box).list(MARKS_PREFIX)), "the marks went to an object of their own"
+    second = context.Process(target=die_after_folding_every_unit, args=(box, consumed, fragments, False))
+    second.start()
+    second.join(120)
+    assert second.exitcode == 0
+
+    samples = consensus(LocalMailbox(box), torch.nn.Linear(2, 1))
+    trained = Counter(int(line) for line in open(consumed, encoding="ascii").read().split())
+    assert sum(samples.values()) == len(SMALL_UNITS)  # none lost, none counted twice
+    assert trained == Counter(range(len(SMALL_UNITS))), "each unit trained once, by the first run"
+    assert len(read_run(LocalMailbox(box)).done) == len(SMALL_UNITS)
+    assert not list(LocalMailbox(box).list(MARKS_PREFIX)), "a clean exit leaves no marks object"
