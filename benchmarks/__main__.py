@@ -26,7 +26,7 @@ from pathlib import Path
 
 from benchmarks._common import TARGETS
 
-SCRIPTS = ("balance", "requests", "throughput", "stall", "session", "session_figures")
+SCRIPTS = ("balance", "small_units", "requests", "throughput", "stall", "session", "session_figures")
 """What ``python -m benchmarks`` runs (within its 3-minute budget)."""
 FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
 """What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
@@ -53,6 +53,11 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("balance", "shared_over_bound_256", "shared queue / bound, 256 nodes"),
     ("balance", "shared_over_bound_slowdown", "shared queue / bound, 64 nodes, one 4x slower halfway"),
     ("balance", "fixed_over_bound_slowdown", "fixed split / bound, same slowdown"),
+    ("small_units", "small_units_makespan", "the documented case, 4 processes, one-batch units, defaults (ideal 12)"),
+    ("small_units", "small_units_fastest", "units the fastest node trained, same runs (ideal 11)"),
+    ("small_units", "small_units_makespan_workers0", "the same with prefetch=2, workers=0"),
+    ("small_units", "demo_units_makespan", "the same with 4 batches a unit, the demo's options"),
+    ("small_units", "small_units_over_bound_240", "240 one-batch units, defaults: makespan / fluid bound"),
     ("requests", "requests_per_claim", "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
     ("requests", "conflicts_per_claim", "lost claims per claimed unit, same (virtual clock: atomic steps)"),
     ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),

@@ -46,6 +46,13 @@ TARGETS: dict[str, Target] = {
         "<=", 2.5, "the same in the mapping's order (every node wants the same unit)"
     ),
     "conflicts_per_claim": Target("<=", 0.05, "lost claims per claimed unit, same run"),
+    "small_units_makespan": Target(
+        "<=", 13.0, "the documented case in 4 processes, one-batch units, shared_queue's defaults: time units"
+    ),
+    "small_units_fastest": Target(">=", 10.0, "units the fastest node trained in those runs (fewest of the repeats)"),
+    "small_units_makespan_workers0": Target("<=", 13.0, "the same with prefetch=2, workers=0: time units"),
+    "demo_units_makespan": Target("<=", 12.3, "the same with 4 batches a unit (the demo's units and options)"),
+    "small_units_over_bound_240": Target("<=", 1.1, "240 one-batch units, the defaults: makespan / fluid bound"),
     "conflicts_per_claim_threads": Target(
         "<=", 0.01, "lost claims per claimed unit, 64 threads racing for real, rotation"
     ),

@@ -11,6 +11,9 @@ unit of work: the ideal makespan is 12 of them (A 11 units, B and C 5, D 3), a f
 - ``small_units_makespan_workers0``: the same with ``prefetch=2, workers=0``.
 - ``demo_units_makespan``: four batches a unit with the demo's options (``prefetch=2,
   workers=0``), the ``gradientmail demo`` case.
+- ``small_units_over_bound_240``: 240 one-batch units and the defaults, where the endgame
+  begins mid-run: makespan / the fluid bound (240 units / 2.25 units per time unit), with a
+  time unit of ``--time-unit`` / 5 (node A trains 20 batches a second at the default).
 
 Every run checks that each unit was trained exactly once (its batches name their unit).
 
@@ -48,12 +51,14 @@ class Case:
     unit_steps: int
     options: dict[str, Any] = field(default_factory=dict)
     units: int = UNITS
+    scale: float = 1.0  # of the time unit
 
 
 CASES = (
     Case("small_units_makespan", 1),
     Case("small_units_makespan_workers0", 1, {"prefetch": 2, "workers": 0}),
     Case("demo_units_makespan", 4, {"prefetch": 2, "workers": 0}),
+    Case("small_units_over_bound_240", 1, units=240, scale=0.2),
 )
 
 
@@ -141,16 +146,20 @@ def run(case: Case, time_unit: float, context: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     options = parser(__doc__)
     options.add_argument("--repeats", type=int, default=None, help="runs per case (default 3, quick 1)")
-    options.add_argument("--time-unit", type=float, default=0.25, help="seconds of node A per unit (default 0.25)")
+    options.add_argument(
+        "--time-unit", type=float, default=None, help="seconds of node A per unit (default 0.25, quick 0.1)"
+    )
     args = options.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
+    args.time_unit = args.time_unit or (0.1 if args.quick else 0.25)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "gradientmail", "gradientmail.patterns.shared_queue"])
     figures: dict[str, Any] = {}
     rows = []
     for case in CASES:
-        runs = [run(case, args.time_unit, context) for _ in range(repeats)]
-        spans = [result["makespan"] for result in runs]
+        runs = [run(case, args.time_unit * case.scale, context) for _ in range(repeats)]
+        bound = case.units / sum(1 / speed for speed in SPEEDS)  # the fluid bound, in time units
+        spans = [result["makespan"] / (1.0 if case.units == UNITS else bound) for result in runs]
         figures[case.name] = statistics.median(spans)
         figures[f"{case.name}_spread"] = [min(spans), max(spans)]
         figures[f"{case.name}_wrong"] = sum(result["wrong"] for result in runs)
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(
             (
                 case.name,
-                case.unit_steps,
+                f"{case.units} x {case.unit_steps}",
                 " ".join(f"{k}={v}" for k, v in case.options.items()) or "defaults",
                 f"{statistics.median(spans):.2f} [{min(spans):.2f}, {max(spans):.2f}]",
                 "; ".join("/".join(str(n) for n in result["units"]) for result in runs),
@@ -168,7 +177,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     print(
         table(
-            ("case", "batches/unit", "options", "makespan (ideal 12, fixed 24)", "units A/B/C/D", "units not once"),
+            (
+                "case",
+                "units x batches",
+                "options",
+                "makespan (24 units: ideal 12, fixed 24)",
+                "units A/B/C/D",
+                "not once",
+            ),
             rows,
         )
     )

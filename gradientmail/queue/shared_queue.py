@@ -113,7 +113,10 @@ def shared_queue(
 
     Args:
         units, mailbox, learner_id, load, order, resume, lease: as for ``SharedQueueDataset``.
-        prefetch: Batches buffered ahead of the loop, in all (>= ``workers``).
+        prefetch: Batches buffered ahead of the loop, in all (>= ``workers``). Near the end of
+            a run a new unit is claimed just in time for the loop instead of whenever the
+            buffer has room, so small units go to whichever node starts them first
+            (``queue.pacing``).
         workers: DataLoader worker processes; 0 runs on a thread in this process.
         pin_memory: Passed to the DataLoader (needs ``workers >= 1``).
         multiprocessing_context: Start method for workers (default: Python's default).

@@ -27,8 +27,29 @@ from gradientmail.session.mail import Spec
 
 
 # -- the model's exchanged state ----------------------------------------------------------------
+WRAPPERS = 8
+"""Most wrappers ``plain_module`` looks through (compile of DDP of a module is 2)."""
+
+
+def plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside ``torch.compile`` and ``(Distributed)DataParallel`` wrappers.
+
+    Their ``state_dict`` names carry a prefix (``_orig_mod.``, ``module.``) that the same model
+    unwrapped, on another node or in ``consensus``, does not: the run exchanges the plain names.
+    """
+    for _ in range(WRAPPERS):
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if inner is None and isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            inner = model.module
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
+
+
 def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The model's floating-point ``state_dict`` entries, live, each storage only once.
+    """The model's floating-point ``state_dict`` entries, live, each storage only once, under the
+    names of the plain module (``plain_module``: compiled or DDP-wrapped, the same names).
 
     Parameters and float buffers are exchanged; integer buffers (``num_batches_tracked``) stay
     local. A tied weight appears under several names in ``state_dict``; only the first is kept
@@ -36,7 +57,7 @@ def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
     """
     seen: set[tuple] = set()
     entries: dict[str, Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=False).items():
+    for name, tensor in plain_module(model).state_dict(keep_vars=False).items():
         if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
             continue
         alias = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)

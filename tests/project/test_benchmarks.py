@@ -24,6 +24,15 @@ FIGURES = {
         "seed_fixed_makespan",
         "seed_units",
     ],
+    "small_units": [
+        "small_units_makespan",
+        "small_units_fastest",
+        "small_units_makespan_workers0",
+        "demo_units_makespan",
+        "small_units_over_bound_240",
+        "small_units_makespan_spread",
+        "small_units_makespan_wrong",
+    ],
     "requests": [
         "requests_per_claim",
         "conflicts_per_claim",
