@@ -33,8 +33,23 @@ def short_repr(value: object, limit: int = 100) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
 
 
+MAX_MESSAGE = 2000
+"""Longest message an error shows: a value echoed from hostile or broken input is cut to fit."""
+
+
 class GradientMailError(Exception):
-    """Base class of every error GradientMail raises on purpose."""
+    """Base class of every error GradientMail raises on purpose.
+
+    Its message is at most ``MAX_MESSAGE`` characters (the rest cut, and said so), whatever a
+    bad input echoed into it.
+    """
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if len(text) <= MAX_MESSAGE:
+            return text
+        suffix = f"... (cut: {len(text):,} characters in all)"
+        return text[: MAX_MESSAGE - len(suffix)] + suffix
 
 
 class InvalidKeyError(GradientMailError, ValueError):

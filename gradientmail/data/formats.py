@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gradientmail.data.errors import TokenFileError
+from gradientmail.errors import short_repr
 
 FileFormat = Literal["auto", "bin", "npy"]
 
@@ -23,6 +24,8 @@ DTYPES: dict[str, int] = {"uint16": 2, "uint32": 4}
 NPY_DESCR = {"<u2": "uint16", "<u4": "uint32"}
 NPY_MAGIC = b"\x93NUMPY"
 MAX_NPY_HEADER = 64 * 1024
+MAX_TOKENS = 2**62
+"""More tokens than any file holds (8 EiB of uint16): a header that says more is refused."""
 """Longest ``.npy`` header accepted (numpy writes about 128 bytes)."""
 
 NPY_HEADER_BYTES = 128
@@ -156,13 +159,15 @@ def _npy_fields(name: str, header: Any) -> tuple[str, tuple[int, ...]]:
     descr, shape = header["descr"], header["shape"]
     if descr not in NPY_DESCR:
         hint = " (big-endian; save it little-endian)" if str(descr).startswith(">") else ""
-        raise TokenFileError(f"{name}: .npy dtype {descr!r}{hint} is not a token dtype: use uint16 or uint32")
+        raise TokenFileError(f"{name}: .npy dtype {short_repr(descr)}{hint} is not a token dtype: use uint16 or uint32")
     if header["fortran_order"] is not False:
         raise TokenFileError(f"{name}: a Fortran-order .npy is not a flat file of tokens")
     if not isinstance(shape, tuple) or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
     ):
-        raise TokenFileError(f"{name}: .npy shape {shape!r} is not a tuple of sizes")
+        raise TokenFileError(f"{name}: .npy shape {short_repr(shape)} is not a tuple of sizes")
+    if math.prod(shape) > MAX_TOKENS:
+        raise TokenFileError(f"{name}: .npy shape {short_repr(shape)} holds more tokens than any file can")
     return descr, shape
 
 

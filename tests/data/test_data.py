@@ -346,3 +346,23 @@ def test_python_m_gradientmail_data(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o.bin").read_bytes() == b"x\0y\0z\0"
+
+
+def test_a_huge_npy_shape_is_refused_in_a_short_message(tmp_path):
+    """Hostile input is echoed short: a 4,000-digit shape gave a 10,786-character message."""
+    header = "{'descr': '<u2', 'fortran_order': False, 'shape': (" + "9" * 4000 + ",), }"
+    header += " " * (-(len(header) + 11) % 64) + "\n"
+    path = tmp_path / "huge.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode() + b"\0" * 20)
+    with pytest.raises(TokenFileError, match="holds more tokens than any file can") as caught:
+        TokenReader(path, seq_len=2)
+    assert len(str(caught.value)) < 400
+
+
+def test_no_error_message_is_longer_than_two_thousand_characters():
+    from gradientmail.errors import MAX_MESSAGE, MailboxError
+
+    for error in (TokenFileError("x" * 50_000), MailboxError("y" * 5_000)):
+        text = str(error)
+        assert len(text) == MAX_MESSAGE and text.endswith("characters in all)"), text[-60:]
+    assert str(TokenFileError("short")) == "short"
