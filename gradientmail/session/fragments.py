@@ -25,7 +25,6 @@ from torch import Tensor
 
 from gradientmail.session.mail import Spec
 
-
 # -- the model's exchanged state ----------------------------------------------------------------
 WRAPPERS = 8
 """Most wrappers ``plain_module`` looks through (compile of DDP of a module is 2)."""
