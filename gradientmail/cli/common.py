@@ -14,6 +14,8 @@ DEBUG_ENV = "GRADIENTMAIL_DEBUG"
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: what a shell reports for a program whose reader left."""
 
 S3_READ_OPTIONS: dict[str, Any] = {
     "max_attempts": 2,

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from gradientmail.cli.common import (
     DEBUG_ENV,
+    EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     PROG,
@@ -21,7 +22,8 @@ from gradientmail.errors import GradientMailError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``gradientmail ARGS``; returns the exit code (0, 1 user error, 2 usage, 130 Ctrl-C).
+    """Run ``gradientmail ARGS``; returns the exit code (0, 1 user error, 2 usage, 130 Ctrl-C,
+    141 when the reader of its output left, as a shell's pipeline says).
 
     Args:
         argv: The arguments after the program name; ``sys.argv[1:]`` when None.
@@ -47,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.subparser.error(str(exc))
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # The reader of our output left (`gradientmail status --json | head -1`): not an error
+        # of the store. Point stdout at nothing so the interpreter's final flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -402,5 +402,6 @@ def open_mailbox(url: str | os.PathLike[str], **options: Any) -> Mailbox:
     if is_local_path(url, path_like=path_like):  # refuses mistyped URLs (ValueError)
         from gradientmail.mailbox.local import LocalMailbox
 
-        return LocalMailbox(url, **options)
+        # "~/runs/x" is the user's home, as in a shell, not a directory named "~" here.
+        return LocalMailbox(os.path.expanduser(url), **options)
     return open_url(url, **options)

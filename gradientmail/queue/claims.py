@@ -71,6 +71,12 @@ def validate_identifier(identifier: object) -> str:
     """
     if not isinstance(identifier, str):
         raise KeyTypeError(f"unit identifiers must be str, not {type(identifier).__name__} ({short_repr(identifier)})")
+    if identifier.startswith("/"):  # units/ + "/abs/path" would read as an empty segment
+        raise InvalidKeyError(
+            f"unit identifier {short_repr(identifier)} is an absolute path: identifiers are key "
+            "segments relative to the run (use the path relative to the dataset's root, e.g. "
+            f"{short_repr(identifier.lstrip('/'))})"
+        )
     try:
         validate_key(claim_key(identifier))
     except InvalidKeyError as exc:

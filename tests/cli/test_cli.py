@@ -7,6 +7,7 @@ CLI reads as much as the CLI itself. The demo has its own file (``test_cli_demo.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -97,6 +98,27 @@ def test_status_json_reports_the_seed_schedule(seed_run):
         "node-C": 5,
         "node-D": 3,
     }
+
+
+def test_a_reader_that_leaves_the_pipe_early_is_not_a_store_error(seed_run):
+    """``gradientmail status --json | true``: the reader closed the pipe before the output was
+    written; that is the shell's business, not "is the endpoint URL right"."""
+    path, _ = seed_run
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "gradientmail", "status", "--json", str(path)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env=cli_env(),
+        )
+    finally:
+        os.close(write)
+    assert result.stderr == "", result.stderr
+    assert result.returncode == 141
 
 
 @pytest.mark.slow

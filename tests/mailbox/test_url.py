@@ -32,6 +32,15 @@ def test_paths_and_file_urls_open_local_mailboxes(tmp_path, monkeypatch):
         open_mailbox(str(tmp_path / "missing"), create=False)
 
 
+def test_a_home_relative_path_opens_in_the_home_directory(tmp_path, monkeypatch):
+    """``~/runs/x`` is the user's home, as in a shell: no directory named ``~`` appears here."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert open_mailbox("~/runs/x").path == tmp_path / "home" / "runs" / "x"
+    assert open_mailbox(Path("~/runs/y")).path == tmp_path / "home" / "runs" / "y"
+    assert not (tmp_path / "~").exists()
+
+
 def test_memory_urls():
     box = open_mailbox("memory://url-test")
     assert isinstance(box, MemoryMailbox) and box.name == "url-test"

@@ -442,6 +442,11 @@ def test_unsafe_identifier(memory_mailbox, identifier):
             pass
 
 
+def test_an_absolute_path_identifier_is_called_one(memory_mailbox):
+    with pytest.raises(InvalidKeyError, match="is an absolute path.*'data/shard-0.bin'"):
+        SharedQueueDataset({"/data/shard-0.bin": 0}, mailbox=memory_mailbox, learner_id="a", load=load_item)
+
+
 def test_an_error_about_a_very_long_identifier_names_it_briefly_and_keeps_the_reason(memory_mailbox):
     identifier = "x" * 10_000
     with pytest.raises(InvalidKeyError) as caught:
