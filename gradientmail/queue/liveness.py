@@ -400,6 +400,16 @@ class Presence:
     def _duplicate(self, record: PresenceRecord) -> DuplicateLearnerError:
         written = record.time
         age = f"{max(0.0, self._wall() - written):.0f} s ago" if written is not None else "recently"
+        if record.pid == os.getpid() and _same_machine(record):
+            return DuplicateLearnerError(
+                f"learner {self.learner_id!r} is already running in this process: a shared_queue "
+                "(or a Session) under the same learner_id is still open here, e.g. one block inside "
+                "another, or an earlier block in a notebook not left yet; leave it first, or give this "
+                "one its own learner_id",
+                learner=self.learner_id,
+                host=record.host,
+                pid=record.pid,
+            )
         return DuplicateLearnerError(
             f"learner {self.learner_id!r} is already running in this run (renewed {age} by "
             f"host {record.host} pid {record.pid}); give each process its own learner_id "

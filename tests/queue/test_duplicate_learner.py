@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import queue
 from collections import Counter
 
 import pytest
+import torch
 from handover_nodes import Node, consumed, finish, start, written_positions
 from queue_nodes import named_units
 
 from gradientmail import DuplicateLearnerError, LocalMailbox
 from gradientmail.layout import learner_key
+from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.liveness import Presence
 
 pytestmark = pytest.mark.timeout(90)
@@ -202,7 +203,7 @@ def test_an_open_queue_in_this_process_is_alive_until_closed(memory_mailbox):
     fake = FakeTime()
     first = _presence(memory_mailbox, fake, "one")
     first.start()
-    with pytest.raises(DuplicateLearnerError, match=f"pid {os.getpid()}"):
+    with pytest.raises(DuplicateLearnerError, match="already running in this process: a shared_queue"):
         _presence(memory_mailbox, fake, "two").start()
     first.close()
     second = _presence(memory_mailbox, fake, "two")
@@ -211,6 +212,17 @@ def test_an_open_queue_in_this_process_is_alive_until_closed(memory_mailbox):
 
 
 # -- an incarnation that was replaced stops (issue #23, item 10) ---------------------------------
+def test_a_nested_shared_queue_is_told_it_runs_in_this_very_process(memory_mailbox):
+    """Not "already running (host h pid <its own pid>)", which reads like another process."""
+    load = lambda n: [(0, torch.tensor([n]))]  # noqa: E731
+    units = {"a": 1, "b": 2}
+    with shared_queue(units, mailbox=memory_mailbox, learner_id="n0", load=load, workers=0):
+        with pytest.raises(DuplicateLearnerError, match="in this process") as caught:
+            with shared_queue(units, mailbox=memory_mailbox, learner_id="n0", load=load, workers=0):
+                pass
+    assert "give this one its own learner_id" in str(caught.value)
+
+
 def test_a_reader_whose_clock_runs_minutes_ahead_watches_before_taking_over(memory_mailbox):
     """Two minutes of skew used to make a fresh record look 'long dead' at once."""
     fake = FakeTime()
