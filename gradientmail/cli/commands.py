@@ -40,8 +40,9 @@ MIN_NAME_WIDTH = 10
 def status_table(run, width: int | None = None) -> Any:
     """A rich renderable of a ``RunStatus``, fitted to ``width`` columns (None: no limit).
 
-    What does not fit is made smaller step by step: large counts written compactly (``1.54M``)
-    and learner names shortened from the middle, each still distinct (``cli.fitting``); then
+    What does not fit is made smaller step by step: columns where no learner shows anything
+    left out, large counts written compactly (``1.54M``) and learner names shortened from the
+    middle, each still distinct (``cli.fitting``); then
     the same without the box's lines. A table still too wide wraps its cells: a name or a state
     is never cut short.
     """
@@ -49,12 +50,12 @@ def status_table(run, width: int | None = None) -> Any:
     if width is None or _natural_width(table) <= width:
         return table
     for plain in (False, True):
-        table = _table(run, compact=True, plain=plain)
+        table = _table(run, compact=True, plain=plain, drop_empty=True)
         excess = _natural_width(table) - width
         longest = max((len(row.learner) for row in run.learners), default=0)
         if excess > 0 and longest > MIN_NAME_WIDTH:
             names = short_names((row.learner for row in run.learners), max(MIN_NAME_WIDTH, longest - excess))
-            table = _table(run, compact=True, plain=plain, names=names)
+            table = _table(run, compact=True, plain=plain, names=names, drop_empty=True)
         if _natural_width(table) <= width:
             break
     return table
@@ -69,9 +70,17 @@ def _natural_width(table: Any) -> int:
     return Measurement.get(wide, wide.options, table).maximum
 
 
-def _table(run, *, compact: bool = False, plain: bool = False, names: dict[str, str] | None = None) -> Any:
+def _table(
+    run,
+    *,
+    compact: bool = False,
+    plain: bool = False,
+    names: dict[str, str] | None = None,
+    drop_empty: bool = False,
+) -> Any:
     """The status table; ``compact``: counts as ``1.54M`` and a lease on its own line;
-    ``plain``: columns one space apart, no lines but the header's."""
+    ``plain``: columns one space apart, no lines but the header's; ``drop_empty``: leave out
+    the columns where every learner shows ``-`` (nothing known), before names are shortened."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -92,33 +101,43 @@ def _table(run, *, compact: bool = False, plain: bool = False, names: dict[str, 
     table = Table(title=f"{run.mailbox}\n{units}", title_justify="left")
     if plain:
         table.box, table.show_edge, table.padding, table.pad_edge = box.SIMPLE_HEAD, False, (0, 0), False
-    # "fold": a cell too wide for its column wraps whole; rich's default cuts it to "machine…".
-    table.add_column("learner", overflow="fold")
-    for header in ("units", "share", "samples"):
-        table.add_column(header, justify="right", overflow="fold")
     in_run = any(row.samples_in_run is not None for row in run.learners)
-    if in_run:  # a Session's learners: how much of what they trained the run's state holds
-        table.add_column("in run", justify="right", overflow="fold")
-    for header in ("samples/s", "steps", "last seen"):
-        table.add_column(header, justify="right", overflow="fold")
-    table.add_column("state", overflow="fold")
+    # (header, right-aligned) of each column; "in run": a Session's learners, how much of what
+    # they trained the run's state holds.
+    columns = [("learner", False), ("units", True), ("share", True), ("samples", True)]
+    columns += [("in run", True)] if in_run else []
+    columns += [("samples/s", True), ("steps", True), ("last seen", True), ("state", False)]
+    rows = []
     for row in run.learners:
         share = f"{100.0 * row.units / run.units_claimed:.0f}%" if run.units_claimed else "-"
         state = {True: "finished", False: "running", None: "-"}[row.finished]
         if row.lease is not None:
             joint = "\n" if compact else ", "
             state = f"{state}{joint}lease {row.lease}" if state != "-" else f"lease {row.lease}"
-        table.add_row(
-            Text((names or {}).get(row.learner, row.learner)),
-            str(row.units),
-            share,
-            count(row.samples),
-            *([count(row.samples_in_run)] if in_run else []),
-            count(row.samples_per_s, 1),
-            count(row.steps),
-            _ago(row.last_seen, run.read_at),
-            state,
+        rows.append(
+            [
+                (names or {}).get(row.learner, row.learner),
+                str(row.units),
+                share,
+                count(row.samples),
+                *([count(row.samples_in_run)] if in_run else []),
+                count(row.samples_per_s, 1),
+                count(row.steps),
+                _ago(row.last_seen, run.read_at),
+                state,
+            ]
         )
+    keep = [
+        index
+        for index in range(len(columns))
+        if index == 0 or not drop_empty or not rows or any(cells[index] != "-" for cells in rows)
+    ]
+    for index in keep:
+        header, right = columns[index]
+        # "fold": a cell too wide for its column wraps whole; rich's default cuts it to "machine…".
+        table.add_column(header, justify="right" if right else "left", overflow="fold")
+    for cells in rows:
+        table.add_row(*(Text(cells[index]) if index == 0 else cells[index] for index in keep))
     notes = [] if run.learners else ["no learner has claimed a unit or reported progress yet"]
     notes += unreadable_notes(run)
     if notes:

@@ -137,3 +137,20 @@ def test_status_at_80_columns_names_every_learner_distinctly(tmp_path):
         assert sum(stands_for(first, name) for first in firsts) == 1, (name, result.stdout)
     assert result.stdout.count("finished") == 4
     assert not any("…" in " ".join(cells[1:]) for cells in rows), result.stdout  # only names are shortened
+
+
+def test_columns_nobody_fills_go_before_any_name_is_shortened():
+    """A run of claims alone (no Session, no lease): samples/s, steps and last seen hold only
+    ``-``. At 80 columns they are left out, and 11-character names stay whole."""
+    box = MemoryMailbox(f"width-{random.random()}")
+    names = [f"machine-{letter}-0" for letter in "abcdefgh"]
+    write_seed_run(box, progress=False)
+    for index, name in enumerate(names):  # one more claim each, under the long names
+        box.put_if_absent(f"units/extra-{index}", f'{{"learner": "{name}", "token": "t{index}"}}'.encode())
+    table = status_table(read_run(box), width=80)
+    headers = [str(column.header) for column in table.columns]
+    assert "steps" not in headers and "last seen" not in headers and "samples/s" not in headers, headers
+    assert set(names) <= set(shown_names(table)), shown_names(table)
+    assert max(len(line) for line in render(table, 80)) <= 80
+    wide = status_table(read_run(box), width=None)
+    assert "steps" in [str(column.header) for column in wide.columns], "with room, every column stays"
