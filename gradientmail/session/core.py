@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -305,6 +306,14 @@ class Session:
                 final = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=True))
                 self._finish(self._wait(final, "folding the final progress"))
                 folded_all = True
+                if self._exchanger.trained_unstepped:
+                    warnings.warn(
+                        f"Session {self.learner_id!r}: the model was trained but session.step() was never "
+                        "called, so this learner's progress counts 0 samples in the run (status, "
+                        "consensus) and was never exchanged before leaving: call "
+                        "session.step(samples=len(batch)) after each optimizer step",
+                        stacklevel=2,
+                    )
                 what = "%s left the run at version %s after %d steps, %d exchanges, %d conflicts"
                 log.info(what, self.learner_id, self.version, self._steps, self._exchanges, self.conflicts)
             else:

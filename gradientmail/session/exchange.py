@@ -170,6 +170,7 @@ class Exchanger:
         self._tables: list[dict[str, Contribution]] = []  # each learner's line, as last seen
         self.joined_marks: tuple[tuple[UnitMark, ...], ...] = ()  # this learner's, per fragment, at enter
         self.joined_marks_object = False  # some of those came from a marks object
+        self.trained_unstepped = False  # a fold found progress though the loop never called step()
         self._seqs: list[int] = []  # the sequence number of this learner's next contribution
         self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
         self._since: list[float] = []  # per fragment, when the progress not yet folded began
@@ -244,6 +245,8 @@ class Exchanger:
         (or ``marks``, the object that holds them: ``session.marks_store``)."""
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
+        if totals[0] == 0 and any(bool(tensor.any()) for tensor in local.values()):
+            self.trained_unstepped = True  # the model moved, yet no session.step() was counted
         for name, tensor in local.items():  # never spread a diverged model to every node
             if not all_finite(tensor):
                 raise SessionError(

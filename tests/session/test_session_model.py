@@ -1,8 +1,10 @@
-"""A compiled or DDP-wrapped model exchanges under its plain names: ``consensus`` into the plain
-model works, and a wrapped and an unwrapped learner share one run."""
+"""The model a Session is given: compiled or DDP-wrapped, it exchanges under its plain names
+(``consensus`` into the plain model works, wrapped and unwrapped learners share one run); trained
+without ``session.step()``, the learner is told it counts nothing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gradientmail.session import Session, consensus
@@ -51,3 +53,18 @@ def test_a_ddp_wrapped_model_exchanges_under_its_module_s_names(memory_mailbox, 
         assert torch.allclose(result[0].weight, inner[0].weight)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_loop_that_never_steps_the_session_is_told_so(memory_mailbox):
+    """Forgetting ``session.step()`` leaves status and consensus at 0 samples: said on leaving."""
+    net = model()
+    with pytest.warns(UserWarning, match="session.step\\(\\) was never called"):
+        with Session(net, mailbox=memory_mailbox, learner_id="forgetful", every=None, every_steps=100):
+            with torch.no_grad():
+                net[0].weight.add_(1.0)  # trained, never stepped
+
+
+def test_a_session_left_untrained_is_not_warned_about(memory_mailbox, recwarn):
+    with Session(model(), mailbox=memory_mailbox, learner_id="idle", every=None, every_steps=100):
+        pass
+    assert not [w for w in recwarn if "session.step" in str(w.message)]
