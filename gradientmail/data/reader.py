@@ -140,7 +140,16 @@ class TokenReader:
             block_size=block_size,
             capacity=capacity,
         )
-        disk.reconcile()
+        try:
+            disk.reconcile()
+        except OSError as exc:  # not a directory, not writable, a full or read-only disk
+            warnings.warn(
+                f"{self.url}: cache_dir={os.fspath(cache_dir)!r} cannot be used ({type(exc).__name__}: {exc}); "
+                "reading on from the store without it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
         return disk
 
     # -- what the file holds ----------------------------------------------------------------

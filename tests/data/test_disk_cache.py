@@ -244,3 +244,19 @@ def test_cache_dir_options(tmp_path, remote):
             cache_dir_bytes=BLOCK,
             storage_options={"endpoint_url": remote["endpoint"]},
         )
+
+
+def test_a_cache_dir_that_cannot_be_used_warns_and_reads_on_from_the_store(tmp_path, remote):
+    """Not writable, not a directory (as here: a file stands in its path; root ignores modes):
+    a warning, and the reader reads from the store as without ``cache_dir``."""
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.warns(RuntimeWarning, match="cannot be used.*reading on from the store"):
+        reader = TokenReader(
+            remote["url"],
+            seq_len=SEQ_LEN,
+            block_size=BLOCK,
+            cache_dir=tmp_path / "file" / "cache",
+            storage_options={"endpoint_url": remote["endpoint"]},
+        )
+    assert reader.sequences(0, 3).shape == (3, SEQ_LEN + 1)
+    assert reader.cache_stats().disk_capacity == 0
