@@ -13,6 +13,9 @@ import copy
 import dataclasses
 import logging
 import multiprocessing.context
+import os
+import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -74,6 +77,38 @@ class WorkerControl:
     def __init__(self, context: multiprocessing.context.BaseContext, workers: int) -> None:
         self.stop = context.Event()
         self.locks = [context.Lock() for _ in range(workers)]
+
+
+PARENT_CHECK_S = 1.0
+"""Seconds between a DataLoader worker's looks at whether the process that started it is alive."""
+
+_PARENT_WATCH: list[int] = []  # the pid this worker process watches, once its watch runs
+
+
+def exit_with_parent() -> None:
+    """Make this DataLoader worker process exit when the process that started it dies.
+
+    DataLoader's own watchdog looks only between batches; a worker inside ``next()`` (waiting for
+    a claim's turn, for orphaned units, or in a store's request) would outlive a SIGKILLed
+    training process for good, holding its memory. A daemon thread checks the parent every
+    ``PARENT_CHECK_S`` and ends the process at once (``os._exit``: no cleanup that waits on the
+    dead parent's pipes). Idempotent per process.
+    """
+    if _PARENT_WATCH:
+        return
+    parent = os.getppid()
+    _PARENT_WATCH.append(parent)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="gradientmail-parent-watch", daemon=True).start()
+
+
+EXIT_ORPHANED = 70
+"""Exit status of a worker whose training process died (``os.EX_SOFTWARE``)."""
 
 
 def guarded(items: Iterator[T], control: WorkerControl, worker: int) -> Iterator[T]:
@@ -305,6 +340,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
     def __iter__(self) -> Iterator[Batch | Item]:
         info = get_worker_info()
         worker = info.id if info is not None else None
+        if worker is not None:
+            exit_with_parent()
         if self.wiring.elastic is not None and not self.wiring.tagged:
             if worker is not None:
                 raise ValueError(
