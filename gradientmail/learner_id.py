@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import zlib
 
 __all__ = ["ENV_LEARNER_ID", "RANK_VARIABLES", "default_learner_id"]
 
@@ -39,13 +40,28 @@ def default_learner_id() -> str:
     """``$GRADIENTMAIL_LEARNER_ID`` if set, else ``{host name}-{rank}`` (``RANK_VARIABLES``, else 0).
 
     Unique per process across machines whose host names differ, and stable across restarts of
-    the same process slot. Characters outside ``A-Z a-z 0-9 . _ -`` become ``-`` (a key segment).
+    the same process slot. Characters outside ``A-Z a-z 0-9 . _ -`` become ``-`` (a key segment),
+    and a host name or rank that had any is followed by its CRC-32, so that two names that differ
+    only there stay two learners.
     Two processes on one machine without a launcher both get rank 0: the second is refused
     with ``DuplicateLearnerError``; give each a rank or ``GRADIENTMAIL_LEARNER_ID``.
     """
     explicit = os.environ.get(ENV_LEARNER_ID, "").strip()
     if explicit:
         return explicit
-    host = _UNSAFE.sub("-", socket.gethostname()).strip("-") or "host"
     rank = next((os.environ[name].strip() for name in RANK_VARIABLES if os.environ.get(name, "").strip()), "0")
-    return f"{host}-{_UNSAFE.sub('-', rank)}"
+    return f"{_segment(socket.gethostname()) or 'host'}-{_segment(rank)}"
+
+
+def _segment(text: str) -> str:
+    """``text`` as part of a key segment: unsafe characters become ``-``, and a text that had any
+    gets the CRC-32 of its original, so that ``gpu+1`` and ``gpu 1`` stay two learners.
+
+    Example:
+        >>> _segment("node-3"), _segment("gpu+1"), _segment("gpu 1")
+        ('node-3', 'gpu-1.f39bab34', 'gpu-1.106f72ff')
+    """
+    safe = _UNSAFE.sub("-", text).strip("-")
+    if safe == text:
+        return safe
+    return f"{safe}.{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}"

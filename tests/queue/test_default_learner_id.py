@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import zlib
 
 import pytest
 import torch
@@ -41,9 +42,17 @@ def test_host_name_plus_the_launcher_s_rank(launcher):
 
 def test_a_host_name_becomes_one_safe_key_segment(launcher):
     launcher.setattr(socket, "gethostname", lambda: "node 7/rack:2")
-    assert default_learner_id() == "node-7-rack-2-0"
+    assert default_learner_id() == f"node-7-rack-2.{zlib.crc32(b'node 7/rack:2'):08x}-0"
     launcher.setattr(socket, "gethostname", lambda: "")
     assert default_learner_id() == "host-0"
+
+
+def test_host_names_that_differ_only_in_unsafe_characters_stay_two_learners(launcher):
+    ids = set()
+    for host in ("gpu+1", "gpu 1", "gpu-1"):
+        launcher.setattr(socket, "gethostname", lambda host=host: host)
+        ids.add(default_learner_id())
+    assert len(ids) == 3 and "gpu-1-0" in ids, ids
 
 
 def test_omitted_learner_ids_take_the_default(launcher, memory_mailbox):
