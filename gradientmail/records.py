@@ -314,17 +314,28 @@ MEMBER = RecordKind("member record", {"learner": _segment, "joined": _time})
 
 
 # -- parsing -----------------------------------------------------------------------------------
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKET = re.compile(rb"[\[\]{}]")
+_TOKEN = re.compile(rb'\\.|["\[\]{}]', re.DOTALL)
+"""What nesting depends on: an escape (two bytes), a quote, a bracket. One pass, each byte once."""
 
 
 def _too_deep(data: bytes, limit: int) -> bool:
-    """Whether arrays and objects nest deeper than ``limit`` (brackets inside strings aside)."""
+    """Whether arrays and objects nest deeper than ``limit`` (brackets inside strings aside).
+
+    Linear in ``len(data)`` whatever the bytes: one left-to-right scan (a regex that matched
+    whole strings rescanned to the end from every quote of an unterminated one: a 64 KiB record
+    of escaped quotes took 16 s).
+    """
     if data.count(b"[") + data.count(b"{") <= limit:
         return False  # the usual case: a flat record, no scan
     depth = 0
-    for match in _BRACKET.finditer(_STRING.sub(b'""', data)):
-        if match.group() in (b"[", b"{"):
+    in_string = False
+    for match in _TOKEN.finditer(data):
+        token = match.group()
+        if token == b'"':
+            in_string = not in_string
+        elif in_string or len(token) == 2:
+            continue  # a bracket inside a string, or an escape
+        elif token in (b"[", b"{"):
             depth += 1
             if depth > limit:
                 return True
