@@ -504,12 +504,22 @@ class _Tree:
         return now - self.built > max(REBUILD_MIN_S, REBUILD_FACTOR * self.scan_s)
 
 
+TAIL_BYTES = 64
+"""The last bytes of a journal read, kept to tell it was not truncated or rewritten in place since."""
+
+
+def _tail_of(fd: int, size: int) -> bytes:
+    """The last ``TAIL_BYTES`` bytes before ``size`` of the open journal ``fd``."""
+    start = max(0, size - TAIL_BYTES)
+    return os.pread(fd, size - start, start)
+
+
 @dataclass
 class _State:
     """What one process knows: trees by directory, journal read positions, unfinished changes."""
 
     trees: dict[str, _Tree] = field(default_factory=dict)
-    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)  # name: (inode, bytes read)
+    offsets: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)  # name: (inode, bytes read, their end)
     changing: dict[str, int] = field(default_factory=dict)  # key: changes begun, not yet finished
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -584,19 +594,25 @@ class ListingIndex:
                 if not stat.S_ISREG(info.st_mode):
                     usable = False  # a FIFO or device planted there: its records cannot be read
                     continue
-                inode, done = state.offsets.get(name, (info.st_ino, 0))
+                inode, done, tail = state.offsets.get(name, (info.st_ino, 0, b""))
                 if inode != info.st_ino:
-                    done = 0  # a new journal under this name: all of it is new
+                    done, tail = 0, b""  # a new journal under this name: all of it is new
                 if fresh:
-                    state.offsets[name] = (info.st_ino, info.st_size)
+                    state.offsets[name] = (info.st_ino, info.st_size, _tail_of(fd, info.st_size))
                     continue
-                if info.st_size <= done:
+                if info.st_size < done or (tail and os.pread(fd, len(tail), done - len(tail)) != tail):
+                    # Truncated or rewritten in place (same inode): what it held is unknown, so
+                    # start over from its end, and read the directories until then.
+                    state.offsets[name] = (info.st_ino, info.st_size, _tail_of(fd, info.st_size))
+                    usable = False
+                    continue
+                if info.st_size == done:
                     continue
                 data = os.pread(fd, info.st_size - done, done)
             finally:
                 os.close(fd)
             end = data.rfind(b"\n") + 1  # a record being written is read whole next time
-            state.offsets[name] = (info.st_ino, done + end)
+            state.offsets[name] = (info.st_ino, done + end, (tail + data[:end])[-TAIL_BYTES:])
             for line in data[:end].split(b"\n"):
                 key = os.fsdecode(line[1:])
                 if line[:1] == b"?":
@@ -610,6 +626,7 @@ class ListingIndex:
                 touched.add(key)
         if not usable:
             state.trees.clear()
+            state.changing.clear()
             return
         if fresh:
             state.changing.clear()

@@ -314,3 +314,35 @@ def test_a_forked_child_starts_its_own_index(local_mailbox, scans):
         child.join(timeout=120)
     assert child.exitcode == 0
     assert list(local_mailbox.list("units/")) == sorted([*before, "units/from-child"])  # from the journal
+
+
+_ONE_CHANGE = """
+import sys
+from gradientmail import LocalMailbox
+box = LocalMailbox(sys.argv[1])
+if sys.argv[2] == "create":
+    box.put_if_absent(sys.argv[3], b"v")
+else:
+    box.delete(sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("rewrite", ["truncated", "rewritten"])
+def test_a_journal_truncated_or_rewritten_in_place_is_not_trusted(local_mailbox, scans, rewrite):
+    """The journal cut to nothing (or rewritten to its old size) under a live lister: its next
+    records start below where the lister had read, and were skipped until the index went stale
+    (about 10 s of listings without the new key, or with a deleted one)."""
+    for i in range(SMALL_LIMIT * 2):
+        local_mailbox.put_if_absent(f"units/{i:05d}", b"v")
+    assert len(list(local_mailbox.list("units/"))) == SMALL_LIMIT * 2  # the index is built
+    (journal,) = (local_mailbox.path / local_backend.INDEX_DIR).iterdir()
+    size = journal.stat().st_size
+    os.truncate(journal, 0)  # in place: the same inode
+    for change, key in (("create", "units/new"), ("delete", "units/00003")):
+        subprocess.run([sys.executable, "-c", _ONE_CHANGE, str(local_mailbox.path), change, key], check=True)
+    if rewrite == "rewritten":  # and then grown past where the lister had read
+        with open(journal, "ab") as handle:
+            handle.write(b"\n" * size)
+    listed = list(local_mailbox.list("units/"))
+    assert listed == _truth(local_mailbox.path, "units/"), "a key created and a key deleted since"
+    assert "units/new" in listed and "units/00003" not in listed
