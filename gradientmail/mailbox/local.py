@@ -8,7 +8,8 @@ below the root is opened relative to its parent with ``O_NOFOLLOW``. See docs/ma
 Section ``local_temp`` below: ``LocalMailbox``'s temporary files: written whole, removed on failure, swept when stale.
 
 A temporary file's name carries its writer (this host's token and the PID), so ``list`` can sweep
-those of dead writers at once, and any other after ``STALE_TEMP_SECONDS``. See docs/mailboxes.md.
+those of dead writers at once, never a live one's, and another host's after ``STALE_TEMP_SECONDS``
+by the store's clock. See docs/mailboxes.md.
 
 Section ``local_index`` below: ``LocalMailbox``'s listing index: the sorted keys of a directory, kept current by a journal.
 
@@ -301,25 +302,32 @@ def is_temp(name: str) -> bool:
     return bool(_TEMP.fullmatch(name) or _OLD_TEMP.fullmatch(name))
 
 
-def is_stale(name: str, mtime: float, now: float | None = None) -> bool:
-    """Whether the temporary file ``name`` (modified at ``mtime``) belongs to no live writer."""
+def is_stale(name: str, mtime: float, now: float) -> bool:
+    """Whether the temporary file ``name`` (modified at ``mtime``) belongs to no live writer.
+
+    A writer on this host is judged by its process alone, never by a clock (a lister whose
+    clock runs an hour ahead swept live writers' files mid-write). Another host's file is stale
+    once ``STALE_TEMP_SECONDS`` old by ``now``, which callers take from the store's own clock
+    (the directory's modification time), not this machine's.
+    """
     match = _TEMP.fullmatch(name)
-    if match and match["host"] == host_token() and not _may_be_running(int(match["pid"])):
-        return True
+    if match and match["host"] == host_token():
+        return not _may_be_running(int(match["pid"]))
     if not (match or _OLD_TEMP.fullmatch(name)):
         return False
-    return (time.time() if now is None else now) - mtime > STALE_TEMP_SECONDS
+    return now - mtime > STALE_TEMP_SECONDS
 
 
-def sweep_temp(dir_fd: int, entry: os.DirEntry[str]) -> bool:
-    """Remove ``entry`` of ``dir_fd`` if it is a stale temporary file; whether it was removed."""
+def sweep_temp(dir_fd: int, entry: os.DirEntry[str], now: float) -> bool:
+    """Remove ``entry`` of ``dir_fd`` if it is a stale temporary file (``is_stale`` by ``now``);
+    whether it was removed."""
     if not entry.name.endswith(".tmp") or not is_temp(entry.name):
         return False
     try:
         info = entry.stat(follow_symlinks=False)
     except OSError:
         return False
-    if not is_stale(entry.name, info.st_mtime):
+    if not is_stale(entry.name, info.st_mtime, now):
         return False
     try:
         remove_temp(dir_fd, entry.name)
@@ -994,9 +1002,12 @@ class LocalMailbox(BaseVersionedMailbox):
         """Keys under ``fd``; entries that are not keys go to ``skipped`` with the reason."""
         with os.scandir(fd) as scan:
             entries = list(scan)
+        # The store's clock: the directory changed when its newest entry came or went (a quiet
+        # directory's is older: its other hosts' temporary files are swept later, never early).
+        now = os.fstat(fd).st_mtime
         for entry in entries:
             if entry.name.startswith("."):
-                sweep_temp(fd, entry)
+                sweep_temp(fd, entry, now)
                 continue
             key = f"{relative}/{entry.name}" if relative else entry.name
             if not is_valid_key(key):

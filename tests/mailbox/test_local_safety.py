@@ -265,6 +265,21 @@ def test_only_stale_temp_files_are_swept(local_mailbox):
     assert _hidden(units) == sorted([live, other_host, not_a_temp])
 
 
+def test_a_lister_whose_clock_runs_an_hour_ahead_sweeps_no_live_writer(local_mailbox, monkeypatch):
+    """Temporary files are judged by their writer's process on this host, and by the store's
+    clock for other hosts: a lister an hour ahead made 34-58 of 60 writers' puts fail."""
+    units = local_mailbox.path / "units"
+    local_mailbox.put("units/b", b"v")
+    live = local_backend.temp_name("a")  # this process: alive
+    other_host = f".c.{'f' * 12}.1234.{'1' * 32}.tmp"  # written just now on another host
+    for name in (live, other_host):
+        (units / name).write_bytes(b"partial")
+    real = time.time
+    monkeypatch.setattr(local_backend.time, "time", lambda: real() + 3700.0)
+    assert list(local_mailbox.list()) == ["units/b"]
+    assert _hidden(units) == sorted([live, other_host]), "neither file is an hour old by the store's clock"
+
+
 def test_temp_names_fit_long_keys(local_mailbox):
     key = "units/" + "k" * 250  # a 250-byte name: the temp name must stay under NAME_MAX
     assert local_mailbox.put_if_absent(key, b"v") and local_mailbox.get(key) == b"v"
