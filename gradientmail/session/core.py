@@ -6,10 +6,12 @@ model, hands the snapshot over, and applies each finished exchange at a step bou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import random
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradientmail.errors import SessionError
+from gradientmail.errors import GradientMailError, SessionError
 from gradientmail.fold_gate import FoldGate, gate_for
 from gradientmail.layout import member_key, pending_key, progress_key
 from gradientmail.learner_id import default_learner_id
@@ -174,6 +176,8 @@ class Session:
         self._last_weights: dict[str, int] = {}
         self._buffers: list[dict[str, Tensor]] = []  # per fragment, the snapshot, reused
         self._marks = MarksWriter(mailbox, learner_id)  # used on the exchange thread only
+        self._landed: list[Merge] = []  # folds that landed, their merges not applied yet
+        self._landed_lock = threading.Lock()
         self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
             mailbox,
             learner_id,
@@ -297,14 +301,15 @@ class Session:
                     "batches, which whoever continues its units trains again",
                     self.learner_id,
                 )
-                if job is not None and job.done.wait(self._timeout_s) and job.error is None:
-                    self._finish(job.result)
+                if job is not None and job.done.wait(self._timeout_s):
+                    with contextlib.suppress(GradientMailError):  # already leaving on a warning
+                        self._apply(job, "the last exchange")
                 self._worker.submit(self._exchanger.leave).done.wait(self._timeout_s)
             elif exc is None:
                 if job is not None:
-                    self._finish(self._wait(job, "the last exchange"))
+                    self._wait(job, "the last exchange", apply=True)
                 final = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=True))
-                self._finish(self._wait(final, "folding the final progress"))
+                self._wait(final, "folding the final progress", apply=True)
                 folded_all = True
                 if self._exchanger.trained_unstepped:
                     warnings.warn(
@@ -368,7 +373,7 @@ class Session:
             if not job.done.is_set():
                 return
             self._job = None
-            self._finish(self._result(job, "a background exchange"))
+            self._apply(job, "a background exchange")
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
         if self._steps >= self._due_step or time.monotonic() >= self._due_time:
@@ -394,7 +399,7 @@ class Session:
             self._raise_if_running(job, "the exchange in flight", limit)
             if apply:
                 self._job = None
-                self._finish(self._result(job, "the exchange in flight"))
+                self._apply(job, "the exchange in flight")
 
     def _wait_for_fold(self) -> None:
         """Until the fold under way (if any) ended: the queue stopped uncleanly (``QueueGuard``)."""
@@ -409,9 +414,9 @@ class Session:
             return
         job, self._job = self._job, None
         if job is not None:
-            self._finish(self._wait(job, "the exchange in flight"))
+            self._wait(job, "the exchange in flight", apply=True)
         now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False))
-        self._finish(self._wait(now, "folding the progress of the queue's last batches"))
+        self._wait(now, "folding the progress of the queue's last batches", apply=True)
 
     def _due_fragments(self) -> list[int]:
         """The fragments to exchange now, and the schedule moved past them.
@@ -456,21 +461,33 @@ class Session:
         # Progress is written once per round (and on leaving), not once per fragment.
         progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None
 
-        def job() -> list[Merge]:
-            merges = []
+        def job() -> None:
             # Many marks (small units) go to one object, written before any fold names it.
             inline, marks = self._marks.inline_or_write(units)
             for i, snapshot in snapshots:
                 guard.fold_started(since)  # frozen since the last step, units taken over? stop
-                merges.append(exchanger.exchange(i, snapshot, totals, final, taken, inline, marks))
+                merge = exchanger.exchange(i, snapshot, totals, final, taken, inline, marks)
+                with self._landed_lock:  # applied at the next step even if a later write fails
+                    self._landed.append(merge)
                 link.landed(i, mark)
             if final:
                 exchanger.leave()
             if progress is not None:
                 exchanger.put_progress(progress)
-            return merges
 
         return job
+
+    def _apply(self, job: Job, what: str) -> None:
+        """Apply what ``job``'s folds brought, then raise its error if it failed.
+
+        The folds that landed before a failure (a later fragment's, or the progress record's
+        write) are in the run: their merges are applied all the same, so a loop that catches the
+        error and goes on stays exact (it counted a landed fold's progress twice otherwise).
+        """
+        with self._landed_lock:
+            merges, self._landed = self._landed, []
+        self._finish(merges)
+        self._result(job, what)
 
     def _finish(self, merges: list[Merge]) -> None:
         """Apply finished fragment exchanges as deltas: local progress made meanwhile stays."""
@@ -491,10 +508,13 @@ class Session:
             raise surface(job.error, f"{what} of Session {self.learner_id!r} on {describe(self.mailbox)}")
         return job.result
 
-    def _wait(self, job: Job, what: str) -> Any:
-        """``job``'s result; a thread still busy past the timeout is stuck (left behind on exit)."""
+    def _wait(self, job: Job, what: str, *, apply: bool = False) -> Any:
+        """``job``'s result (``apply``: an exchange's, applied); a thread still busy past the
+        timeout is stuck (left behind on exit)."""
         self._stuck = not job.done.wait(self._timeout_s) or self._stuck
         self._raise_if_running(job, what, self._timeout_s)
+        if apply:
+            return self._apply(job, what)
         return self._result(job, what)
 
     def _raise_if_running(self, job: Job, what: str, limit: float) -> None:
