@@ -78,15 +78,21 @@ class LeaseWatch:
     A lease is expired when its record has not changed for ``lease_s`` since this watch first
     saw that exact content, whatever the writer's clock says; a missing record counts as a
     record that never changes. A record that says the node stopped, or that names another
-    incarnation than the claim's (the node restarted), is expired at once.
+    incarnation than the claim's (the node restarted), is expired at once. ``clock`` is
+    monotonic; ``wall`` (Unix time) only serves ``vouches``.
     """
 
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, lease_s: float, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time
+    ) -> None:
         self.lease_s = lease_s
         self.clock = clock
+        self.wall = wall
         self._sightings = Sightings(clock)
+        self._first_read: dict[str, bytes | None] = {}  # each learner's record as this watch first read it
 
     def expired(self, learner: str, record: bytes | None, incarnation: str | None = None) -> bool:
+        self._first_read.setdefault(learner, record)
         lease = LeaseRecord.read(record)  # unusable: judged like a record that never changes
         state = judge_lease(
             lease,
@@ -95,6 +101,21 @@ class LeaseWatch:
             incarnation=incarnation,
         )
         return state != LIVE
+
+    def vouches(self, learner: str, record: bytes | None) -> bool:
+        """Whether ``learner``'s lease, not ``expired``, shows its writer alive now.
+
+        On this clock a lease stays live until it stood still a whole lease, so a record first
+        read a moment ago reads live even if its writer died long before this process started.
+        Until this watch has seen ``learner``'s record change, the record must therefore also
+        be recent by its writer's own clock: written less than a lease (plus
+        ``CLOCK_TOLERANCE_S`` of clock skew) ago. A missing or unusable record vouches for nobody.
+        """
+        if record is not None and learner in self._first_read and self._first_read[learner] != record:
+            return True  # renewed while this watch looked: alive on this clock
+        lease = LeaseRecord.read(record)
+        stale_s = self.lease_s + CLOCK_TOLERANCE_S
+        return lease is not None and judge_lease(lease, self.lease_s, now=self.wall(), stale_s=stale_s) == LIVE
 
 
 # -- presence ----------------------------------------------------------------------------------------
@@ -112,7 +133,8 @@ LONG_DEAD_S = 600.0
 whose clock runs minutes ahead must watch, not take over a live learner."""
 
 CLOCK_TOLERANCE_S = 30.0
-"""Clock skew tolerated when a writer's own time already shows its record is long dead."""
+"""Clock skew tolerated where a writer's own time is compared with this machine's: a presence
+record long dead, a lease read for the first time (``LeaseWatch.vouches``)."""
 
 ATTEMPTS = 5
 """Registration attempts when the record keeps changing under a compare-and-swap."""

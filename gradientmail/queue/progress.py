@@ -31,8 +31,8 @@ log = logging.getLogger("gradientmail.queue")
 
 SETTLE_AFTER_S = 10.0
 """A loop waiting this long for its next batch (``lease/4`` when shorter) while records wait for
-the Session has the Session fold them: at the run's end a node waits for its peers' units, and
-its own last units must not look unfinished (and be reclaimed) meanwhile."""
+the Session has the Session fold them: a node that waits at the run's end for a dead peer's unit
+to come free must not have its own last units look unfinished (and be reclaimed) meanwhile."""
 
 
 class ProgressTracker:

@@ -246,6 +246,19 @@ class _FreshClaimer(Claimer):
         return won
 
 
+AWAIT_RESCAN_S = 2.0
+"""Seconds between scans of a claimer with nothing left to claim that waits for a takeover
+(``lease/2`` when shorter): it notices promptly that the unit became takeable, that its owner
+renewed its lease, or that it is done."""
+
+SCANS_PER_LEASE = 64
+"""The most scans such a claimer makes per lease: with a long lease the rescans space out,
+bounding what a wait costs (a scan lists ``units/`` and ``done/``)."""
+
+TAKEABLE, HELD, AWAITED = "takeable", "held", "awaited"
+"""What a scan makes of an unfinished claim of another incarnation (``ElasticClaimer.judge``)."""
+
+
 class ElasticClaimer:
     """Picks this learner's next unit: its own unfinished ones, released or orphaned ones, fresh ones.
 
@@ -254,9 +267,16 @@ class ElasticClaimer:
     ``work/{learner}/``); then units found by a *scan* (released units, and with leases units
     whose owner's lease expired); then fresh units through the seed's claim protocol. A scan
     lists ``units/`` and ``done/`` and reads the claims of unfinished units; it runs when the
-    claimer starts, with leases at most every ``lease/2`` while fresh units last, and when they
-    run out: without leases once more, with leases every ``lease/2`` until every unit is done
-    or held by this incarnation (a peer may still die), or until ``stopping()``.
+    claimer starts, with leases at most every ``lease/2`` while fresh units last, and once more
+    when they run out.
+
+    Then the claimer stops as soon as every unit is done, this incarnation's, or held by a node
+    whose lease is live: the lease bounds how long a dead node's units wait, not how long live
+    nodes wait at the end. It waits (rescanning every ``AWAIT_RESCAN_S``) only while a unit's
+    takeover is under way: its owner's lease expired, or does not vouch for it
+    (``LeaseWatch.vouches``), and the claim has not yet stood still a whole lease. Without
+    leases it never waits. ``stopping()`` ends a wait; ``clock`` (monotonic) and ``sleep`` are
+    injectable for tests.
     """
 
     def __init__(
@@ -272,6 +292,7 @@ class ElasticClaimer:
         restore: Mapping[str, Mapping[str, Any]] | None = None,
         stopping: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.mailbox = mailbox
         self.order = list(order)
@@ -280,6 +301,7 @@ class ElasticClaimer:
         self.worker = worker
         self.stopping = stopping
         self.clock = clock
+        self.sleep = sleep
         self._fresh = _FreshClaimer(
             mailbox,
             self.order,
@@ -297,7 +319,7 @@ class ElasticClaimer:
         self._next_scan = clock() if self._scans else float("inf")  # scan when starting
         self._fresh_left = True
         self._candidates: list[tuple[str, Any]] = []
-        self._pending = False
+        self._awaited: list[str] = []  # units whose takeover the last scan found under way
         self._claims_seen: dict[tuple[str, Any, Any], float] = {}  # (unit, token, fold beat) -> first seen
         self.skipped = SkippedRecords(f"learner {learner_id!r}")
         """Unusable claims, work records and leases met (counted, warned once per kind and learner)."""
@@ -409,11 +431,14 @@ class ElasticClaimer:
             found = self._take(identifier, expect=lambda claim, token=token: claim.get("token") == token)
             if found is not None:
                 return found
-            self._pending = True  # another node took it first; it is not done yet
+            # Lost: the claim changed (another node took it, or its owner marked it in use).
         return None
 
     def _drain(self) -> Assignment | None:
-        """No fresh unit is left: take what becomes free, or stop."""
+        """No fresh unit is left: take what is free, wait while a takeover is under way, else stop.
+
+        Every unit is claimed by now, so a scan sees every unit that could still come free.
+        """
         if not self._scans:
             return None
         while True:
@@ -421,12 +446,21 @@ class ElasticClaimer:
             found = self._take_candidate()
             if found is not None:
                 return found
-            if self._watch is None or not self._pending:
-                return None
-            while self.clock() < self._next_scan:
+            if self._watch is None or not self._awaited:
+                return None  # every unit is done, this incarnation's, or held by a live node
+            rescan = self.clock() + self.await_rescan_s
+            while self.clock() < rescan:
                 if self.stopping():
                     return None
-                time.sleep(min(POLL_S, max(0.0, self._next_scan - self.clock())))
+                self.sleep(min(POLL_S, max(0.0, rescan - self.clock())))
+
+    @property
+    def await_rescan_s(self) -> float:
+        """Seconds between scans while waiting for a takeover at the end (``AWAIT_RESCAN_S``)."""
+        lease = self.options.lease_s
+        if lease is None:
+            return float("inf")
+        return min(lease / 2, max(AWAIT_RESCAN_S, lease / SCANS_PER_LEASE))
 
     def _scan(self) -> None:
         """Collect released and orphaned units (in preference order) as candidates."""
@@ -436,7 +470,7 @@ class ElasticClaimer:
         claimed = {key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)}
         done = {key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX)}
         leases: dict[str, bytes | None] = {}
-        self._pending = False
+        self._awaited = []
         self._candidates = []
         for identifier in self.order:
             if identifier not in claimed or identifier in done:
@@ -445,27 +479,41 @@ class ElasticClaimer:
             claim = self.skipped.read(ClaimRecord, self.mailbox.get(key), key)
             if claim is None or claim.incarnation == self.options.incarnation:
                 continue  # unusable (warned; nobody can take it over), or being worked on by this node
-            if self.takeable(identifier, claim, leases):
+            verdict = self.judge(identifier, claim, leases)
+            if verdict == TAKEABLE:
                 self._candidates.append((identifier, claim.token))
-            else:
-                self._pending = True
+            elif verdict == AWAITED:
+                self._awaited.append(identifier)
 
     def takeable(
         self, identifier: str, claim: Mapping[str, Any] | ClaimRecord, leases: dict[str, bytes | None] | None = None
     ) -> bool:
-        """Whether ``claim`` on ``identifier`` may be taken over now: released, this learner's
-        own of an earlier incarnation (with resume), or its owner's lease expired and the claim
-        itself stood still for a whole lease. ``leases`` caches lease reads within one scan."""
+        """Whether ``claim`` on ``identifier`` may be taken over now (``judge`` says ``TAKEABLE``)."""
+        return self.judge(identifier, claim, leases) == TAKEABLE
+
+    def judge(
+        self, identifier: str, claim: Mapping[str, Any] | ClaimRecord, leases: dict[str, bytes | None] | None = None
+    ) -> str:
+        """``TAKEABLE``, ``AWAITED`` or ``HELD``: what a claimer makes of ``claim`` on ``identifier``.
+
+        ``TAKEABLE``: released, this learner's own of an earlier incarnation (with resume), or
+        its owner's lease expired and the claim itself stood still for a whole lease.
+        ``AWAITED``: a takeover is under way: the owner's lease expired but the claim has not
+        stood still a whole lease yet, or the lease, live on this clock, does not vouch for its
+        writer (``LeaseWatch.vouches``: first read just now and old by its writer's clock).
+        ``HELD``: its owner is alive, or nobody can take it over (no leases, no owner).
+        ``leases`` caches lease reads within one scan.
+        """
         if leases is None:
             leases = {}
         record = ClaimRecord.of(claim)
         if record.state == RELEASED:
-            return True
+            return TAKEABLE
         owner = record.learner
         if self.options.resume and owner == self.learner_id:
-            return True  # our own unit of an earlier incarnation
+            return TAKEABLE  # our own unit of an earlier incarnation
         if self._watch is None or owner is None:
-            return False
+            return HELD
         # The claim itself must also have stayed the same for a whole lease: a node that has
         # just taken a unit over renews its lease only once it consumes from it, and an owner
         # marks its claim (``fold_beat``) right before each fold of batches not yet recorded.
@@ -477,11 +525,11 @@ class ElasticClaimer:
             self.skipped.read(LeaseRecord, leases[owner], lease_key(owner), owner)  # counted and warned
         incarnation = record.incarnation
         if not self._watch.expired(owner, leases[owner], incarnation):
-            return False
+            return HELD if self._watch.vouches(owner, leases[owner]) else AWAITED
         # Stopped or restarted (judged from the record alone) frees the unit at once.
         lease = LeaseRecord.read(leases[owner])
         gone = lease is not None and judge_lease(lease, self._watch.lease_s, incarnation=incarnation) != LIVE
-        return gone or now - first_seen >= self._watch.lease_s
+        return TAKEABLE if gone or now - first_seen >= self._watch.lease_s else AWAITED
 
 
 def _step_value(value: Any) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import queue
+import time
 
 import pytest
 from elastic_nodes import reclaim_racer
@@ -31,6 +32,19 @@ def _body(**fields) -> bytes:
 
 
 # -- leases ----------------------------------------------------------------------------------
+def test_a_lease_vouches_for_its_writer_once_seen_renewed_or_while_recent_by_its_writer_s_clock():
+    """On this clock a lease read for the first time is live; at the end of a run that must not
+    pass for a sign of life from a node that died before this one started."""
+    watch = LeaseWatch(60.0, FakeClock())
+    fresh = _body(incarnation="a", beat=1, time=time.time() - 5, state="running")
+    assert not watch.expired("n", fresh, "a") and watch.vouches("n", fresh)
+    old = _body(incarnation="a", beat=1, time=time.time() - 3600, state="running")
+    assert not watch.expired("d", old, "a") and not watch.vouches("d", old)
+    renewed = _body(incarnation="a", beat=2, time=time.time() - 3600, state="running")  # its clock is far behind
+    assert not watch.expired("d", renewed, "a") and watch.vouches("d", renewed), "seen renewed: alive"
+    assert not watch.vouches("missing", None)
+
+
 def test_a_lease_expires_only_after_it_stopped_changing_on_our_clock():
     clock = FakeClock()
     watch = LeaseWatch(2.0, clock)
@@ -332,11 +346,12 @@ def test_status_of_a_seed_run_has_no_elastic_counts(memory_mailbox):
 
 @pytest.mark.slow
 def test_orphans_are_taken_once_the_lease_and_the_claim_stood_still(memory_mailbox):
-    """Judged on the claimer's own (here: fake) clock, which advances only while it waits."""
+    """Judged on the claimer's own (here: fake) clock, which advances only while it waits. The
+    dead node's lease is old by its writer's clock, so the claimer waits for it at the end."""
     box = memory_mailbox
     clock = FakeClock()
     _orphan(box, "a", step=1)
-    box.put(lease_key("dead"), _body(learner="dead", incarnation="old", beat=5, state="running"))
+    box.put(lease_key("dead"), _body(learner="dead", incarnation="old", beat=5, time=0.0, state="running"))
     waited = []
 
     def stopping() -> bool:  # called while waiting for the next scan: time passes
@@ -353,6 +368,131 @@ def test_orphans_are_taken_once_the_lease_and_the_claim_stood_still(memory_mailb
     assert (got.identifier, got.after, got.taken_from) == ("a", 1, "dead")
     assert clock.now - start >= 2.0, "taken only after a whole lease without change"
     assert claimer.claim_next() is None  # nothing left that is not done or ours
+
+
+class SleepingClock(FakeClock):
+    """A monotonic clock that only the claimer's waits advance (its ``sleep``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slept = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.slept += seconds
+
+
+def _claim(box, identifier: str, learner: str, incarnation: str = "i") -> None:
+    box.put_if_absent(
+        claim_key(identifier),
+        _body(learner=learner, token="t-" + identifier, incarnation=incarnation, state="active", step=None),
+    )
+
+
+def _lease(box, learner: str, *, written: float, beat: int = 1, incarnation: str = "i") -> None:
+    """``learner``'s lease record, written at ``written`` by its own (unix) clock."""
+    box.put(
+        lease_key(learner),
+        _body(
+            learner=learner,
+            incarnation=incarnation,
+            beat=beat,
+            consumed=beat,
+            lease_s=600.0,
+            time=written,
+            state="running",
+        ),
+    )
+
+
+def _end_claimer(
+    box, order, clock: SleepingClock, *, lease_s: float | None = 600.0, asked: list | None = None, may_wait=True
+) -> ElasticClaimer:
+    """A claimer on ``clock``; ``asked`` collects when it asked ``stopping()`` (only while it
+    waits). ``may_wait=False``: a wait stops at once, and the claimer keeps its real ``sleep``
+    (one that never waits never calls it)."""
+
+    def stopping() -> bool:
+        if asked is not None:
+            asked.append(clock.now)
+        return not may_wait
+
+    options = ElasticOptions(resume=True, lease_s=lease_s)
+    sleep = {"sleep": clock.sleep} if may_wait else {}
+    return ElasticClaimer(box, order, "node-1", options, stopping=stopping, clock=clock, **sleep)
+
+
+def test_a_node_with_nothing_left_leaves_once_every_unit_is_done_or_held_by_a_live_node(memory_mailbox):
+    """The end of a run with a long lease: the last units are done or being trained by live
+    peers, so the node leaves at once instead of rescanning a lease/2 later, or until they are done."""
+    box, clock, asked = memory_mailbox, SleepingClock(), []
+    _claim(box, "a", "node-2")  # a peer training its last unit
+    _lease(box, "node-2", written=time.time() - 5)
+    _claim(box, "b", "node-3")
+    box.put_if_absent(done_key("b"), _body(learner="node-3", token="t-b"))
+    _claim(box, "c", "node-4")  # a peer whose clock is an hour behind: seen renewed, so alive
+    _lease(box, "node-4", written=time.time() - 3600)
+    claimer = _end_claimer(box, ["a", "b", "c", "d"], clock, asked=asked, may_wait=False)
+    _lease(box, "node-4", written=time.time() - 3600, beat=2)
+    assert claimer.claim_next().identifier == "d"
+    _lease(box, "node-4", written=time.time() - 3590, beat=3)
+    assert claimer.claim_next() is None
+    assert asked == [], "it waited for units held by live nodes"
+    assert json.loads(box.get(claim_key("a")))["learner"] == "node-2", "a live node's unit was taken"
+
+
+def test_a_node_with_nothing_left_waits_for_a_takeover_under_way_and_then_takes_the_unit(memory_mailbox):
+    """A peer's lease that stands still (its writer's clock says long ago): the node waits,
+    rescanning every few seconds rather than every lease/2, and takes the unit over once its
+    lease and its claim stood still a whole lease on this node's clock."""
+    box, clock = memory_mailbox, SleepingClock()
+    lease_s = 600.0
+    _orphan(box, "a", step=1)
+    _lease(box, "dead", written=time.time() - 3600, incarnation="old")
+    claimer = _end_claimer(box, ["a", "b"], clock, lease_s=lease_s)
+    start = clock.now
+    assert claimer.claim_next().identifier == "b"  # fresh units first; "a" is judged at its first sight
+    got = claimer.claim_next()
+    assert (got.identifier, got.after, got.taken_from) == ("a", 1, "dead")
+    assert lease_s <= clock.now - start <= lease_s + claimer.await_rescan_s * 1.01, (
+        "taken a whole lease after, promptly"
+    )
+    assert claimer.await_rescan_s < lease_s / 30 and claimer.stats["scans"] >= 30, "rescans while it waited"
+    assert claimer.claim_next() is None
+
+
+def test_a_node_stops_waiting_once_the_owner_of_the_awaited_unit_renews_its_lease(memory_mailbox):
+    """The owner was alive after all (its record first read was old: a long first load, say):
+    once its lease changes the node leaves, within a rescan, and the unit stays the owner's."""
+    box, clock, asked = memory_mailbox, SleepingClock(), []
+    _claim(box, "a", "slow")
+    _lease(box, "slow", written=time.time() - 3600)
+    claimer = _end_claimer(box, ["a", "b"], clock, asked=asked)
+    assert claimer.claim_next().identifier == "b"
+    renew_at = clock.now + 30.0
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= renew_at:
+            _lease(box, "slow", written=time.time(), beat=2)
+
+    claimer.sleep = sleep
+    assert claimer.claim_next() is None
+    assert asked, "it did not wait for the unit whose owner's lease did not vouch for it"
+    assert renew_at <= clock.now <= renew_at + claimer.await_rescan_s * 1.01
+    assert json.loads(box.get(claim_key("a")))["learner"] == "slow"
+
+
+def test_without_leases_a_node_with_nothing_left_never_waits(memory_mailbox):
+    box, clock, asked = memory_mailbox, SleepingClock(), []
+    _claim(box, "a", "node-2")
+    _lease(box, "node-2", written=0.0)
+    _claim(box, "r", "node-3")
+    box.put(claim_key("r"), _body(learner="node-3", token="t-r", incarnation="i", state="released", step=2))
+    claimer = _end_claimer(box, ["a", "r", "b"], clock, lease_s=None, asked=asked, may_wait=False)
+    assert claimer.claim_next().identifier == "r"  # a released unit, found by the first scan
+    assert claimer.claim_next().identifier == "b"
+    assert claimer.claim_next() is None and asked == []
 
 
 def test_a_unit_just_taken_over_is_not_taken_again_at_once(memory_mailbox):

@@ -12,10 +12,11 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
+import torch
 from elastic_nodes import ElasticSpec, consumed_pairs, run_elastic_nodes, written_steps
 from queue_nodes import RecordingLoad, named_units
 
-from gradientmail import LocalMailbox, SharedQueueDataset, UnsafeStoreError
+from gradientmail import LocalMailbox, SharedQueueDataset, UnsafeStoreError, consensus
 from gradientmail.layout import CLAIMS_PREFIX, DONE_PREFIX, LEASES_PREFIX, WORK_PREFIX
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.patterns.shared_queue import shared_queue
@@ -39,8 +40,12 @@ def _seen(out) -> tuple[Counter, dict]:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_survivors_finish_a_killed_nodes_units(tmp_path, workers):
-    """SIGKILL one of three nodes mid-run (lease 1.5 s): every step is consumed, duplicates only
-    among the batches the dead node consumed after its last recorded progress."""
+    """SIGKILL one of three nodes early (lease 1.5 s): every step is consumed, duplicates only
+    among the batches the dead node consumed after its last recorded progress.
+
+    The survivors are slower and train for 6 s or more after the kill (some 60 batches each,
+    100 ms apiece), so the dead node's lease expires before they run out of units: a node that
+    dies less than a lease before its peers run out leaves its units for its restart instead."""
     box = LocalMailbox(tmp_path / "box")
     units = named_units(24, steps=6)
     specs = [
@@ -50,7 +55,7 @@ def test_survivors_finish_a_killed_nodes_units(tmp_path, workers):
             units,
             str(tmp_path),
             delay=0.004,
-            train=0.008,
+            train=0.008 if rank == 0 else 0.1,
             prefetch=3,
             workers=workers,
             lease_s=1.5,
@@ -81,6 +86,38 @@ def test_survivors_finish_a_killed_nodes_units(tmp_path, workers):
     taken = [claim for claim in run.claims if claim.learner != "node-0"]
     assert len(taken) == len(units) - sum(1 for c in run.claims if c.learner == "node-0")
     assert not list(box.list(WORK_PREFIX)), "every work record is gone once its unit is done"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("session_every", [None, 0.3], ids=["queue", "session"])
+def test_a_run_with_a_long_lease_ends_with_its_last_unit(tmp_path, session_every):
+    """Four nodes at speeds 1:2:2:4, ``resume=True`` and a 10-minute lease: every node process
+    exits once every unit is done (none waits for a rescan a lease/2 later), and every batch is
+    trained exactly once (with a Session: every sample is in the run's state)."""
+    box = LocalMailbox(tmp_path / "box")
+    units = named_units(24, steps=2)
+    specs = [
+        ElasticSpec(
+            box,
+            f"node-{rank}",
+            units,
+            str(tmp_path),
+            train=train,
+            prefetch=2,
+            resume=True,
+            lease_s=600.0,
+            session_every=session_every,
+        )
+        for rank, train in enumerate((0.08, 0.04, 0.04, 0.02))
+    ]
+    run_elastic_nodes(specs, timeout=180)  # a hang bound: a node that waits a lease/2 is killed
+
+    seen, _ = _seen(tmp_path)
+    assert set(seen) == _expected(units) and set(seen.values()) == {1}, "a batch missed or trained twice"
+    run = read_run(box)
+    assert len(run.done) == len(units) and not run.released and not run.orphaned
+    if session_every is not None:
+        assert sum(consensus(box, torch.nn.Linear(8, 8)).values()) == len(seen)
 
 
 def test_stop_four_nodes_halfway_and_resume_with_three(tmp_path):

@@ -120,7 +120,11 @@ def test_a_record_without_a_position_is_continued_by_its_step(memory_mailbox):
 @pytest.mark.slow
 def test_a_killed_nodes_units_are_reclaimed_by_position(tmp_path):
     """Real processes, lease 1.5 s, every label 0: SIGKILL one of three nodes; every batch is
-    consumed, duplicates only among the dead node's batches after its last progress write."""
+    consumed, duplicates only among the dead node's batches after its last progress write.
+
+    The survivors load each batch in 150 ms, so they run out of units well after the dead
+    node's lease expired (a node that dies less than a lease before they run out leaves its
+    units for its restart)."""
     box = LocalMailbox(tmp_path / "box")
     units = named_units(12)
     nodes = [
@@ -129,7 +133,7 @@ def test_a_killed_nodes_units_are_reclaimed_by_position(tmp_path):
             f"node-{rank}",
             units,
             str(tmp_path),
-            delay=0.004,
+            delay=0.004 if rank == 0 else 0.15,
             prefetch=3,
             lease_s=1.5,
             kill_after=8 if rank == 0 else None,
