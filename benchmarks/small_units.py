@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats or (1 if args.quick else 3)
     args.time_unit = args.time_unit or (0.1 if args.quick else 0.25)
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "gradientmail", "gradientmail.patterns.shared_queue"])
+    context.set_forkserver_preload(
+        ["torch", "torch.utils.data", "gradientmail", "gradientmail.patterns.shared_queue", "gradientmail.session"]
+    )
+    run(CASES[0], args.time_unit, context)  # warm-up, untimed: a first run pays cold caches
     figures: dict[str, Any] = {}
     rows = []
     for case in CASES:

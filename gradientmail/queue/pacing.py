@@ -62,9 +62,12 @@ sooner than its pace says waits at most about this long more than a claim."""
 STEP_SMOOTHING = 0.2
 """Weight of a new sample in the loop's smoothed step time (about the last five)."""
 
-ENDGAME_MARGIN = 2
-"""The endgame starts this many times earlier than the nodes' full buffers could empty the queue:
-a node's count of unclaimed units lags the claims made since its last listing."""
+ENDGAME_MARGIN = 4
+"""The endgame starts this many times earlier than the nodes' full buffers could empty the queue.
+A node still holds a full buffer when it begins, which the slowest node must drain before the
+queue runs dry: with speeds 1:2:2:4 that takes 9 buffers' worth of units, where 4 nodes x 2
+gave 8 (240 one-batch units: the slow node took 29-30 units instead of 27, makespan 1.11 of the
+bound). 4 also covers the claims a node has not listed yet (its count of unclaimed units lags)."""
 
 NODES_RECOUNT_S = 5.0
 """Seconds between two counts of the run's nodes (a listing of ``learners/``) near the endgame."""
