@@ -293,7 +293,7 @@ class Exchanger:
         entry = Contribution(seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final, units=units)
         folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
         self._unsure[index] = None
-        self._seqs[index] = seq + 1
+        self._seqs[index] = folded.learners[me].seq + 1  # past a slot a peer closed (``chain.fold``)
         self.conflicts += folded.conflicts
         self.known[index] = folded.base
         if final:
