@@ -66,6 +66,10 @@ TARGETS: dict[str, Target] = {
     ),
     "stall_fraction": Target("<", 0.01, "share of wall time the training loop waits for data, after the first batch"),
     "step_overhead": Target("<", 0.01, "Session.step with nothing due / one training step"),
+    "lease_fold_rate": Target(
+        ">=", 0.9, "Session folds/s with lease= / without: one-batch units, a store 20 ms away, 4 fragments"
+    ),
+    "lease_exit_ratio": Target("<=", 1.5, "seconds to leave the documented loop's block with lease= / without"),
     "drag": Target(">=", 0.95, "consensus advance per node step in the toy (no progress lost)"),
     "read_per_exchange": Target("<=", 3.0, "model sizes read per node per exchange at 4, 16, 64 learners"),
     "loss_over_ddp": Target("<=", 1.02, "consensus validation loss / DDP's at equal samples"),

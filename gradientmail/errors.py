@@ -150,8 +150,9 @@ def _rebuild_duplicate(message, learner, host, pid):
 
 
 class LeaseLostError(GradientMailError, RuntimeError):
-    """Peers judged this process dead (its lease expired while it stood still) and took over a
-    unit it was training: it stops rather than train those batches a second time."""
+    """Peers judged this process dead (its lease stood still a whole lease: it stood still or its
+    store was slow) and fenced its lease to take its units over: it stops rather than fold
+    batches they train again."""
 
 
 class RecordError(GradientMailError, ValueError):

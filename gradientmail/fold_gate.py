@@ -202,7 +202,8 @@ class FoldGate:
         """The queue's ``check()`` raises when peers took this learner's units over; a Session
         that stood still ``pause_limit_s`` or more calls it before its next exchange, so that
         a process frozen past its lease folds nothing more (None: no check). ``confirm()`` does
-        the same and also marks the claims as in use (``confirm_owner``)."""
+        the same by beating the learner's lease, which no peer may take over until it stood
+        still a whole lease again (``confirm_owner``)."""
         with self._lock:
             self._owner_check, self.pause_limit_s = check, pause_limit_s if check is not None else math.inf
             self._owner_confirm = confirm
@@ -234,9 +235,11 @@ class FoldGate:
 
     def confirm_owner(self) -> None:
         """Right before a fold that holds batches whose records are not written: raise
-        ``LeaseLostError`` if those units were taken over, else mark their claims as in use, so
-        that no peer takes them over before the fold has landed (a peer that judged this node
-        dead waits for a claim to stand still a whole lease)."""
+        ``LeaseLostError`` if peers judged this learner dead and fenced its lease, else beat the
+        lease (one read and one compare-and-swap, however many units the fold holds), so that no
+        peer fences it and takes a unit over before the fold has landed (a peer waits for the
+        lease to stand still a whole lease, and its fence fails once the beat landed:
+        ``gradientmail.queue.lease``)."""
         with self._lock:
             confirm = self._owner_confirm or self._owner_check
         if confirm is not None:

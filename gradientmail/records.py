@@ -52,6 +52,7 @@ __all__ = [
     "ClaimRecord",
     "DONE",
     "DoneRecord",
+    "FENCED",
     "LEASE",
     "LeaseRecord",
     "MAX_COUNT",
@@ -233,6 +234,10 @@ ACTIVE, RELEASED = "active", "released"
 RUNNING, STOPPED = "running", "stopped"
 """A lease's or presence record's ``state``: its writer runs, or has stopped for good."""
 
+FENCED = "fenced"
+"""A lease's ``state`` once a peer judged its writer dead and took the record over, to take its
+units over (``queue.lease``): that incarnation of the writer may write nothing more."""
+
 CLAIM = RecordKind(
     "claim",
     {
@@ -273,7 +278,9 @@ LEASE = RecordKind(
         "consumed": _COUNT,
         "time": _time,
         "lease_s": _positive,
-        "state": _one_of(RUNNING, STOPPED),
+        "state": _one_of(RUNNING, STOPPED, FENCED),
+        "fenced_by": _segment,
+        "fenced_at": _time,
     },
 )
 PRESENCE = RecordKind(
@@ -596,7 +603,8 @@ class DoneRecord(Record):
 
 
 class LeaseRecord(Record):
-    """``leases/{learner}.json``: one heartbeat of an elastic learner (``verdict.judge_lease``)."""
+    """``leases/{learner}.json``: one heartbeat of an elastic learner (``verdict.judge_lease``),
+    or its fence (``FENCED``: a peer took it over, ``queue.lease``)."""
 
     KIND = LEASE
     __slots__ = ()
@@ -616,9 +624,10 @@ class LeaseRecord(Record):
         )
 
     incarnation = Field(str)
-    state = Field(str, "``RUNNING`` or ``STOPPED``.")
+    state = Field(str, "``RUNNING``, ``STOPPED`` or ``FENCED``.")
     time = Field(float, "When its writer wrote it (unix seconds, the writer's clock).")
     consumed = Field(int)
+    fenced_by = Field(str, "The learner that fenced it (``FENCED``), to take its writer's units over.")
 
 
 class PresenceRecord(Record):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 
-from gradientmail.records import STOPPED, LeaseRecord, PresenceRecord
+from gradientmail.records import FENCED, STOPPED, LeaseRecord, PresenceRecord
 
 __all__ = ["EXPIRED", "LIVE", "Sightings", "judge_lease"]
 
@@ -48,8 +48,9 @@ def judge_lease(
 ) -> str:
     """``LIVE``, ``EXPIRED`` or ``STOPPED`` for a (checked) lease or presence record.
 
-    A record that says its writer stopped is ``STOPPED``; one naming another incarnation than
-    ``incarnation`` (the writer restarted) is ``EXPIRED``; with ``now`` (unix seconds) so is one
+    A record that says its writer stopped is ``STOPPED``; a lease a peer fenced (it judged the
+    writer dead and takes its units over, ``queue.lease``) or one naming another incarnation
+    than ``incarnation`` (the writer restarted) is ``EXPIRED``; with ``now`` (unix seconds) so is one
     whose writer's ``time`` is more than ``stale_s`` (default ``lease_s``) ago; with
     ``unchanged_s`` (asked only if the rest leaves it live) so is one that stood unchanged for
     ``lease_s`` on the caller's clock. A missing or unusable record (None) is judged by
@@ -61,10 +62,14 @@ def judge_lease(
         'expired'
         >>> judge_lease(lease, 5.0, now=104.0, unchanged_s=lambda: 1.0)
         'live'
+        >>> judge_lease(lease.replace(state="fenced", fenced_by="node-1"), 5.0, unchanged_s=lambda: 0.0)
+        'expired'
     """
     if record is not None:
         if record.state == STOPPED:
             return STOPPED
+        if record.state == FENCED:
+            return EXPIRED
         if incarnation is not None and record.incarnation != incarnation:
             return EXPIRED
         written = record.time

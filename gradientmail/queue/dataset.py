@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing.context
 import os
+import signal
 import threading
 import time
 import uuid
@@ -91,8 +92,8 @@ def exit_with_parent() -> None:
     DataLoader's own watchdog looks only between batches; a worker inside ``next()`` (waiting for
     a claim's turn, for orphaned units, or in a store's request) would outlive a SIGKILLed
     training process for good, holding its memory. A daemon thread checks the parent every
-    ``PARENT_CHECK_S`` and ends the process at once (``os._exit``: no cleanup that waits on the
-    dead parent's pipes). Idempotent per process.
+    ``PARENT_CHECK_S`` and ends the process at once (SIGKILL to itself: no cleanup that waits on
+    the dead parent's pipes). Idempotent per process.
     """
     if _PARENT_WATCH:
         return
@@ -102,13 +103,9 @@ def exit_with_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_CHECK_S)
-        os._exit(EXIT_ORPHANED)
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: it would wait on the dead parent's pipes
 
     threading.Thread(target=watch, name="gradientmail-parent-watch", daemon=True).start()
-
-
-EXIT_ORPHANED = 70
-"""Exit status of a worker whose training process died (``os.EX_SOFTWARE``)."""
 
 
 def guarded(items: Iterator[T], control: WorkerControl, worker: int) -> Iterator[T]:

@@ -77,9 +77,9 @@ class LeaseWatch:
 
     A lease is expired when its record has not changed for ``lease_s`` since this watch first
     saw that exact content, whatever the writer's clock says; a missing record counts as a
-    record that never changes. A record that says the node stopped, or that names another
-    incarnation than the claim's (the node restarted), is expired at once. ``clock`` is
-    monotonic; ``wall`` (Unix time) only serves ``vouches``.
+    record that never changes. A record that says the node stopped, that a peer fenced
+    (``queue.lease``), or that names another incarnation than the claim's (the node restarted),
+    is expired at once. ``clock`` is monotonic; ``wall`` (Unix time) only serves ``vouches``.
     """
 
     def __init__(

@@ -1,9 +1,10 @@
 """The elastic queue's consuming side: what the training loop has consumed, and heartbeats.
 
 A batch counts as consumed when the loop asks for the next item. ``ProgressTracker`` writes
-the latest consumed batch per unit, finished units and the lease heartbeat from one background
-thread; ``tagged_items`` / ``Consumption`` carry each batch's unit and position from the
-loading side (``queue.reclaim``) to it. Details: docs/queue.md.
+the latest consumed batch per unit, finished units and the lease renewals from one background
+thread, and beats the lease right before the Session's folds (``queue.lease``);
+``tagged_items`` / ``Consumption`` carry each batch's unit and position from the loading side
+(``queue.reclaim``) to it. Details: docs/queue.md.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gradientmail.errors import LeaseLostError
 from gradientmail.fold_gate import UnitMark, gate_for
-from gradientmail.layout import claim_key, done_key, lease_key, work_key, work_prefix
+from gradientmail.layout import claim_key, done_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
 from gradientmail.queue.batches import Item, UnitTag
-from gradientmail.queue.claims import UnitOwnership, load_claim
+from gradientmail.queue.claims import load_claim
+from gradientmail.queue.lease import OwnLease
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
-from gradientmail.records import RELEASED, RUNNING, STOPPED, DoneRecord, LeaseRecord, SkippedRecords, WorkRecord
+from gradientmail.records import RELEASED, RUNNING, STOPPED, DoneRecord, SkippedRecords, WorkRecord
 from gradientmail.session.folded_units import folded_mark
 
 __all__ = ["Consumption", "ProgressTracker", "consume_inline", "tagged_items"]
@@ -42,6 +45,8 @@ class ProgressTracker:
     at a time, always the latest state (a unit's progress is coalesced to its last consumed
     step). ``close`` flushes, releases this incarnation's unfinished units and marks the lease
     stopped. A write that fails is kept and raised by the next ``check``; the thread goes on.
+    Every lease write is a compare-and-swap (``OwnLease``): once a peer fenced the lease to take
+    this learner's units over, renewals and beats raise ``LeaseLostError``.
 
     With a ``Session`` of the same learner in this process, records wait at its ``FoldGate``
     (``gradientmail.fold_gate``) until the batch's progress is in the run's state.
@@ -59,13 +64,11 @@ class ProgressTracker:
         self._held: deque[tuple[int, tuple[str, str, int, int | None] | tuple[str, str]]] = deque()
         self._waiting_since: float | None = None  # the loop is inside next() since (monotonic)
         self._handed_at: float | None = None  # when the loop last got a batch (monotonic)
-        self._current: tuple[str, str] | None = None  # the unit (and claim token) being trained
         self._settling = False  # the writer thread has the Session fold; the loop must not resume
         lease = options.lease_s
         self._settle_after_s = SETTLE_AFTER_S if lease is None else min(SETTLE_AFTER_S, lease / 4)
         self._consumed = 0
         self._beat_consumed = 0
-        self._beat = 0
         self._last_beat = 0.0
         self._stopping = False
         self._writing = False
@@ -74,7 +77,10 @@ class ProgressTracker:
         self._ask_state = False  # releases read the units' marks from the run's state (close)
         self.writes: dict[str, int] = {"progress": 0, "done": 0, "lease": 0, "released": 0}
         self.skipped = SkippedRecords(f"learner {learner_id!r}")
-        self.ownership = UnitOwnership(mailbox, learner_id, options.lease_s, self._owned_units)
+        self.lease = (
+            None if options.lease_s is None else OwnLease(mailbox, learner_id, options.incarnation, options.lease_s)
+        )
+        """This incarnation's lease record (``lease=``): renewals, beats before folds, the stop."""
 
     # -- called by the consumer -----------------------------------------------------------
     def start(self) -> None:
@@ -145,41 +151,35 @@ class ProgressTracker:
                 finally:
                     self._waiting_since = None
 
-    def confirm(self, identifier: str, token: str) -> None:
-        """Before handing a batch of ``identifier`` after the loop stood still for half a lease
-        or more: check that no peer took this learner's units over meanwhile.
+    def confirm(self) -> None:
+        """Before handing the next batch after the loop stood still for half a lease or more:
+        check that peers did not judge this learner dead meanwhile.
 
         Peers reclaim a unit once its owner's lease has not changed for ``lease``; a process
         paused that long (SIGSTOP, a frozen VM) would otherwise finish the unit beside the node
         that took it over, and its Session would fold those batches a second time.
 
         Raises:
-            LeaseLostError: that unit, or one whose records wait for the Session, was taken over.
+            LeaseLostError: a peer fenced this learner's lease to take its units over.
         """
         lease = self.options.lease_s
         now = time.monotonic()
         handed, self._handed_at = self._handed_at, now
-        self._current = (identifier, token)
         if lease is not None and handed is not None and now - handed >= lease / 2:
             self.check_owner(now - handed)
 
     def check_owner(self, paused_s: float | None = None) -> None:
-        """Raise ``LeaseLostError`` if the unit being trained, or one whose records wait for the
-        Session, was taken over by a peer (``UnitOwnership.check``)."""
-        self.ownership.check(paused_s)
+        """Raise ``LeaseLostError`` if a peer fenced this learner's lease to take its units over
+        (or another process of this learner took it): one read of the lease record."""
+        if self.lease is not None:
+            self.lease.check(paused_s)
 
     def confirm_owner(self) -> None:
-        """``check_owner``, marking those claims in use (``UnitOwnership.confirm``): the Session
-        calls it right before a fold that holds batches whose records are not written."""
-        self.ownership.confirm()
-
-    def _owned_units(self) -> dict[str, str]:
-        """The unit being trained and those whose records wait for the Session -> claim token."""
-        with self._changed:
-            units = {record[0]: record[1] for _, record in self._held}
-        if self._current is not None:
-            units[self._current[0]] = self._current[1]
-        return units
+        """Beat the lease (a read and a compare-and-swap, ``OwnLease.write``): the Session calls
+        it right before a fold that holds batches whose records are not written. A peer that
+        judged this learner dead must fence the lease before taking a unit over: the beat makes
+        that fence fail, or finds the lease fenced and raises ``LeaseLostError``."""
+        self._write_lease(RUNNING)
 
     def _settle_due(self) -> float | None:
         """Seconds until the writer thread has the Session fold for a waiting loop (None: never)."""
@@ -242,8 +242,11 @@ class ProgressTracker:
             return
         if release:
             self.release()
-        if self.options.lease_s is not None:
-            self._write_lease(STOPPED)
+        if self.lease is not None and not self.lease.lost:
+            try:
+                self._write_lease(STOPPED)
+            except LeaseLostError as exc:  # fenced meanwhile: the taker's record stays
+                log.info("%s: %s", self.learner_id, exc)
 
     def release(self) -> int:
         """Rewrite this incarnation's unfinished claims as released; returns how many."""
@@ -286,7 +289,7 @@ class ProgressTracker:
     def beat_due(self) -> float | None:
         """Seconds until the next heartbeat may be written (None: nothing to renew)."""
         lease = self.options.lease_s
-        if lease is None or self._consumed == self._beat_consumed:
+        if lease is None or self._consumed == self._beat_consumed or (self.lease is not None and self.lease.lost):
             return None
         return max(0.0, self._last_beat + lease / 4 - time.monotonic())
 
@@ -344,8 +347,12 @@ class ProgressTracker:
     ) -> None:
         """Write records; each one written tells the gate that its unit needs no mark up to there."""
         done = {identifier for identifier, _, _ in finished}
+        lost: LeaseLostError | None = None
         if beat:
-            self._write_lease(RUNNING)
+            try:
+                self._write_lease(RUNNING)
+            except LeaseLostError as exc:  # raised once the records of folded batches are written
+                lost = exc
         for identifier, (token, step, position, index) in progress.items():
             if identifier in done:
                 continue  # the done record below supersedes it
@@ -363,19 +370,21 @@ class ProgressTracker:
                 self.writes["done"] += 1
             self.gate.written(identifier, index)
             self.mailbox.delete(work_key(self.learner_id, identifier))
+        if lost is not None:
+            raise lost
 
     def _write_lease(self, state: str) -> None:
-        lease = self.options.lease_s
-        assert lease is not None
+        """Renew the lease (``RUNNING``) or mark it stopped, by compare-and-swap (``OwnLease``).
+
+        Raises:
+            LeaseLostError: a peer fenced the lease: this learner's units are being taken over.
+        """
+        assert self.lease is not None
         with self._changed:
-            self._beat += 1
             self._beat_consumed = self._consumed
             self._last_beat = time.monotonic()
-            beat, consumed = self._beat, self._consumed
-        self.mailbox.put(
-            lease_key(self.learner_id),
-            LeaseRecord.new(self.learner_id, self.options.incarnation, beat, consumed, lease, state).to_bytes(),
-        )
+            consumed = self._consumed
+        self.lease.write(state, consumed)
         self.writes["lease"] += 1
 
 
@@ -433,7 +442,7 @@ class Consumption:
         finally:
             self.tracker.waiting(False)  # waits for a fold the writer thread started meanwhile
         identifier, token, position = tag.unit, tag.token, tag.position
-        self.tracker.confirm(identifier, token)  # after a long pause: are its units still its own?
+        self.tracker.confirm()  # after a long pause: are its units still its own?
         # Counted only now: a fold under way when the batch arrived did not train on it.
         self._index = self.tracker.gate.deliver(UnitMark(identifier, token, step, position))
         self._last = (identifier, token, step, position, self._index)

@@ -39,9 +39,10 @@ from gradientmail.layout import (
 from gradientmail.mailbox.base import Mailbox, require_replace_if
 from gradientmail.queue.claimer import CROWD_LIMIT, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
+from gradientmail.queue.lease import fence
 from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
-from gradientmail.records import ACTIVE, RELEASED, ClaimRecord, LeaseRecord, SkippedRecords, WorkRecord
-from gradientmail.session.folded_units import folded_mark
+from gradientmail.records import ACTIVE, FENCED, RELEASED, ClaimRecord, LeaseRecord, SkippedRecords, WorkRecord
+from gradientmail.session.folded_units import close_slots, folded_mark
 from gradientmail.verdict import LIVE, judge_lease
 
 __all__ = [
@@ -146,8 +147,9 @@ def take_over(
         # so a unit done before the swap is seen here (a scan's listing of done units ages).
         return None
     if after is None and owner is not None and record.state != RELEASED and record.token:
-        # Read only now that the claim is ours: an owner checks its claim before each fold that
-        # holds unrecorded batches, so nothing it folds after these reads goes unseen. The marks
+        # Read only now that the claim is ours: an owner whose lease was fenced (``queue.lease``)
+        # folds nothing more, and one whose lease stood still for a whole lease folds nothing
+        # that lands after the fence, so nothing it folds goes unseen by these reads. The marks
         # first, then the record again: an owner that was still going (slow, not dead) may have
         # folded and recorded batches since the read above, and a fold after its record carries
         # no mark for them: one of the two reads sees every batch it folded before the swap.
@@ -320,7 +322,8 @@ class ElasticClaimer:
         self._fresh_left = True
         self._candidates: list[tuple[str, Any]] = []
         self._awaited: list[str] = []  # units whose takeover the last scan found under way
-        self._claims_seen: dict[tuple[str, Any, Any], float] = {}  # (unit, token, fold beat) -> first seen
+        self._claims_seen: dict[tuple[str, Any], float] = {}  # (unit, token) -> first seen
+        self._closed: set[tuple[str, str | None]] = set()  # (owner, incarnation) whose slots it closed
         self.skipped = SkippedRecords(f"learner {learner_id!r}")
         """Unusable claims, work records and leases met (counted, warned once per kind and learner)."""
         self.stats: dict[str, int] = {"claims": 0, "takeovers": 0, "scans": 0}
@@ -469,7 +472,7 @@ class ElasticClaimer:
         self._next_scan = self.clock() + interval
         claimed = {key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)}
         done = {key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX)}
-        leases: dict[str, bytes | None] = {}
+        leases: dict[str, _SeenLease] = {}
         self._awaited = []
         self._candidates = []
         for identifier in self.order:
@@ -486,23 +489,26 @@ class ElasticClaimer:
                 self._awaited.append(identifier)
 
     def takeable(
-        self, identifier: str, claim: Mapping[str, Any] | ClaimRecord, leases: dict[str, bytes | None] | None = None
+        self, identifier: str, claim: Mapping[str, Any] | ClaimRecord, leases: dict[str, _SeenLease] | None = None
     ) -> bool:
         """Whether ``claim`` on ``identifier`` may be taken over now (``judge`` says ``TAKEABLE``)."""
         return self.judge(identifier, claim, leases) == TAKEABLE
 
     def judge(
-        self, identifier: str, claim: Mapping[str, Any] | ClaimRecord, leases: dict[str, bytes | None] | None = None
+        self, identifier: str, claim: Mapping[str, Any] | ClaimRecord, leases: dict[str, _SeenLease] | None = None
     ) -> str:
         """``TAKEABLE``, ``AWAITED`` or ``HELD``: what a claimer makes of ``claim`` on ``identifier``.
 
-        ``TAKEABLE``: released, this learner's own of an earlier incarnation (with resume), or
-        its owner's lease expired and the claim itself stood still for a whole lease.
+        ``TAKEABLE``: released, this learner's own of an earlier incarnation (with resume), its
+        owner's lease stopped, fenced or restarted, or expired while the claim itself stood still
+        for a whole lease, once this claimer fenced that lease (``queue.lease.fence``: an owner's
+        beat that lands first makes the fence fail, and nothing is taken). A fenced owner's next
+        pending contribution slots are closed first (``_close_slots``).
         ``AWAITED``: a takeover is under way: the owner's lease expired but the claim has not
         stood still a whole lease yet, or the lease, live on this clock, does not vouch for its
         writer (``LeaseWatch.vouches``: first read just now and old by its writer's clock).
-        ``HELD``: its owner is alive, or nobody can take it over (no leases, no owner).
-        ``leases`` caches lease reads within one scan.
+        ``HELD``: its owner is alive (its beat beat the fence), or nobody can take it over (no
+        leases, no owner). ``leases`` caches each owner's lease within a scan.
         """
         if leases is None:
             leases = {}
@@ -515,21 +521,51 @@ class ElasticClaimer:
         if self._watch is None or owner is None:
             return HELD
         # The claim itself must also have stayed the same for a whole lease: a node that has
-        # just taken a unit over renews its lease only once it consumes from it, and an owner
-        # marks its claim (``fold_beat``) right before each fold of batches not yet recorded.
+        # just taken a unit over renews its lease only once it consumes from it.
         now = self.clock()
-        seen = (identifier, record.fields.get("token"), record.fields.get("fold_beat"))
-        first_seen = self._claims_seen.setdefault(seen, now)
+        first_seen = self._claims_seen.setdefault((identifier, record.fields.get("token")), now)
         if owner not in leases:  # one read per owner and scan
-            leases[owner] = self.mailbox.get(lease_key(owner))
-            self.skipped.read(LeaseRecord, leases[owner], lease_key(owner), owner)  # counted and warned
+            got = self.mailbox.get_versioned(lease_key(owner))
+            leases[owner] = _SeenLease(got)
+            self.skipped.read(LeaseRecord, leases[owner].data, lease_key(owner), owner)  # counted and warned
+        seen = leases[owner]
         incarnation = record.incarnation
-        if not self._watch.expired(owner, leases[owner], incarnation):
-            return HELD if self._watch.vouches(owner, leases[owner]) else AWAITED
-        # Stopped or restarted (judged from the record alone) frees the unit at once.
-        lease = LeaseRecord.read(leases[owner])
-        gone = lease is not None and judge_lease(lease, self._watch.lease_s, incarnation=incarnation) != LIVE
-        return TAKEABLE if gone or now - first_seen >= self._watch.lease_s else AWAITED
+        if not self._watch.expired(owner, seen.data, incarnation):
+            return HELD if self._watch.vouches(owner, seen.data) else AWAITED
+        # Stopped, fenced or restarted (judged from the record alone) frees the unit at once.
+        lease = LeaseRecord.read(seen.data)
+        if lease is not None and judge_lease(lease, self._watch.lease_s, incarnation=incarnation) != LIVE:
+            if lease.state == FENCED and lease.incarnation == incarnation:
+                self._close_slots(owner, incarnation)  # fenced by another peer: maybe not closed yet
+            return TAKEABLE
+        if now - first_seen < self._watch.lease_s:
+            return AWAITED
+        if seen.fenced is None:  # one fence per owner and scan
+            seen.fenced = fence(self.mailbox, owner, seen.got, self.learner_id, self._watch.lease_s, incarnation)
+            if seen.fenced:
+                self._close_slots(owner, incarnation)
+        return TAKEABLE if seen.fenced else HELD  # a failed fence: the owner's beat came first
+
+    def _close_slots(self, owner: str, incarnation: str | None) -> None:
+        """Before any of ``owner``'s marks are read: close its next pending contribution slots
+        (``session.folded_units.close_slots``), once per owner and incarnation; a fold it may
+        still write (frozen between its beat and the write) then lands nowhere."""
+        if (owner, incarnation) not in self._closed:
+            close_slots(self.mailbox, owner, self.learner_id)
+            self._closed.add((owner, incarnation))
+
+
+@dataclass
+class _SeenLease:
+    """An owner's lease as one scan read it (body and version, None: missing), and whether this
+    claimer fenced it (None: not tried)."""
+
+    got: tuple[bytes, str] | None
+    fenced: bool | None = None
+
+    @property
+    def data(self) -> bytes | None:
+        return None if self.got is None else self.got[0]
 
 
 def _step_value(value: Any) -> int | None:

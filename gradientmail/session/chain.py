@@ -48,6 +48,7 @@ from gradientmail.session.mail import (
     Spec,
     State,
     StateHeader,
+    VoidSlotError,
     decode,
     decode_pending,
     encode,
@@ -65,6 +66,8 @@ RETIRE = 10_000
 TOMBSTONE = b"gradientmail: retired version of the run's state\n"
 MAX_WALK_BACK = 64
 """Unusable versions a reader skips before giving up: a bound on the reads one bad writer costs."""
+CLOSED_SLOT_ATTEMPTS = 3
+"""Pending slots a fold tries when peers closed the one it chose (``mail.ClosedSlot``)."""
 STALLED_S = 30.0
 """A fold whose create lands this long after its listing checks that the chain did not move on
 without it (a frozen VM, a request retried through a partition): ``RETIRE`` versions later, the
@@ -349,7 +352,8 @@ class FragmentChain:
                         return None
                     break
                 if isinstance(content, UnusableStateError):
-                    skipped(content)
+                    if not isinstance(content, VoidSlotError):  # a closed slot is no fault
+                        skipped(content)
                     empty.append((key, learner, seq + 1))
                 elif content.header.learner != learner or content.header.contribution.seq != seq + 1:
                     skipped(UnusableStateError(f"pending contribution {key!r} says it is another learner's or seq"))
@@ -434,19 +438,32 @@ class FragmentChain:
             # As stored (wire dtype rounded) is what the run holds; without a wire dtype, that is ``summed``.
             held = summed if self.wire_dtype is None else widen(stored)
             return Folded(held, learners, header.version, written, 0)
-        # Lost the race: leave this contribution pending (nobody contends for its key).
-        pending = PendingHeader(learner=me, contribution=entry, fragment=self.index, fragments=self.count)
-        own = pending_key(self.index, me, entry.seq)
+        # Lost the race: leave this contribution pending (only this learner writes its key, unless
+        # a peer that judged it dead closed the slot: ``mail.ClosedSlot``).
         wire = {name: to_wire(value, self.wire_dtype) for name, value in contribution.items()}
-        data = encode(wire, pending)
-        if before_create is not None:  # again: the process may have been frozen inside the create
-            before_create(view.listed)
-        if not self.mailbox.put_if_absent(own, data):
-            raise SessionError(
-                f"learner {me!r}: its contribution {own!r} already exists; two processes run under "
-                "one learner id (give each process its own)"
-            )
-        return Folded(summed, learners, None, view.base, 1)
+        for _ in range(CLOSED_SLOT_ATTEMPTS):
+            pending = PendingHeader(learner=me, contribution=entry, fragment=self.index, fragments=self.count)
+            own = pending_key(self.index, me, entry.seq)
+            data = encode(wire, pending)
+            if before_create is not None:  # again: the process may have been frozen inside the create
+                before_create(view.listed)
+            if self.mailbox.put_if_absent(own, data):
+                learners[me] = entry
+                return Folded(summed, learners, None, view.base, 1)
+            if not isinstance(self._read_pending(own), VoidSlotError):
+                raise SessionError(
+                    f"learner {me!r}: its contribution {own!r} already exists; two processes run under "
+                    "one learner id (give each process its own)"
+                )
+            # Closed by a peer that judged this learner dead: ``before_create`` raises when this
+            # process's lease was fenced and the fold holds batches not recorded; else the next
+            # slot is this fold's (a restart that read the state before the slot was closed, or a
+            # fold that holds nothing the peer trains again).
+            entry = replace(entry, seq=entry.seq + 1)
+        raise SessionError(
+            f"learner {me!r}: its pending contribution slots of fragment {self.index} were closed "
+            f"{CLOSED_SLOT_ATTEMPTS} times in a row by peers that judged it dead"
+        )
 
     def _orphaned(self, version: int, me: str, seq: int) -> bool:
         """Whether ``version``, just created by ``me`` with contribution ``seq``, is off the chain.

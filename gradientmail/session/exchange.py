@@ -303,7 +303,7 @@ class Exchanger:
         )
         folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
         self._unsure[index] = None
-        self._seqs[index] = seq + 1
+        self._seqs[index] = folded.learners[me].seq + 1  # past a slot a peer closed (``chain.fold``)
         self.conflicts += folded.conflicts
         self.known[index] = folded.base
         if final:

@@ -202,6 +202,46 @@ class PendingHeader:
         return cls(learner=learner, contribution=contribution, fragment=fragment, fragments=fragments)
 
 
+VOID = "void"
+"""The ``kind`` of a closed pending contribution slot (``ClosedSlot``)."""
+
+
+@dataclass(frozen=True)
+class ClosedSlot:
+    """A learner's pending contribution slot that a peer closed: it holds nothing.
+
+    A peer that judged ``learner`` dead (its lease stood still a whole lease) and takes its units
+    over reads what the run holds of them; the learner may only be frozen, between the check
+    before a write and the write. The peer first creates the learner's next slot in every
+    fragment (``session.folded_units.close_slots``), so such a late contribution finds its key
+    taken and is never written. Readers absorb a closed slot as nothing (``VoidSlotError``).
+    """
+
+    learner: str
+    seq: int
+    by: str
+    fragment: int = 0
+    fragments: int = 1
+
+    def to_bytes(self) -> bytes:
+        """Safetensors bytes without tensors, this header in the metadata."""
+        from safetensors.torch import save
+
+        metadata = {
+            "format": FORMAT,
+            "kind": VOID,
+            "fragment": f"{self.fragment}/{self.fragments}",
+            "learner": self.learner,
+            "seq": str(self.seq),
+            "by": self.by,
+        }
+        return save({}, metadata=metadata)
+
+
+class VoidSlotError(UnusableStateError):
+    """A pending slot a peer closed (``ClosedSlot``): absorbed as nothing, without a warning."""
+
+
 def _check_kind(metadata: Mapping[str, object], kind: str, key: str) -> tuple[int, int]:
     """``(fragment, fragments)`` of a header of ``kind``; refuses other formats and kinds."""
     fmt = metadata.get("format")
@@ -339,8 +379,15 @@ def decode(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int
 
 
 def decode_pending(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int] | None = None) -> Pending:
-    """Parse and check one pending contribution, as ``decode`` does a version."""
-    header = PendingHeader.from_metadata(metadata_of(data, key), key=key)
+    """Parse and check one pending contribution, as ``decode`` does a version.
+
+    Raises:
+        VoidSlotError: a peer closed this slot (``ClosedSlot``): it holds no contribution.
+    """
+    metadata = metadata_of(data, key)
+    if metadata.get("format") == FORMAT and metadata.get("kind") == VOID:
+        raise VoidSlotError(f"pending slot {key!r} was closed by {str(metadata.get('by'))[:80]!r}")
+    header = PendingHeader.from_metadata(metadata, key=key)
     _check_cut(header.fragment, header.fragments, key, fragment)
     return Pending(key=key, header=header, tensors=_tensors(data, key=key, spec=spec, learner=header.learner))
 

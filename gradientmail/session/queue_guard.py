@@ -5,11 +5,12 @@ The queue of the same learner in this process counts a batch as done only once a
 
 - right before each write of a fold (its create, its pending contribution) the queue checks that
   no peer took its units over (``LeaseLostError`` otherwise): when the fold holds batches whose
-  records are not written yet, it also marks those units' claims as in use (``FoldGate.
-  confirm_owner``: a compare-and-swap each), so that a peer that judged this node dead while it
-  was merely slow (its lease record late) cannot take them over until the fold has landed; and
-  after a pause of half a lease or more since the last step, the snapshot, or the last check (a
-  process frozen past its lease). On stores that take leases only;
+  records are not written yet, by beating the learner's lease (``FoldGate.confirm_owner``: one
+  read and one compare-and-swap, whatever the number of units), so that a peer that judged this
+  node dead while it was merely slow (its lease record late) cannot fence the lease and take a
+  unit over until the fold has landed; and after a pause of half a lease or more since the last
+  step, the snapshot, or the last check, by reading the lease (a process frozen past its lease).
+  With ``lease=`` only;
 - once the queue stopped without recording every batch (an error, a replaced process), the
   Session folds nothing more (``revoke``): those batches go back to the run's units.
 """

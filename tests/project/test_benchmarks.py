@@ -62,6 +62,7 @@ FIGURES = {
         "handoff_ms",
     ],
     "session": ["step_overhead", "step_overhead_exchange", "step_overhead_merge"],
+    "session_lease": ["lease_fold_rate", "lease_exit_ratio", "lease_exit_s", "no_lease_exit_s"],
     "session_figures": [
         "drag",
         "read_per_exchange",

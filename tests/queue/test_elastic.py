@@ -11,9 +11,10 @@ import pytest
 from elastic_nodes import reclaim_racer
 
 from gradientmail import LeaseLostError, LocalMailbox, UnsafeStoreError
+from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import claim_key, done_key, lease_key, work_key
 from gradientmail.mailbox.wrappers import MailboxWrapper
-from gradientmail.queue.claims import UnitOwnership
+from gradientmail.queue.claims import claim_body
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, take_over
@@ -147,30 +148,36 @@ def test_a_record_written_just_before_the_swap_is_seen(memory_mailbox):
     assert json.loads(memory_mailbox.get(work_key("node-1", "u1")))["position"] == 4
 
 
-def test_an_owner_that_marks_its_claim_before_a_fold_is_not_taken_over_for_a_lease(memory_mailbox):
-    """A slow owner (lease record late) confirms its claim right before each fold that holds
-    unrecorded batches: the claim changes (``fold_beat``), so a peer that judged the owner dead
-    waits for the claim to stand still a whole lease again, and the fold lands first."""
+def test_an_owner_that_beats_its_lease_before_a_fold_is_not_fenced_for_a_lease(memory_mailbox):
+    """A slow owner (lease record late) beats its lease right before each fold that holds
+    unrecorded batches: the lease changes, so a peer that judged the owner dead waits for it to
+    stand still a whole lease again before it may fence it, and the fold lands first."""
     box = memory_mailbox
     clock = FakeClock()
-    _orphan(box, "a", step=1)
-    box.put(lease_key("dead"), _body(learner="dead", incarnation="old", beat=5, state="running"))
-    watcher = ElasticClaimer(box, ["a"], "node-1", ElasticOptions(resume=False, lease_s=2.0), clock=clock)
-    claim = lambda: json.loads(box.get(claim_key("a")))  # noqa: E731
-    assert not watcher.takeable("a", claim(), {})  # first sight
-    clock.now += 3  # lease and claim stood still for longer than a lease
-    owner = UnitOwnership(box, "dead", 2.0, lambda: {"a": "t-a"})
-    owner.confirm()  # ...but the owner is about to fold
-    assert claim()["fold_beat"] == 1 and claim()["token"] == "t-a"
-    assert not watcher.takeable("a", claim(), {}), "a claim marked just now was taken over"
-    clock.now += 3
-    assert watcher.takeable("a", claim(), {})
-    got = take_over(box, "a", "node-1", "inc-1")
-    assert got is not None
-    with pytest.raises(LeaseLostError, match="unit 'a' was taken over by 'node-1' because its lease record lagged"):
-        owner.confirm()
-    with pytest.raises(LeaseLostError, match="while this process stood still for 3.0 s"):
-        owner.check(3.0)
+    options = ElasticOptions(resume=False, lease_s=2.0)
+    owner = ProgressTracker(box, "slow", options)
+    owner.start()
+    owner.gate.attach(lambda: None, fragments=1)  # a Session: the record of batch 0 waits for a fold
+    box.put_if_absent(claim_key("a"), claim_body("slow", "t-a", incarnation=options.incarnation, state="active"))
+    owner.consumed("a", "t-a", 0, 0, owner.gate.deliver(UnitMark("a", "t-a", 0, 0)))
+    try:
+        watcher = ElasticClaimer(box, ["a"], "node-1", ElasticOptions(resume=False, lease_s=2.0), clock=clock)
+        claim = lambda: json.loads(box.get(claim_key("a")))  # noqa: E731
+        assert not watcher.takeable("a", claim(), {})  # first sight
+        clock.now += 3  # lease and claim stood still for longer than a lease
+        owner.gate.confirm_owner()  # ...but the owner is about to fold
+        assert json.loads(box.get(lease_key("slow")))["state"] == "running"
+        assert not watcher.takeable("a", claim(), {}), "a lease beaten just now was fenced"
+        clock.now += 3
+        assert watcher.takeable("a", claim(), {})  # fenced now
+        got = take_over(box, "a", "node-1", "inc-1")
+        assert got is not None
+        with pytest.raises(LeaseLostError, match="fenced by 'node-1', which takes its units over, because its lease"):
+            owner.gate.confirm_owner()
+        with pytest.raises(LeaseLostError, match="fenced by 'node-1'"):
+            owner.check_owner(3.0)
+    finally:
+        owner.close(release=False)
 
 
 @pytest.mark.slow

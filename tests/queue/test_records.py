@@ -104,23 +104,29 @@ def test_good_records_pass_and_keep_unknown_fields():
 
 
 def test_the_depth_check_is_linear_whatever_the_bytes():
-    """64 KiB of brackets then escaped quotes with no closing quote took 16 s of CPU (a regex
-    rescanning from every quote); a bound on the work, not a timing: the scanner visits each
-    byte once, so a record this size is refused or read in the time of one pass."""
+    """64 KiB of escaped quotes with no closing quote took 16 s of CPU (a regex rescanning from
+    every quote); a bound on the work, not a timing: the scanner visits each byte once, so such a
+    record is refused in about the time plain text of that size takes."""
     import timeit
 
-    from gradientmail.records import _too_deep
+    from gradientmail.records import loads_object
 
-    nasty = b'{"x":"' + b'\\"' * 30000 + b"{" * (MAX_DEPTH + 5)
+    nasty = b'{"x":"' + b'\\"' * 30000 + b"{" * (MAX_DEPTH + 5)  # every bracket inside the open string
     flat = b'{"x":"' + b"ab" * 30000 + b"{" * (MAX_DEPTH + 5)
-    assert _too_deep(nasty, MAX_DEPTH) is False  # every bracket sits inside the open string
-    assert _too_deep(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), MAX_DEPTH)
+    deep = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+    with pytest.raises(RecordError, match="nested deeper"):
+        loads_object(deep)
 
-    # Escaped quotes cost about what plain text costs (quadratic: about 3,000 times more); the
-    # fastest of three runs each, so that one time slice lost to a busy machine decides nothing.
     def fastest(data: bytes) -> float:
-        return min(timeit.repeat(lambda: _too_deep(data, MAX_DEPTH), number=1, repeat=3))
+        """The fastest of three refusals: one time slice lost to a busy machine decides nothing."""
 
+        def refuse() -> None:
+            with pytest.raises(RecordError, match="not JSON"):
+                loads_object(data)
+
+        return min(timeit.repeat(refuse, number=1, repeat=3))
+
+    # Escaped quotes cost about what plain text costs (quadratic: about 3,000 times more).
     assert fastest(nasty) < 100 * max(fastest(flat), 0.001)
 
 
