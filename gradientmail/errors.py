@@ -40,7 +40,7 @@ MAX_MESSAGE = 2000
 class GradientMailError(Exception):
     """Base class of every error GradientMail raises on purpose.
 
-    Its message is at most ``MAX_MESSAGE`` characters (the rest cut, and said so), whatever a
+    Its message is at most ``MAX_MESSAGE`` characters (its middle cut, and said so), whatever a
     bad input echoed into it.
     """
 
@@ -48,8 +48,11 @@ class GradientMailError(Exception):
         text = super().__str__()
         if len(text) <= MAX_MESSAGE:
             return text
-        suffix = f"... (cut: {len(text):,} characters in all)"
-        return text[: MAX_MESSAGE - len(suffix)] + suffix
+        # The middle goes: the start says what failed, the end holds the cause (a worker's
+        # traceback carried in the message ends with the original error).
+        cut = f" ... ({len(text):,} characters in all; the middle cut) ... "
+        head = (MAX_MESSAGE - len(cut)) // 3
+        return text[:head] + cut + text[len(text) - (MAX_MESSAGE - len(cut) - head) :]
 
 
 class InvalidKeyError(GradientMailError, ValueError):
