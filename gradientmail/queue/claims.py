@@ -32,7 +32,7 @@ from gradientmail.errors import InvalidKeyError, KeyTypeError, LeaseLostError, R
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
-from gradientmail.records import ClaimRecord
+from gradientmail.records import ClaimRecord, get_record, get_record_versioned
 
 __all__ = [
     "CONFIRM_ATTEMPTS",
@@ -199,7 +199,8 @@ def parse_claim(data: bytes | None) -> dict[str, Any] | None:
 
 def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:
     """The claim on unit ``identifier``, or None when it is unclaimed (one ``get``)."""
-    return parse_claim(mailbox.get(claim_key(validate_identifier(identifier))))
+    record = ClaimRecord.fetch(mailbox, claim_key(validate_identifier(identifier)))
+    return None if record is None else record.to_dict()
 
 
 def read_back(
@@ -226,7 +227,10 @@ def read_back(
     Raises:
         UnsafeStoreError: the key is missing: the store does not show a write to the next read.
     """
-    data = mailbox.get(key)
+    try:
+        data = get_record(mailbox, key, ClaimRecord.KIND)
+    except RecordError:
+        return False  # too large to be a claim, let alone ours
     if data is None:
         store = describe(mailbox)
         raise UnsafeStoreError(
@@ -304,7 +308,7 @@ class UnitOwnership:
     def check(self, paused_s: float | None = None) -> None:
         """Raise ``LeaseLostError`` if a peer took one of the units over (one read each)."""
         for unit, owned in self.units().items():
-            claim = load_claim(self.mailbox.get(claim_key(unit)))
+            claim = ClaimRecord.fetch(self.mailbox, claim_key(unit))
             if claim is not None and claim.token != owned:
                 raise self.lost(unit, claim, paused_s)
 
@@ -318,7 +322,10 @@ class UnitOwnership:
         for unit, owned in self.units().items():
             key = claim_key(unit)
             for _ in range(CONFIRM_ATTEMPTS):
-                got = self.mailbox.get_versioned(key)
+                try:
+                    got = get_record_versioned(self.mailbox, key, ClaimRecord.KIND)
+                except RecordError:
+                    got = None  # too large to be a claim: unreadable
                 claim = None if got is None else load_claim(got[0])
                 if got is None or claim is None:
                     break  # no readable claim: nothing to take over, nothing to mark
