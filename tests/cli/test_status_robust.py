@@ -164,7 +164,6 @@ def test_status_lists_huge_stray_files_as_unreadable_without_reading_them(tmp_pa
     assert doc["units_claimed"] == 9  # the stray claim counts: its unit is taken, by nobody known
     # The stray lease names a learner "stray" (as any unusable lease does), with no lease state.
     assert {row["learner"] for row in doc["learners"]} == {"node-A", "node-B", "node-C", "node-D", "?", "stray"}
-    print(f"status --json peak memory: {peak / 2**20:.0f} MiB")
     assert peak < PEAK_LIMIT, f"status peaked at {peak / 2**20:.0f} MiB reading {len(strays)} stray 1 GiB files"
 
 
