@@ -93,11 +93,11 @@ class OwnerBeatsAfterTheRead(MailboxWrapper):
             self.beat()
         return result
 
-    def get(self, key: str):
-        return self._after_read(key, self.inner.get(key))
+    def get(self, key: str, **bound):
+        return self._after_read(key, self.inner.get(key, **bound))
 
-    def get_versioned(self, key: str):
-        return self._after_read(key, self.inner.get_versioned(key))
+    def get_versioned(self, key: str, **bound):
+        return self._after_read(key, self.inner.get_versioned(key, **bound))
 
 
 def test_an_owner_whose_beat_lands_before_the_fence_keeps_its_units(memory_mailbox):
@@ -170,7 +170,7 @@ def test_a_paused_owner_finds_its_lease_fenced_with_one_read(memory_mailbox):
         before = Counter(box.counts)
         with pytest.raises(LeaseLostError, match="fenced by 'node-1'.*while this process stood still for 3.0 s"):
             owner.check_owner(3.0)
-        assert box.counts - before == Counter(get=1)
+        assert box.counts - before == Counter(get_versioned=1)
     finally:
         owner.close(release=False)
 
