@@ -203,12 +203,12 @@ def skew_clock(offset_s: float, host_suffix: str) -> None:
     time.time_ns = lambda: real_time_ns() + int(offset_s * 1e9)  # type: ignore[assignment]
     socket.gethostname = lambda: real_host() + host_suffix  # type: ignore[assignment]
     # Caches a forked parent may have filled, and a default bound at import (``Presence(wall=)``).
+    from gradientmail import presence
     from gradientmail.mailbox import local as local_backend
-    from gradientmail.queue import liveness
 
-    liveness.machine.cache_clear()
+    presence.machine.cache_clear()
     local_backend.host_token.cache_clear()
-    defaults = liveness.Presence.__init__.__kwdefaults__
+    defaults = presence.Presence.__init__.__kwdefaults__
     if defaults is not None and "wall" in defaults:
         defaults["wall"] = time.time
 
