@@ -28,6 +28,7 @@ from typing import Any
 
 from gradientmail.errors import DuplicateLearnerError, RecordError
 from gradientmail.layout import learner_key
+from gradientmail.learner_id import ENV_LEARNER_ID, RANK_VARIABLES, default_learner_id
 from gradientmail.mailbox.base import Mailbox, supports_replace_if
 from gradientmail.records import RUNNING, STOPPED, PresenceRecord, get_record, get_record_versioned
 from gradientmail.verdict import CLOCK_TOLERANCE_S, LIVE, Sightings, judge_lease
@@ -441,11 +442,11 @@ class Presence:
             )
         return DuplicateLearnerError(
             f"learner {self.learner_id!r} is already running in this run (renewed {age} by "
-            f"host {record.host} pid {record.pid}); give each process its own learner_id "
-            "(omit it: the default is host name + launcher rank, or set GRADIENTMAIL_LEARNER_ID). If that "
-            "process has stopped, start again: a dead process's record is recognised at once on "
-            "its own machine, and from another machine once it has not changed for "
-            f"{WINDOW_RENEWALS} renewal intervals",
+            f"host {record.host} pid {record.pid}){_default_note(self.learner_id)}; give each process "
+            f"its own learner id: pass learner_id=, or start each under a launcher that sets RANK "
+            f"({ENV_LEARNER_ID} also sets one). If that process has stopped, start again: a dead "
+            "process's record is recognised at once on its own machine, and from another machine once "
+            f"it has not changed for {WINDOW_RENEWALS} renewal intervals",
             learner=self.learner_id,
             host=record.host,
             pid=record.pid,
@@ -520,6 +521,18 @@ class Presence:
             host=record.host,
             pid=record.pid,
         )
+
+
+def _default_note(learner_id: str) -> str:
+    """Why two processes share ``learner_id`` when it is this process's default id."""
+    if learner_id != default_learner_id():
+        return ""
+    if any(os.environ.get(name, "").strip() for name in (ENV_LEARNER_ID, *RANK_VARIABLES)):
+        return f" (this process's default learner id, from {ENV_LEARNER_ID} or its launcher rank)"
+    return (
+        f" (the default learner id, host name + rank 0: no launcher rank ({', '.join(RANK_VARIABLES)}) "
+        "is set, so every process started by hand on this host gets it)"
+    )
 
 
 def _open_here(record: PresenceRecord) -> Presence | None:
