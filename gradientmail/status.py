@@ -343,18 +343,18 @@ class RunReader:
         *,
         threads: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float] | None = None,
     ) -> None:
         """``threads``: parallel GETs (default ``default_threads(mailbox)``); ``clock`` times how
-        long each lease and presence record stood still, ``wall`` is the reader's unix time (a
-        test passes fake ones)."""
+        long each lease and presence record stood still, ``wall`` is the reader's unix time
+        (default ``time.time``; a test passes fake ones)."""
         if threads is None:
             threads = default_threads(mailbox)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, not {threads}")
         self.mailbox = mailbox
         self.threads = threads
-        self.wall = wall
+        self.wall = wall if wall is not None else lambda: time.time()
         self._claims: dict[str, Claim] = {}
         self._done: set[str] = set()
         self._lease_sightings = Sightings(clock)  # how long each lease stood still, on our clock

@@ -93,6 +93,8 @@ def run(node: SessionNode) -> None:
                 if trained == 1:
                     node.events.put(("entered", os.getpid()))
                     if node.kill_after_entering:
+                        node.events.close()
+                        node.events.join_thread()  # the report reaches the test before the kill
                         os.kill(os.getpid(), signal.SIGKILL)
                     if node.go is not None:
                         node.go.wait(60)
