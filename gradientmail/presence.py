@@ -443,7 +443,7 @@ class Presence:
         return DuplicateLearnerError(
             f"learner {self.learner_id!r} is already running in this run (renewed {age} by "
             f"host {record.host} pid {record.pid}){_default_note(self.learner_id)}; give each process "
-            f"its own learner id: pass learner_id=, or start each under a launcher that sets RANK "
+            "its own learner_id: pass learner_id=, or start each under a launcher that sets RANK "
             f"({ENV_LEARNER_ID} also sets one). If that process has stopped, start again: a dead "
             "process's record is recognised at once on its own machine, and from another machine once "
             f"it has not changed for {WINDOW_RENEWALS} renewal intervals",
