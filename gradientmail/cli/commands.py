@@ -110,10 +110,7 @@ def _table(
     rows = []
     for row in run.learners:
         share = f"{100.0 * row.units / run.units_claimed:.0f}%" if run.units_claimed else "-"
-        state = {True: "finished", False: "running", None: "-"}[row.finished]
-        if row.lease is not None:
-            joint = "\n" if compact else ", "
-            state = f"{state}{joint}lease {row.lease}" if state != "-" else f"lease {row.lease}"
+        state = _state(row, run.read_at, "\n" if compact else ", ")
         rows.append(
             [
                 (names or {}).get(row.learner, row.learner),
@@ -144,6 +141,21 @@ def _table(
         table.caption = Text("\n".join(notes))  # plain text: a record's bytes are no markup
         table.caption_justify = "left"
     return table
+
+
+def _state(row, now: float, joint: str) -> str:
+    """A learner's state cell: finished or running, with its lease when it holds one; without a
+    lease, what its presence record says: stopped, or last seen when it may be dead."""
+    state = {True: "finished", False: "running", None: "-"}[row.finished]
+    if row.lease is not None:
+        return f"{state}{joint}lease {row.lease}" if state != "-" else f"lease {row.lease}"
+    if row.may_be_dead:
+        return f"last seen {_ago(row.seen_alive, now)}{joint}may be dead"
+    if row.presence == "stopped" and not row.finished:
+        return "stopped"
+    if row.presence == "live" and row.finished is None:
+        return "running"
+    return state
 
 
 UNREADABLE_SHOWN = 5

@@ -469,7 +469,7 @@ class Consumption:
 def consume_inline(items: Iterator[Item], tracker: ProgressTracker, presence: Any = None) -> Iterator[tuple[int, Any]]:
     """Direct iteration of a dataset in this process: the generator resuming means consumed.
 
-    ``presence`` (a ``presence.Presence``) registers this incarnation first and is closed last.
+    ``presence`` (a ``presence.PresenceShare``) registers this learner first and is closed last.
     """
     consumption = Consumption(tracker)
     if presence is not None:

@@ -21,7 +21,7 @@ from queue_nodes import named_units
 from gradientmail import DuplicateLearnerError, LocalMailbox
 from gradientmail.layout import learner_key
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.liveness import Presence
+from gradientmail.presence import Presence
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -162,7 +162,7 @@ def _drain_claimer(mailbox, order, learner) -> None:
 def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
     """Same requests as the seed's claim protocol plus start-up and one count of the nodes near
     the end, and claims stay permanent."""
-    monkeypatch.setattr("gradientmail.queue.liveness.RENEW_S", 3600.0)  # no renewal mid-test
+    monkeypatch.setattr("gradientmail.presence.RENEW_S", 3600.0)  # no renewal mid-test
     monkeypatch.setattr("gradientmail.queue.pacing.ALONE_GRACE_S", 3600.0)  # one count of the nodes
     units = named_units(40, steps=2)
     counted = CountingMailbox(memory_mailbox)

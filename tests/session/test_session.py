@@ -20,7 +20,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 import gradientmail
-from gradientmail import MailboxError, MailRejectedError, MemoryMailbox, SessionError
+from gradientmail import DuplicateLearnerError, MailboxError, MailRejectedError, MemoryMailbox, SessionError
 from gradientmail.layout import member_key, state_key
 from gradientmail.mailbox.wrappers import CountingMailbox, DelayedMailbox, FaultyMailbox
 from gradientmail.session import DelayedNesterov, Session, consensus
@@ -680,13 +680,14 @@ def test_a_learner_counts_once_in_n_whatever_member_keys_earlier_incarnations_le
         assert value(model) == 2.0  # N = 2: "n" and "peer", not 3
 
 
-def test_a_second_process_under_a_live_learner_id_leaves_the_live_ones_membership_alone(memory_mailbox):
+def test_a_second_session_under_a_live_learner_id_is_refused_before_it_writes_anything(memory_mailbox):
     live_model, peer_model = scalar(), scalar()
     with session(live_model, memory_mailbox, "live") as live, session(peer_model, memory_mailbox, "peer") as peer:
-        with pytest.raises(RuntimeError, match="refused"):
-            with session(scalar(), memory_mailbox, "live"):  # a duplicate: its loop is refused
-                raise RuntimeError("refused, as shared_queue refuses a duplicate learner id")
-        assert len(list(memory_mailbox.list("session/members/live."))) == 1  # the live one's key stays
+        keys = set(memory_mailbox.list())
+        with pytest.raises(DuplicateLearnerError, match="'live' is already running in this process: a Session"):
+            with session(scalar(), memory_mailbox, "live"):
+                pytest.fail("a second Session of a live learner entered")
+        assert set(memory_mailbox.list()) == keys  # nothing written, nothing deleted
         exchange(peer, peer_model, 4.0)
         assert value(peer_model) == 2.0  # N is still 2: the live learner counts
         exchange(live, live_model)
