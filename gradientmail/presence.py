@@ -31,7 +31,7 @@ from gradientmail.layout import learner_key
 from gradientmail.learner_id import ENV_LEARNER_ID, RANK_VARIABLES, default_learner_id
 from gradientmail.mailbox.base import Mailbox, supports_replace_if
 from gradientmail.records import RUNNING, STOPPED, PresenceRecord, get_record, get_record_versioned
-from gradientmail.verdict import CLOCK_TOLERANCE_S, LIVE, Sightings, judge_lease
+from gradientmail.verdict import LIVE, Sightings, judge_lease
 
 __all__ = [
     "HOLDERS",
@@ -52,11 +52,6 @@ RENEW_S = 10.0
 WINDOW_RENEWALS = 3
 """A record from another machine that did not change for this many of its writer's renewal
 intervals (on the reader's clock) belongs to a dead process."""
-
-LONG_DEAD_S = 600.0
-"""A record whose writer's own time is this much older than the reader's clock (and at least
-``WINDOW_RENEWALS`` renewals plus ``CLOCK_TOLERANCE_S``) is dead without watching it: a reader
-whose clock runs minutes ahead must watch, not take over a live learner."""
 
 ATTEMPTS = 5
 """Registration attempts when the record keeps changing under a compare-and-swap."""
@@ -383,8 +378,10 @@ class Presence:
         """``record`` (or the newer one seen) when its process is alive, else None.
 
         On this machine the process itself answers (its PID and start time); from another,
-        ``verdict.judge_lease`` does, as for a lease: stopped, long dead by its writer's clock
-        (allowing for skew), or unchanged for three of its renewal intervals on this one's.
+        ``verdict.judge_lease`` does, as for a lease: stopped, or unchanged for three of its
+        renewal intervals on this machine's clock. Never by the date its writer put in it: with
+        the two clocks hours apart, a live process would read as long dead and be joined by a
+        second one under its id.
         """
         if record.state != RUNNING:
             return None
@@ -398,16 +395,8 @@ class Presence:
         seen = Sightings(self._clock)
 
         def verdict() -> str:
-            return judge_lease(
-                record,
-                window,
-                now=self._wall(),
-                stale_s=max(LONG_DEAD_S, window + CLOCK_TOLERANCE_S),
-                unchanged_s=lambda: seen.unchanged_s(self.key, data),
-            )
+            return judge_lease(record, window, unchanged_s=lambda: seen.unchanged_s(self.key, data))
 
-        if verdict() != LIVE:
-            return None  # long dead, even allowing for clock skew
         _log.warning(
             "learner %r is registered by another process (host %s pid %s): waiting up to %.0f s "
             "for its presence record to change; if it does, that process is alive and this one "
