@@ -321,7 +321,7 @@ class RunReader:
         unreadable: dict[str, str] = {}
         run_data = self.mailbox.get(RUN_KEY)
         run_body, unreadable[RUN_KEY] = (None, None) if run_data is None else _checked(RunRecord, RUN_KEY, run_data)
-        run = {} if run_body is None else run_body.fields
+        run = {} if run_body is None else run_body.to_dict()
 
         listed = [key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)]
         self._done.update(key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX))
