@@ -168,8 +168,8 @@ def make_flaky(inner: Any, plan: Transient, report: Path) -> Any:
         def put_if_absent(self, key: str, data: bytes) -> bool:
             return self._call("put_if_absent", key, lambda: inner.put_if_absent(key, data))
 
-        def get(self, key: str) -> bytes | None:
-            return self._call("get", key, lambda: inner.get(key))
+        def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+            return self._call("get", key, lambda: inner.get(key, max_bytes=max_bytes))
 
         def put(self, key: str, data: bytes) -> None:
             self._call("put", key, lambda: inner.put(key, data))
@@ -177,9 +177,9 @@ def make_flaky(inner: Any, plan: Transient, report: Path) -> Any:
         def delete(self, key: str) -> None:
             self._call("delete", key, lambda: inner.delete(key))
 
-        def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
             versioned = self._versioned()
-            return self._call("get_versioned", key, lambda: versioned.get_versioned(key))
+            return self._call("get_versioned", key, lambda: versioned.get_versioned(key, max_bytes=max_bytes))
 
         def replace_if(self, key: str, data: bytes, version: str) -> bool:
             versioned = self._versioned()

@@ -67,8 +67,8 @@ class CountingMailbox:
             self.lost += not created
         return created
 
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)

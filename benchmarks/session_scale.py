@@ -144,8 +144,8 @@ class PacedMailbox(MailboxWrapper):
         self._pay(written=len(data))
         return self.inner.put_if_absent(key, data)
 
-    def get(self, key: str) -> bytes | None:
-        data = self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        data = self.inner.get(key, max_bytes=max_bytes)
         self._pay(read=0 if data is None else len(data))
         return data
 
@@ -157,8 +157,8 @@ class PacedMailbox(MailboxWrapper):
         self._pay()
         self.inner.delete(key)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        found = self._versioned().get_versioned(key)
+    def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        found = self._versioned().get_versioned(key, max_bytes=max_bytes)
         self._pay(read=0 if found is None else len(found[0]))
         return found
 

@@ -103,10 +103,10 @@ class TimedMailbox:
     def url(self) -> str:
         return f"timed+{getattr(self.inner, 'url', self.inner)}"
 
-    def _timed(self, method: str, *args):
+    def _timed(self, method: str, *args, **options):
         start = time.perf_counter()
         try:
-            return getattr(self.inner, method)(*args)
+            return getattr(self.inner, method)(*args, **options)
         finally:
             self.totals[0] += time.perf_counter() - start
             self.totals[1] += 1
@@ -114,8 +114,8 @@ class TimedMailbox:
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self._timed("put_if_absent", key, data)
 
-    def get(self, key: str) -> bytes | None:
-        return self._timed("get", key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        return self._timed("get", key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes) -> None:
         self._timed("put", key, data)

@@ -27,6 +27,7 @@ from gradientmail.errors import (
     RunMismatchError,
     SessionError,
     UnsafeStoreError,
+    ValueTooLargeError,
     WrongProcessError,
 )
 from gradientmail.learner_id import default_learner_id
@@ -76,6 +77,7 @@ __all__ = [
     "RunMismatchError",
     "SessionError",
     "UnsafeStoreError",
+    "ValueTooLargeError",
     "WrongProcessError",
     "default_learner_id",
     "open_mailbox",

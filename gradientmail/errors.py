@@ -40,7 +40,7 @@ MAX_MESSAGE = 2000
 class GradientMailError(Exception):
     """Base class of every error GradientMail raises on purpose.
 
-    Its message is at most ``MAX_MESSAGE`` characters (the rest cut, and said so), whatever a
+    Its message is at most ``MAX_MESSAGE`` characters (its middle cut, and said so), whatever a
     bad input echoed into it.
     """
 
@@ -48,8 +48,11 @@ class GradientMailError(Exception):
         text = super().__str__()
         if len(text) <= MAX_MESSAGE:
             return text
-        suffix = f"... (cut: {len(text):,} characters in all)"
-        return text[: MAX_MESSAGE - len(suffix)] + suffix
+        # The middle goes: the start says what failed, the end holds the cause (a worker's
+        # traceback carried in the message ends with the original error).
+        cut = f" ... ({len(text):,} characters in all; the middle cut) ... "
+        head = (MAX_MESSAGE - len(cut)) // 3
+        return text[:head] + cut + text[len(text) - (MAX_MESSAGE - len(cut) - head) :]
 
 
 class InvalidKeyError(GradientMailError, ValueError):
@@ -89,6 +92,37 @@ class UnsafeStoreError(MailboxError):
 
 class KeyConflictError(MailboxError):
     """A key collides with another key's path on a filesystem (``a`` and ``a/b``)."""
+
+
+class ValueTooLargeError(GradientMailError, ValueError):
+    """A value read with a bound (``get(key, max_bytes=...)``) is longer than the bound.
+
+    Raised after reading at most ``limit + 1`` bytes of the value (none when the store told its
+    size first), so a stray huge file under a record's prefix costs no memory. A ``ValueError``,
+    not a ``MailboxError``: the store worked, the value is unusable.
+
+    Attributes:
+        key: the key read.
+        limit: the bound, in bytes.
+        size: the value's size when the store said it, else None (only "more than ``limit``").
+        store: a description of the store (its URL or directory), or "".
+    """
+
+    def __init__(self, key: str, limit: int, size: int | None = None, *, store: str = "") -> None:
+        where = f"{store}: " if store else ""
+        held = f"holds {size:,} bytes, more than" if size is not None else "holds more than"
+        super().__init__(f"{where}{key!r} {held} the {limit:,} bytes this read allows (refused, not read whole)")
+        self.key = key
+        self.limit = limit
+        self.size = size
+        self.store = store
+
+    def __reduce__(self):  # keep fields across process boundaries (DataLoader workers)
+        return (_rebuild_too_large, (self.key, self.limit, self.size, self.store))
+
+
+def _rebuild_too_large(key, limit, size, store):
+    return ValueTooLargeError(key, limit, size, store=store)
 
 
 class WrongProcessError(GradientMailError, RuntimeError):

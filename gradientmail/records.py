@@ -27,9 +27,11 @@ each with its check, and nothing else: a typed ``Field`` of an undeclared name f
 is defined, and ``get``, ``[]``, ``to_dict`` and ``replace`` refuse an undeclared name
 (``UndeclaredFieldError``). Unknown fields (a newer writer's, or junk) are kept as opaque bytes
 for ``to_bytes`` only, so a rewrite keeps them, and no decision can depend on an unchecked
-value. Readers that must go on (a node's scans, the status tool) use ``SkippedRecords``: it counts each
-refused record and warns once per kind and learner (``RecordSkippedWarning``), not once per
-record and scan.
+value. A record is read from the store with the same bound (``get_record``, ``Record.fetch``): a
+stray huge value under a record's prefix is refused after at most ``MAX_RECORD_BYTES + 1`` bytes,
+never loaded, and is then unusable like any other. Readers that must go on (a node's scans, the
+status tool) use ``SkippedRecords``: it counts each refused record and warns once per kind and
+learner (``RecordSkippedWarning``), not once per record and scan.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
-from gradientmail.errors import RecordError, RecordSkippedWarning
+from gradientmail.errors import RecordError, RecordSkippedWarning, ValueTooLargeError
+from gradientmail.mailbox.base import Mailbox, VersionedMailbox
 from gradientmail.mailbox.keys import is_valid_key
 
 __all__ = [
@@ -79,6 +82,8 @@ __all__ = [
     "UndeclaredFieldError",
     "WORK",
     "WorkRecord",
+    "get_record",
+    "get_record_versioned",
     "loads_object",
     "parse",
 ]
@@ -371,7 +376,7 @@ def loads_object(data: bytes, *, where: str = "record") -> dict[str, Any]:
         raise RecordError(f"{where}: is {type(data).__name__}, not bytes")
     data = bytes(data)
     if len(data) > MAX_RECORD_BYTES:
-        raise RecordError(f"{where}: {len(data):,} bytes, more than a record may hold ({MAX_RECORD_BYTES:,})")
+        raise _too_large(where, len(data))
     if _too_deep(data, MAX_DEPTH):
         raise RecordError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
     try:
@@ -384,6 +389,43 @@ def loads_object(data: bytes, *, where: str = "record") -> dict[str, Any]:
     if not isinstance(value, dict):
         raise RecordError(f"{where}: a JSON {type(value).__name__}, not an object")
     return value
+
+
+def _too_large(where: str, size: int | None) -> RecordError:
+    held = f"{size:,} bytes, more" if size is not None else "more"
+    return RecordError(f"{where}: {held} than a record may hold ({MAX_RECORD_BYTES:,} bytes)")
+
+
+def _refused(kind: RecordKind | None, key: str, refusal: ValueTooLargeError) -> RecordError:
+    return _too_large(f"{kind.name if kind else 'record'} {key!r}", refusal.size)
+
+
+def get_record(mailbox: Mailbox, key: str, kind: RecordKind | None = None) -> bytes | None:
+    """The body stored at ``key`` (None: missing), read with the record bound.
+
+    Raises:
+        RecordError: it is longer than ``MAX_RECORD_BYTES``: refused after reading at most one
+            byte more (none where the store tells the size first), so a stray huge value costs
+            no memory. ``kind`` names the record in the message.
+    """
+    try:
+        return mailbox.get(key, max_bytes=MAX_RECORD_BYTES)
+    except ValueTooLargeError as exc:
+        raise _refused(kind, key, exc) from None
+
+
+def get_record_versioned(
+    mailbox: VersionedMailbox, key: str, kind: RecordKind | None = None
+) -> tuple[bytes, str] | None:
+    """``(body, version)`` of the record at ``key`` (None: missing), read as ``get_record`` reads.
+
+    Raises:
+        RecordError: it is longer than ``MAX_RECORD_BYTES``.
+    """
+    try:
+        return mailbox.get_versioned(key, max_bytes=MAX_RECORD_BYTES)
+    except ValueTooLargeError as exc:
+        raise _refused(kind, key, exc) from None
 
 
 def _checked_body(kind: RecordKind, data: bytes, key: str) -> dict[str, Any]:
@@ -510,6 +552,15 @@ class Record:
             return None
         try:
             return cls.from_bytes(data, key)
+        except RecordError:
+            return None
+
+    @classmethod
+    def fetch(cls: type[RecordT], mailbox: Mailbox, key: str) -> RecordT | None:
+        """The record stored at ``key`` (a bounded ``get_record``), or None when it is missing or
+        unusable (too large included)."""
+        try:
+            return cls.read(get_record(mailbox, key, cls.KIND), key)
         except RecordError:
             return None
 
@@ -834,6 +885,19 @@ class SkippedRecords:
         except RecordError as exc:
             self.skip(record.KIND, exc, who)
             return None
+
+    def get(self, record: type[Record], mailbox: Mailbox, key: str, who: str | None = None) -> bytes | None:
+        """The body stored at ``key`` (``get_record``), or None when it is missing or too large
+        (counted, warned): for a reader that needs the bytes too."""
+        try:
+            return get_record(mailbox, key, record.KIND)
+        except RecordError as exc:
+            self.skip(record.KIND, exc, who)
+            return None
+
+    def fetch(self, record: type[RecordT], mailbox: Mailbox, key: str, who: str | None = None) -> RecordT | None:
+        """The ``record`` stored at ``key``, or None when it is missing or unusable (counted, warned)."""
+        return self.read(record, self.get(record, mailbox, key, who), key, who)
 
     def skip(self, kind: RecordKind, error: RecordError, who: str | None = None) -> None:
         with self._lock:

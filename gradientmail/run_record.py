@@ -34,11 +34,12 @@ def unit_fingerprint(identifiers: Iterable[str]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def check_run_record(data: bytes, units: int, fingerprint: str | None, store: str) -> RunRecord:
+def check_run_record(data: bytes | RecordError, units: int, fingerprint: str | None, store: str) -> RunRecord:
     """Check the existing ``run.json`` against this node's units.
 
     Args:
-        data: the body of the existing ``run.json``.
+        data: the body of the existing ``run.json``, or the ``RecordError`` it was refused with
+            unread (``records.get_record``: too large to be a record).
         units: how many units this node has (for the message).
         fingerprint: this node's ``unit_fingerprint``; None (units unknown) checks only that
             ``data`` is a run record, as does a record without one (an older version's).
@@ -51,6 +52,8 @@ def check_run_record(data: bytes, units: int, fingerprint: str | None, store: st
         RunMismatchError: ``data`` is no run record, or records another unit set.
     """
     try:
+        if isinstance(data, RecordError):
+            raise data  # refused unread: the same refusal as a body that is no run record
         record = RunRecord.from_bytes(data, RUN_KEY)
     except RecordError as exc:
         raise RunMismatchError(

@@ -1,7 +1,8 @@
 """Read a run from its mailbox into plain data: what ``gradientmail status`` and ``plot`` show.
 
 Read-only, from the documented records (``run.json``, claims, progress, ``done/``, ``leases/``),
-so it works on any mailbox, during or after a run. Unusable records are listed in
+so it works on any mailbox, during or after a run. Every record is read with the record bound
+(``records.get_record``): a stray huge file is refused unread. Unusable records are listed in
 ``RunStatus.unreadable``; an unreadable claim still counts as claimed, under learner ``"?"``.
 """
 
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gradientmail.errors import RecordError, RunNotFoundError
 from gradientmail.layout import (
@@ -30,8 +31,10 @@ from gradientmail.records import (
     ClaimRecord,
     LeaseRecord,
     ProgressRecord,
+    Record,
     RecordT,
     RunRecord,
+    get_record,
 )
 from gradientmail.records import parse as parse_record
 from gradientmail.verdict import Sightings, judge_lease
@@ -45,6 +48,15 @@ a 100k-unit run never holds 100k bodies (or 100k futures) at once."""
 
 UNKNOWN_LEARNER = "?"
 """Learner name shown for a claim whose body cannot be parsed."""
+
+
+class Fetched(NamedTuple):
+    """One record as read: its body (None: missing or refused), or why it was refused."""
+
+    key: str
+    body: bytes | None
+    problem: str | None = None
+    """What is wrong with it when it was refused unread (longer than a record may hold)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +212,18 @@ _PLAIN_LEARNER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@:+-]{0,199}")
 """Older or foreign claims may hold just the learner id as text."""
 
 
+_PREFIXES: tuple[tuple[str, type[Record]], ...] = (
+    (CLAIMS_PREFIX, ClaimRecord),
+    (LEASES_PREFIX, LeaseRecord),
+    (PROGRESS_PREFIX, ProgressRecord),
+)
+
+
+def _record_of(key: str) -> type[Record]:
+    """The record kind stored at ``key`` (named in messages)."""
+    return next((record for prefix, record in _PREFIXES if key.startswith(prefix)), RunRecord)
+
+
 def _checked(record: type[RecordT], key: str, data: bytes) -> tuple[RecordT | None, str | None]:
     """``(record, None)``, or ``(None, problem)`` for a record ``gradientmail.records`` refuses."""
     try:
@@ -305,22 +329,30 @@ class RunReader:
         self._lease_sightings = Sightings(clock)  # how long each lease stood still, on our clock
         self._unreadable_claims: dict[str, str] = {}  # claims are read once: their problems kept
 
-    def _fetch(self, keys: Iterable[str]) -> Iterator[tuple[str, bytes | None]]:
-        """``(key, body)`` for each key, ``threads`` GETs at a time, ``FETCH_CHUNK`` keys per batch."""
+    def _get(self, key: str) -> Fetched:
+        """The record at ``key``, read with the record bound; refused, it is unreadable."""
+        try:
+            return Fetched(key, get_record(self.mailbox, key, _record_of(key).KIND))
+        except RecordError as exc:
+            return Fetched(key, None, str(exc))
+
+    def _fetch(self, keys: Iterable[str]) -> Iterator[Fetched]:
+        """Each key's record, ``threads`` GETs at a time, ``FETCH_CHUNK`` keys per batch."""
         keys = list(keys)
         if len(keys) <= 1 or self.threads == 1:
-            yield from ((key, self.mailbox.get(key)) for key in keys)
+            yield from map(self._get, keys)
             return
         with ThreadPoolExecutor(max_workers=min(self.threads, len(keys))) as pool:
             for start in range(0, len(keys), FETCH_CHUNK):
-                chunk = keys[start : start + FETCH_CHUNK]
-                yield from zip(chunk, pool.map(self.mailbox.get, chunk), strict=True)
+                yield from pool.map(self._get, keys[start : start + FETCH_CHUNK])
 
     def read(self) -> RunStatus:
         read_at = time.time()
         unreadable: dict[str, str] = {}
-        run_data = self.mailbox.get(RUN_KEY)
-        run_body, unreadable[RUN_KEY] = (None, None) if run_data is None else _checked(RunRecord, RUN_KEY, run_data)
+        _, run_data, unreadable[RUN_KEY] = self._get(RUN_KEY)
+        run_body = None
+        if run_data is not None:
+            run_body, unreadable[RUN_KEY] = _checked(RunRecord, RUN_KEY, run_data)
         run = {} if run_body is None else run_body.to_dict()
 
         listed = [key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)]
@@ -340,19 +372,19 @@ class RunReader:
         learners: dict[str, LearnerStatus] = {}
         unit_spans: dict[str, list[UnitSpan]] = {}
         leases: dict[str, bytes | None] = {}
-        for key, data in fetched:
+        for key, data, refused in fetched:
             if key.startswith(CLAIMS_PREFIX):
                 identifier = key[len(CLAIMS_PREFIX) :]
-                if data is not None:
-                    claim, problem = _claim(identifier, data)
+                if data is not None or refused is not None:
+                    unknown = Claim(identifier, UNKNOWN_LEARNER)  # refused unread
+                    claim, problem = _claim(identifier, data) if data is not None else (unknown, refused)
                     self._claims[identifier] = claim
                     self._unreadable_claims.pop(key, None)
                     if problem is not None:
                         self._unreadable_claims[key] = problem
             elif key.startswith(LEASES_PREFIX):
-                leases[key[len(LEASES_PREFIX) : -len(".json")]] = data
-                if data is not None:
-                    unreadable[key] = _checked(LeaseRecord, key, data)[1]
+                leases[key[len(LEASES_PREFIX) : -len(".json")]] = data  # refused: judged as missing
+                unreadable[key] = refused if data is None else _checked(LeaseRecord, key, data)[1]
             elif data is not None:
                 name = key[len(PROGRESS_PREFIX) : -len(".json")]
                 row, unreadable[key], spans = _progress(name, data)
@@ -360,6 +392,8 @@ class RunReader:
                     learners[row.learner] = row
                     if spans:
                         unit_spans[row.learner] = spans
+            else:
+                unreadable[key] = refused
         elastic = elastic or any(claim.state is not None for claim in self._claims.values())
         lease_state = {name: self._lease_state(name, data, read_at) for name, data in leases.items()}
 

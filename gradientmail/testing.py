@@ -4,8 +4,9 @@ Shipped in the package so that a backend written outside this repository joins t
 (it needs pytest): subclass ``MailboxConformance`` in a test module, set ``backend``, and give it
 a ``mailbox_factory`` fixture returning ``factory(backend, run="run")`` (the same ``run`` opens
 the same store, another ``run`` an isolated one). The hooks below say what differs by backend
-(a faster way to fill many keys, counting list requests, a store's known deviations); the
-repository's own backends join in ``tests/mailbox/test_conformance.py``.
+(a faster way to fill many keys, counting list requests, storing a huge value and measuring what
+reading it costs, a store's known deviations); the repository's own backends join in
+``tests/mailbox/test_conformance.py``.
 
 Example (a test module)::
 
@@ -22,20 +23,22 @@ Example (a test module)::
 
 from __future__ import annotations
 
+import os
 import pickle
-from collections.abc import Iterable
+import tracemalloc
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from gradientmail.errors import InvalidKeyError
-from gradientmail.mailbox.base import verify_mailbox
+from gradientmail.errors import GradientMailError, InvalidKeyError, ValueTooLargeError
+from gradientmail.mailbox.base import supports_replace_if, verify_mailbox
 from gradientmail.mailbox.keys import MAX_KEY_BYTES
 from gradientmail.mailbox.url import open_mailbox
 
-__all__ = ["BAD_KEYS", "KEYS", "MailboxConformance"]
+__all__ = ["BAD_KEYS", "BOUND", "KEYS", "LARGE_VALUE_BYTES", "MailboxConformance", "READ_COST_LIMIT", "SPARSE_BYTES"]
 
 # Valid on every backend, including a directory (no key is also a "directory" of another key).
 KEYS = ["b", "a-b", "a/b", "a/c/d", "a0", "Z", "a.b", "a_b", "é/x", "units/000003-1.json"]
@@ -63,6 +66,19 @@ BAD_KEYS = [
 ]
 
 
+BOUND = 4096
+"""The ``max_bytes`` the bounded-read tests read with."""
+
+LARGE_VALUE_BYTES = 8 * 2**20
+"""Size of the large value ``plant_large_value`` writes by default (one ``put``)."""
+
+SPARSE_BYTES = 2**30
+"""Size of the sparse file it plants in a mailbox directory instead: no disk, no memory to write."""
+
+READ_COST_LIMIT = 2**20
+"""Most that refusing a large value may cost (``read_meter``): far below ``LARGE_VALUE_BYTES``."""
+
+
 def _fill(mailbox, keys, value=lambda key: key.encode()) -> None:
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda key: mailbox.put(key, value(key)), keys))
@@ -88,6 +104,43 @@ class MailboxConformance:
     def directory_of(self, mailbox: Any) -> Path | None:
         """The local directory holding the mailbox, if any (checked for stray temporary files)."""
         return None
+
+    def plant_large_value(self, mailbox: Any, key: str) -> int:
+        """Store a value far larger than ``BOUND`` under ``key``; returns its size.
+
+        In a mailbox directory (``directory_of``), a sparse file of ``SPARSE_BYTES`` made with
+        ``truncate``, as a stray file would lie there; elsewhere a ``put`` of ``LARGE_VALUE_BYTES``.
+        """
+        directory = self.directory_of(mailbox)
+        if directory is None:
+            mailbox.put(key, bytes(LARGE_VALUE_BYTES))
+            return LARGE_VALUE_BYTES
+        path = Path(directory, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as file:
+            os.truncate(file.fileno(), SPARSE_BYTES)
+        return SPARSE_BYTES
+
+    @pytest.fixture
+    def read_meter(self) -> Iterator[Callable[[Any], Callable[[], int]]]:
+        """``read_meter(mailbox)`` starts measuring reads of ``mailbox``; the function it returns
+        gives their cost in bytes so far. By default the peak of the memory this process
+        allocated (``tracemalloc``); a store whose server runs in this process counts the bytes
+        its answers carried instead."""
+        started = False
+
+        def meter(mailbox: Any) -> Callable[[], int]:
+            nonlocal started
+            if not started:
+                tracemalloc.start()
+                started = True
+            tracemalloc.reset_peak()
+            floor = tracemalloc.get_traced_memory()[0]
+            return lambda: tracemalloc.get_traced_memory()[1] - floor
+
+        yield meter
+        if started:
+            tracemalloc.stop()
 
     @pytest.fixture
     def reopen_options(self) -> dict[str, Any]:
@@ -242,6 +295,7 @@ class MailboxConformance:
             any_mailbox.get,
             any_mailbox.delete,
         ]
+        operations.append(lambda key: any_mailbox.get(key, max_bytes=BOUND))
         for key in BAD_KEYS:
             for operation in operations:
                 with pytest.raises(InvalidKeyError) as caught:
@@ -251,6 +305,60 @@ class MailboxConformance:
         directory = self.directory_of(any_mailbox)
         if directory is not None:
             assert list(Path(directory).rglob("*")) == []  # no temp file either
+
+    def test_get_refuses_a_value_over_the_bound_without_reading_it(self, any_mailbox, read_meter):
+        key = "progress/stray.json"
+        size = self.plant_large_value(any_mailbox, key)
+        versioned = supports_replace_if(any_mailbox)
+        reads: list[Callable[[], Any]] = [lambda: any_mailbox.get(key, max_bytes=BOUND)]
+        if versioned:
+            reads.append(lambda: any_mailbox.get_versioned(key, max_bytes=BOUND))
+        for read in reads:
+            cost = read_meter(any_mailbox)
+            with pytest.raises(ValueTooLargeError) as caught:
+                read()
+            assert cost() < READ_COST_LIMIT, f"refusing a {size:,}-byte value cost {cost():,} bytes"
+            refusal = caught.value
+            assert isinstance(refusal, ValueError) and isinstance(refusal, GradientMailError)
+            assert (refusal.key, refusal.limit) == (key, BOUND)
+            assert refusal.size in (None, size)
+            assert repr(key) in str(refusal) and f"{BOUND:,}" in str(refusal)
+        assert list(any_mailbox.list("progress/")) == [key]  # refused, not removed
+
+    def test_get_returns_a_value_at_the_bound(self, any_mailbox):
+        value = bytes(range(256)) * 4
+        any_mailbox.put("k", value)
+        any_mailbox.put("empty", b"")
+        any_mailbox.put("one", b"1")
+        assert any_mailbox.get("k", max_bytes=len(value)) == value
+        assert any_mailbox.get("k", max_bytes=2**40) == value
+        assert any_mailbox.get("empty", max_bytes=0) == b""
+        for key, bound in (("k", len(value) - 1), ("one", 0)):
+            with pytest.raises(ValueTooLargeError) as caught:
+                any_mailbox.get(key, max_bytes=bound)
+            assert caught.value.size in (None, len(any_mailbox.get(key)))
+        if supports_replace_if(any_mailbox):
+            body, version = any_mailbox.get_versioned("k", max_bytes=len(value))
+            assert (body, version) == any_mailbox.get_versioned("k")
+            assert any_mailbox.get_versioned("empty", max_bytes=0) == any_mailbox.get_versioned("empty")
+            with pytest.raises(ValueTooLargeError):
+                any_mailbox.get_versioned("k", max_bytes=len(value) - 1)
+            assert any_mailbox.replace_if("k", b"next", version)  # the bounded read's version swaps
+            assert any_mailbox.get("k", max_bytes=4) == b"next"
+
+    def test_bounded_get_of_a_missing_key_is_none(self, any_mailbox):
+        any_mailbox.put("a/b", b"x" * 10)
+        for key in ("missing", "no/such/dir", "a/b/c"):
+            assert any_mailbox.get(key, max_bytes=BOUND) is None
+            assert any_mailbox.get(key, max_bytes=0) is None
+            if supports_replace_if(any_mailbox):
+                assert any_mailbox.get_versioned(key, max_bytes=BOUND) is None
+
+    def test_a_bound_is_a_count_of_bytes(self, any_mailbox):
+        any_mailbox.put("k", b"v")
+        for bound, error in ((-1, ValueError), ("10", TypeError), (True, TypeError), (1.5, TypeError)):
+            with pytest.raises(error, match="max_bytes"):
+                any_mailbox.get("k", max_bytes=bound)
 
     def test_bad_list_prefixes(self, any_mailbox):
         for prefix in ["/a", "a//", "..", "a/../", "\x00", ".tmp", 3]:

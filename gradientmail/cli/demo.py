@@ -65,8 +65,9 @@ def _stop(processes: list[Any]) -> None:
 # -- the run --------------------------------------------------------------------------------
 def _check_fresh(mailbox, url: str) -> None:
     from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
+    from gradientmail.mailbox.base import exists
 
-    if mailbox.get(RUN_KEY) is not None or next(iter(mailbox.list(CLAIMS_PREFIX)), None):
+    if exists(mailbox, RUN_KEY) or next(iter(mailbox.list(CLAIMS_PREFIX)), None):
         raise DemoError(
             f"{url} already holds a run (claims are permanent for a run): use a new directory "
             "or S3 prefix for --mailbox"

@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
-from gradientmail.errors import UnsafeStoreError
-from gradientmail.mailbox.keys import validate_key, validate_prefix, validate_value
+from gradientmail.errors import UnsafeStoreError, ValueTooLargeError
+from gradientmail.mailbox.keys import validate_key, validate_max_bytes, validate_prefix, validate_value
 
 __all__ = [
     "LIST_PAGE",
@@ -22,6 +22,7 @@ __all__ = [
     "Mailbox",
     "VersionedMailbox",
     "describe",
+    "exists",
     "require_replace_if",
     "supports_replace_if",
     "verify_mailbox",
@@ -49,8 +50,13 @@ class Mailbox(Protocol):
         """
         ...
 
-    def get(self, key: str) -> bytes | None:
-        """The value of ``key``, or None when it does not exist."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The value of ``key``, or None when it does not exist.
+
+        ``max_bytes`` bounds the read: a longer value is refused with ``ValueTooLargeError``
+        after reading at most ``max_bytes + 1`` bytes of it (none where the store tells the size
+        first), so a huge value written by anyone costs the reader no memory.
+        """
         ...
 
     def put(self, key: str, data: bytes) -> None:
@@ -75,8 +81,8 @@ class VersionedMailbox(Protocol):
     that must tell two writes apart put a unique token in the value.
     """
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        """``(value, version)`` of ``key``, or None when it does not exist."""
+    def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        """``(value, version)`` of ``key``, or None when it does not exist; ``max_bytes`` as in ``get``."""
         ...
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
@@ -93,15 +99,23 @@ class BaseMailbox:
     A backend implements only ``_put_if_absent``, ``_get``, ``_put``, ``_delete`` and ``_list``
     (as filelock's platform classes implement only ``_acquire`` / ``_release``), each receiving
     arguments already checked, and states in its docstring what makes its create atomic.
+
+    ``_get(key, max_bytes)`` receives the bound (None: none). Over it, a backend should not read
+    the value whole: it raises ``ValueTooLargeError`` (with the size when the store said it) or
+    returns the value's first ``max_bytes + 1`` bytes. Whatever it returns, a value longer than
+    the bound is refused here, so a backend that ignores the bound is still correct, only not
+    bounded in memory.
     """
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """See ``Mailbox.put_if_absent``."""
         return self._put_if_absent(validate_key(key), validate_value(data, key))
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         """See ``Mailbox.get``."""
-        return self._get(validate_key(key))
+        validate_key(key)
+        limit = validate_max_bytes(max_bytes)
+        return self._within(key, limit, self._get(key, limit))
 
     def put(self, key: str, data: bytes) -> None:
         """See ``Mailbox.put``."""
@@ -122,11 +136,20 @@ class BaseMailbox:
         """Check that conditional creation really works on this store (``verify_mailbox``)."""
         verify_mailbox(self)
 
+    def _within(self, key: str, limit: int | None, data: bytes | None) -> bytes | None:
+        """``data``, unless it is longer than ``limit``: then ``ValueTooLargeError``.
+
+        ``data`` may be only the first ``limit + 1`` bytes of the value, so no size is named.
+        """
+        if limit is not None and data is not None and len(data) > limit:
+            raise ValueTooLargeError(key, limit, store=describe(self))
+        return data
+
     # -- the raw operations a backend implements ---------------------------------------------
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         raise NotImplementedError
 
-    def _get(self, key: str) -> bytes | None:
+    def _get(self, key: str, max_bytes: int | None) -> bytes | None:
         raise NotImplementedError
 
     def _put(self, key: str, data: bytes) -> None:
@@ -142,14 +165,19 @@ class BaseMailbox:
 class BaseVersionedMailbox(BaseMailbox):
     """A ``BaseMailbox`` that also offers compare-and-swap (``VersionedMailbox``).
 
-    Backends add ``_get_versioned`` and ``_replace_if``.
+    Backends add ``_get_versioned`` (which takes the bound as ``_get`` does) and ``_replace_if``.
     """
 
     supports_replace_if = True
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+    def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
         """See ``VersionedMailbox.get_versioned``."""
-        return self._get_versioned(validate_key(key))
+        validate_key(key)
+        limit = validate_max_bytes(max_bytes)
+        found = self._get_versioned(key, limit)
+        if found is not None:
+            self._within(key, limit, found[0])
+        return found
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
         """See ``VersionedMailbox.replace_if``."""
@@ -159,7 +187,7 @@ class BaseVersionedMailbox(BaseMailbox):
             raise TypeError(f"version must be a str from get_versioned, not {type(version).__name__}")
         return self._replace_if(key, data, version)
 
-    def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
+    def _get_versioned(self, key: str, max_bytes: int | None) -> tuple[bytes, str] | None:
         raise NotImplementedError
 
     def _replace_if(self, key: str, data: bytes, version: str) -> bool:
@@ -191,6 +219,14 @@ def require_replace_if(mailbox: object, feature: str) -> VersionedMailbox:
         operation="replace_if",
         store=store,
     )
+
+
+def exists(mailbox: Mailbox, key: str) -> bool:
+    """Whether ``key`` holds a value, read with a bound of 0 bytes (a huge one is not loaded)."""
+    try:
+        return mailbox.get(key, max_bytes=0) is not None
+    except ValueTooLargeError:
+        return True
 
 
 def describe(mailbox: object) -> str:

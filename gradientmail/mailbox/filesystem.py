@@ -23,7 +23,7 @@ from gradientmail.errors import MailboxError, MissingExtraError, UnsafeStoreErro
 from gradientmail.mailbox.base import BaseMailbox
 from gradientmail.mailbox.keys import validate_prefix
 from gradientmail.mailbox.local import LocalMailbox
-from gradientmail.mailbox.s3_common import CREDENTIAL_CODES, TOKEN_METADATA, error_code, list_keys
+from gradientmail.mailbox.s3_common import CREDENTIAL_CODES, EMPTY_RANGE_CODE, TOKEN_METADATA, error_code, list_keys
 
 __all__ = ["ATOMIC_CREATE", "MIN_S3FS_VERSION", "FsspecMailbox"]
 
@@ -173,8 +173,8 @@ class FsspecMailbox(BaseMailbox):
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         return self._impl.put_if_absent(key, data)
 
-    def _get(self, key: str) -> bytes | None:
-        return self._impl.get(key)
+    def _get(self, key: str, max_bytes: int | None) -> bytes | None:
+        return self._impl.get(key, max_bytes=max_bytes)
 
     def _put(self, key: str, data: bytes) -> None:
         self._impl.put(key, data)
@@ -275,11 +275,24 @@ class _S3fsImpl:
             raise self._error("put_if_absent (reading back the claim)", key, exc) from exc
         return (response.get("Metadata") or {}).get(TOKEN_METADATA) == token
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """One GetObject; with ``max_bytes``, of the first ``max_bytes + 1`` bytes only (``Range``).
+
+        s3fs returns only the bytes, not the object's size, so a longer value is refused
+        without naming it (by ``BaseMailbox``).
+        """
         name = self.prefix + key
+        path = f"{self.bucket}/{name}"
         try:
             # max_concurrency=1: one GetObject, no HeadObject first and no cached sizes.
-            return self.fs.cat_file(f"{self.bucket}/{name}", max_concurrency=1)
+            if max_bytes is None:
+                return self.fs.cat_file(path, max_concurrency=1)
+            try:
+                return self.fs.cat_file(path, start=0, end=max_bytes + 1, max_concurrency=1)
+            except OSError as exc:
+                if error_code(exc) != EMPTY_RANGE_CODE:
+                    raise
+                return b""  # an empty object has no byte 0 to range over
         except FileNotFoundError as exc:
             if error_code(exc) in ("NoSuchBucket",):
                 raise self._error("get", key, exc) from exc

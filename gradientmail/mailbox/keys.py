@@ -1,4 +1,4 @@
-"""Key validation shared by every backend.
+"""Argument validation shared by every backend: keys, prefixes, values and read bounds.
 
 Keys are relative, ``/``-separated paths such as ``units/000003-1.json``, checked before anything
 is written so that no key escapes the mailbox root or run prefix, and a key means the same on a
@@ -96,3 +96,19 @@ def validate_value(data: bytes, key: str) -> bytes:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"mailbox values are bytes, not {type(data).__name__} (key {key!r})")
     return bytes(data)
+
+
+def validate_max_bytes(max_bytes: int | None) -> int | None:
+    """``max_bytes`` unchanged when it is a bound a read can take: None, or an int >= 0.
+
+    Raises:
+        TypeError: it is not an int (a bool is not one here).
+        ValueError: it is negative.
+    """
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise TypeError(f"max_bytes must be an int or None, not {type(max_bytes).__name__}")
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
+    return max_bytes

@@ -45,7 +45,8 @@ wins and readers never see a partial value. ``replace_if`` holds a per-key ``fcn
 Nothing is reached through a symbolic link (section ``local_paths``); stale temporary files of dead
 writers are swept by ``list`` (section ``local_temp``). A listing reads a large directory from an index
 kept current by a journal of changes, not whole each time (section ``local_index``): every change is
-recorded as begun before it happens and as finished after. Details: docs/mailboxes.md.
+recorded as begun before it happens and as finished after. A bounded read (``max_bytes``) checks
+the file's size (``fstat``) before reading any of it. Details: docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import errno
 import fcntl
 import functools
 import hashlib
+import io
 import itertools
 import os
 import re
@@ -77,6 +79,7 @@ from gradientmail.errors import (  # defined there, importable from here as befo
     MailSkippedWarning,
     ParentIsKey,
     UnsafeEntry,
+    ValueTooLargeError,
 )
 from gradientmail.mailbox.base import BaseVersionedMailbox
 from gradientmail.mailbox.keys import is_valid_key, validate_key
@@ -750,6 +753,22 @@ def _version(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_READ_BLOCK = 2**20
+
+
+def _read_at_most(stream: io.BufferedReader, count: int) -> bytes:
+    """The next ``count`` bytes of ``stream`` or fewer at its end, read a block at a time: a
+    single ``read(count)`` would allocate ``count`` bytes first, whatever the file holds."""
+    blocks = []
+    while count > 0:
+        block = stream.read(min(count, _READ_BLOCK))
+        if not block:
+            break
+        blocks.append(block)
+        count -= len(block)
+    return b"".join(blocks)
+
+
 class LocalMailbox(BaseVersionedMailbox):
     """A mailbox in a directory that every node can reach (a local disk or a shared mount).
 
@@ -899,13 +918,13 @@ class LocalMailbox(BaseVersionedMailbox):
         finally:
             os.close(fd)  # closing releases the lock
 
-    def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        data = self._get(key)
+    def _get_versioned(self, key: str, max_bytes: int | None) -> tuple[bytes, str] | None:
+        data = self._get(key, max_bytes)
         return None if data is None else (data, _version(data))
 
     def _replace_if(self, key: str, data: bytes, version: str) -> bool:
         with self._failures("replace_if", key), self._key_lock(key):
-            current = self._get(key)
+            current = self._get(key, None)
             if current is None or _version(current) != version:
                 return False
             self._publish("replace_if", key, data)
@@ -934,7 +953,9 @@ class LocalMailbox(BaseVersionedMailbox):
                 remove_temp(fd, temp)
                 raise
 
-    def _get(self, key: str) -> bytes | None:
+    def _get(self, key: str, max_bytes: int | None) -> bytes | None:
+        """The value, its size checked against ``max_bytes`` (``fstat``) before reading any of it;
+        then at most ``max_bytes + 1`` bytes are read, in case the file grew since."""
         with self._failures("get", key), self._parent("get", key, create=False) as (fd, leaf):
             if fd is None:
                 return None
@@ -946,16 +967,18 @@ class LocalMailbox(BaseVersionedMailbox):
                 self._leaf_mode(fd, leaf, key)  # a symlink: refused, naming it
                 raise
             try:
-                mode = os.fstat(handle).st_mode
-                if not stat.S_ISREG(mode):
-                    if stat.S_ISDIR(mode):
+                info = os.fstat(handle)
+                if not stat.S_ISREG(info.st_mode):
+                    if stat.S_ISDIR(info.st_mode):
                         return None
                     raise UnsafeEntry(key, describe_entry(fd, leaf, key))
+                if max_bytes is not None and info.st_size > max_bytes:
+                    raise ValueTooLargeError(key, max_bytes, info.st_size, store=self.url)
             except BaseException:
                 os.close(handle)
                 raise
             with open(handle, "rb") as stream:
-                return stream.read()
+                return stream.read() if max_bytes is None else _read_at_most(stream, max_bytes + 1)
 
     def _delete(self, key: str) -> None:
         with self._failures("delete", key), self._parent("delete", key, create=False) as (fd, leaf):

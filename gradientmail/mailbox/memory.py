@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-from gradientmail.errors import WrongProcessError
+from gradientmail.errors import ValueTooLargeError, WrongProcessError
 from gradientmail.mailbox.base import LIST_PAGE, BaseVersionedMailbox
 
 
@@ -93,10 +93,8 @@ class MemoryMailbox(BaseVersionedMailbox):
             return True
 
     # -- compare-and-swap (see VersionedMailbox): under the store's lock ----------------------
-    def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        store = self._checked_store()
-        with store.lock:
-            data = store.values.get(key)
+    def _get_versioned(self, key: str, max_bytes: int | None) -> tuple[bytes, str] | None:
+        data = self._get(key, max_bytes)
         return None if data is None else (data, hashlib.sha256(data).hexdigest())
 
     def _replace_if(self, key: str, value: bytes, version: str) -> bool:
@@ -115,10 +113,13 @@ class MemoryMailbox(BaseVersionedMailbox):
                 bisect.insort(store.sorted_keys, key)
             store.values[key] = value
 
-    def _get(self, key: str) -> bytes | None:
+    def _get(self, key: str, max_bytes: int | None) -> bytes | None:
         store = self._checked_store()
         with store.lock:
-            return store.values.get(key)
+            data = store.values.get(key)
+        if max_bytes is not None and data is not None and len(data) > max_bytes:
+            raise ValueTooLargeError(key, max_bytes, len(data), store=self.url)
+        return data
 
     def _delete(self, key: str) -> None:
         store = self._checked_store()

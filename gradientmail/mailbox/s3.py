@@ -16,7 +16,8 @@ Atomicity: ``put_if_absent`` is one ``PutObject`` with ``If-None-Match: *`` and 
 one with ``If-Match: <etag>``: the store itself refuses (412), so exactly one racer wins. A write
 whose answer was lost is settled by a per-call token in the object's metadata
 (``TOKEN_METADATA``), so a claim is never lost nor doubled. Transient faults are retried for
-``retry_window`` (section ``s3_retry``). Details: docs/mailboxes.md.
+``retry_window`` (section ``s3_retry``). A bounded read (``max_bytes``) is one GET of the first
+``max_bytes + 1`` bytes, whose answer names the object's size. Details: docs/mailboxes.md.
 """
 
 from __future__ import annotations
@@ -39,17 +40,20 @@ import botocore.loaders
 import botocore.session
 import urllib3.exceptions
 
-from gradientmail.errors import MailboxError, UnsafeStoreError
+from gradientmail.errors import MailboxError, UnsafeStoreError, ValueTooLargeError
 from gradientmail.mailbox.base import BaseVersionedMailbox
 from gradientmail.mailbox.keys import validate_prefix
 from gradientmail.mailbox.s3_common import (
     CONFLICT_CODES,
     CREDENTIAL_CODES,
+    EMPTY_RANGE_CODE,
     REGION_CODES,
     TOKEN_METADATA,
     TRANSIENT_CODES,
     error_fields,
+    first_bytes,
     list_keys,
+    stored_size,
 )
 
 __all__ = [
@@ -216,8 +220,12 @@ def log_recovery(log: logging.Logger, store: str, operation: str, budget: RetryB
         )
 
 
-def read_body(response: dict[str, Any]) -> bytes:
-    """The whole body of a ``GetObject`` answer; a broken body raises a botocore error (retried).
+_READ_BLOCK = 2**20
+
+
+def read_body(response: dict[str, Any], limit: int | None = None) -> bytes:
+    """The body of a ``GetObject`` answer, whole or its first ``limit`` bytes; a broken body
+    raises a botocore error (retried). The body is closed after: the rest is never downloaded.
 
     Raises:
         botocore.exceptions.BotoCoreError: the body was cut off, stalled or short.
@@ -227,7 +235,18 @@ def read_body(response: dict[str, Any]) -> bytes:
     # would yield the raw urllib3 stream, whose errors are not botocore's.
     body = response["Body"]
     try:
-        return body.read()
+        if limit is None:
+            return body.read()
+        chunks = []
+        while limit > 0:
+            # A block at a time (a read of n bytes may allocate n first); at the end b"", and
+            # StreamingBody then checks the length.
+            chunk = body.read(min(limit, _READ_BLOCK))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            limit -= len(chunk)
+        return b"".join(chunks)
     except urllib3.exceptions.HTTPError as exc:  # in case a urllib3 error slips through
         raise botocore.exceptions.ResponseStreamingError(error=exc) from exc
     finally:
@@ -813,21 +832,39 @@ class S3Mailbox(BaseVersionedMailbox):
         return response is not None and (response.get("Metadata") or {}).get(TOKEN_METADATA) == token
 
     # -- compare-and-swap (see VersionedMailbox) -----------------------------------------------
-    def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        return self._get_object("get_versioned", key)
+    def _get_versioned(self, key: str, max_bytes: int | None) -> tuple[bytes, str] | None:
+        return self._get_object("get_versioned", key, max_bytes)
 
-    def _get_object(self, operation: str, key: str) -> tuple[bytes, str] | None:
-        """(body, ETag) of ``key`` with retries, or None when it does not exist."""
+    def _get_object(self, operation: str, key: str, max_bytes: int | None) -> tuple[bytes, str] | None:
+        """(body, ETag) of ``key`` with retries, or None when it does not exist.
+
+        With ``max_bytes``, one GET of the first ``max_bytes + 1`` bytes (``Range``; no HEAD):
+        the answer names the object's size, so a longer one is refused with its body unread, and
+        a store that ignores ``Range`` (sending the whole object) is read no further either.
+        """
         name = self.prefix + key
 
         def request(client: Any) -> tuple[bytes, str] | None:
+            ranged = {} if max_bytes is None else {"Range": first_bytes(max_bytes + 1)}
             try:
-                response = client.get_object(Bucket=self.bucket, Key=name)
+                try:
+                    response = client.get_object(Bucket=self.bucket, Key=name, **ranged)
+                except botocore.exceptions.ClientError as exc:
+                    if not (ranged and error_fields(exc)[0] == EMPTY_RANGE_CODE):
+                        raise
+                    # An empty object has no byte 0 to range over: read it plainly (still bounded).
+                    response = client.get_object(Bucket=self.bucket, Key=name)
             except botocore.exceptions.ClientError as exc:
                 if outcome(exc) == MISSING:
                     return None
                 raise
-            return read_body(response), str(response["ETag"])
+            if max_bytes is None:
+                return read_body(response), str(response["ETag"])
+            size = stored_size(response)
+            if size is not None and size > max_bytes:
+                response["Body"].close()
+                raise ValueTooLargeError(key, max_bytes, size, store=self._store)
+            return read_body(response, max_bytes + 1), str(response["ETag"])
 
         return self._retrying(operation, key, request)
 
@@ -868,8 +905,8 @@ class S3Mailbox(BaseVersionedMailbox):
             ),
         )
 
-    def _get(self, key: str) -> bytes | None:
-        found = self._get_object("get", key)
+    def _get(self, key: str, max_bytes: int | None) -> bytes | None:
+        found = self._get_object("get", key, max_bytes)
         return None if found is None else found[0]
 
     def _put(self, key: str, data: bytes) -> None:

@@ -1,6 +1,7 @@
 """What the boto3 (``S3Mailbox``) and s3fs (``FsspecMailbox`` on ``s3://``) backends share.
 
-The creation-token metadata name, S3 error codes and how to read them, and key listing. Neither
+The creation-token metadata name, S3 error codes and how to read them, bounded reads' ranges and
+sizes, and key listing. Neither
 boto3 nor s3fs is imported here: the two differ only in how one request is sent and retried.
 """
 
@@ -15,12 +16,15 @@ from gradientmail.mailbox.keys import is_valid_key, validate_prefix
 __all__ = [
     "CONFLICT_CODES",
     "CREDENTIAL_CODES",
+    "EMPTY_RANGE_CODE",
     "REGION_CODES",
     "TOKEN_METADATA",
     "TRANSIENT_CODES",
     "error_code",
     "error_fields",
+    "first_bytes",
     "list_keys",
+    "stored_size",
 ]
 
 TOKEN_METADATA = "gm-token"
@@ -67,6 +71,40 @@ CREDENTIAL_CODES = frozenset(
 
 REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
 """The bucket lives in another region."""
+
+
+EMPTY_RANGE_CODE = "InvalidRange"
+"""The answer (416) to a ranged GET of an empty object: it has no byte 0 to start the range at."""
+
+
+def first_bytes(count: int) -> str:
+    """The ``Range`` header asking for the first ``count`` bytes of an object (``count >= 1``).
+
+    Example:
+        >>> first_bytes(65537)
+        'bytes=0-65536'
+    """
+    return f"bytes=0-{count - 1}"
+
+
+def stored_size(response: Mapping[str, Any]) -> int | None:
+    """The whole object's size from a ``GetObject`` answer, or None when it does not say.
+
+    A ranged answer (206) names it after the ``/`` of ``Content-Range``; a store that ignored the
+    range sends the whole object, whose ``Content-Length`` is the size.
+
+    Example:
+        >>> stored_size({"ContentRange": "bytes 0-65536/1073741824", "ContentLength": 65537})
+        1073741824
+        >>> stored_size({"ContentLength": 12}), stored_size({"ContentRange": "bytes 0-9/*"})
+        (12, None)
+    """
+    content_range = response.get("ContentRange")
+    if content_range:
+        total = str(content_range).rpartition("/")[2].strip()
+        return int(total) if total.isdigit() else None
+    length = response.get("ContentLength")
+    return length if isinstance(length, int) and not isinstance(length, bool) else None
 
 
 def error_fields(exc: BaseException) -> tuple[str, int, int]:

@@ -40,8 +40,8 @@ class MailboxWrapper:
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.inner.put_if_absent(key, data)
 
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)
@@ -62,8 +62,8 @@ class MailboxWrapper:
             raise NotImplementedError(f"{describe(self.inner)} ({type(self.inner).__name__}) has no replace_if")
         return self.inner
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
-        return self._versioned().get_versioned(key)
+    def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        return self._versioned().get_versioned(key, max_bytes=max_bytes)
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
         return self._versioned().replace_if(key, data, version)
@@ -74,7 +74,8 @@ class CountingMailbox(MailboxWrapper):
 
     A ``list`` is charged one request per started page of ``LIST_PAGE`` keys, and only for the
     pages the caller actually consumed (listings are lazy). Counts are per process.
-    ``bytes_read`` and ``bytes_written`` add up the values that went each way.
+    ``bytes_read`` and ``bytes_written`` add up the values that went each way; a read refused
+    for its bound (``max_bytes``) counts as a request that returned nothing.
     """
 
     def __init__(self, inner: Mailbox) -> None:
@@ -106,9 +107,9 @@ class CountingMailbox(MailboxWrapper):
         self._moved(written=len(data))
         return self.inner.put_if_absent(key, data)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         self._count("get")
-        data = self.inner.get(key)
+        data = self.inner.get(key, max_bytes=max_bytes)
         self._moved(read=0 if data is None else len(data))
         return data
 
@@ -121,10 +122,10 @@ class CountingMailbox(MailboxWrapper):
         self._count("delete")
         self.inner.delete(key)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+    def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
         inner = self._versioned()
         self._count("get_versioned")
-        found = inner.get_versioned(key)
+        found = inner.get_versioned(key, max_bytes=max_bytes)
         self._moved(read=0 if found is None else len(found[0]))
         return found
 
@@ -158,9 +159,9 @@ class DelayedMailbox(MailboxWrapper):
         time.sleep(self.latency)
         return self.inner.put_if_absent(key, data)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         time.sleep(self.latency)
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes) -> None:
         time.sleep(self.latency)
@@ -170,10 +171,10 @@ class DelayedMailbox(MailboxWrapper):
         time.sleep(self.latency)
         self.inner.delete(key)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+    def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
         inner = self._versioned()
         time.sleep(self.latency)
-        return inner.get_versioned(key)
+        return inner.get_versioned(key, max_bytes=max_bytes)
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
         inner = self._versioned()
@@ -212,9 +213,9 @@ class FaultyMailbox(MailboxWrapper):
         self._check("put_if_absent", key)
         return self.inner.put_if_absent(key, data)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         self._check("get", key)
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def put(self, key: str, data: bytes) -> None:
         self._check("put", key)
@@ -224,10 +225,10 @@ class FaultyMailbox(MailboxWrapper):
         self._check("delete", key)
         self.inner.delete(key)
 
-    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+    def get_versioned(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
         inner = self._versioned()
         self._check("get_versioned", key)
-        return inner.get_versioned(key)
+        return inner.get_versioned(key, max_bytes=max_bytes)
 
     def replace_if(self, key: str, data: bytes, version: str) -> bool:
         inner = self._versioned()

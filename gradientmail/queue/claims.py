@@ -21,7 +21,7 @@ from gradientmail.errors import InvalidKeyError, KeyTypeError, RecordError, Unsa
 from gradientmail.layout import claim_key
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
-from gradientmail.records import ClaimRecord
+from gradientmail.records import ClaimRecord, get_record
 
 __all__ = [
     "claim_body",
@@ -184,7 +184,8 @@ def parse_claim(data: bytes | None) -> dict[str, Any] | None:
 
 def read_claim(mailbox: Mailbox, identifier: str) -> dict[str, Any] | None:
     """The claim on unit ``identifier``, or None when it is unclaimed (one ``get``)."""
-    return parse_claim(mailbox.get(claim_key(validate_identifier(identifier))))
+    record = ClaimRecord.fetch(mailbox, claim_key(validate_identifier(identifier)))
+    return None if record is None else record.to_dict()
 
 
 def read_back(
@@ -211,7 +212,10 @@ def read_back(
     Raises:
         UnsafeStoreError: the key is missing: the store does not show a write to the next read.
     """
-    data = mailbox.get(key)
+    try:
+        data = get_record(mailbox, key, ClaimRecord.KIND)
+    except RecordError:
+        return False  # too large to be a claim, let alone ours
     if data is None:
         store = describe(mailbox)
         raise UnsafeStoreError(

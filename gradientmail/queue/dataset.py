@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from gradientmail.errors import UnsafeStoreError
+from gradientmail.errors import RecordError, UnsafeStoreError
 from gradientmail.fold_gate import gate_for
 from gradientmail.layout import RUN_KEY
 from gradientmail.learner_id import default_learner_id
@@ -56,7 +56,7 @@ from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
 from gradientmail.queue.telemetry import queue_figures, register_counter
 from gradientmail.queue.units import ClaimIndex
-from gradientmail.records import RunRecord
+from gradientmail.records import RunRecord, get_record
 from gradientmail.run_record import check_run_record, unit_fingerprint
 
 __all__ = ["SharedQueueDataset", "WorkerControl", "guarded", "prepare_mailbox"]
@@ -156,7 +156,10 @@ def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | N
     if mailbox.put_if_absent(RUN_KEY, RunRecord.new(units, fingerprint).to_bytes()):
         verify_mailbox(mailbox)
         return
-    existing = mailbox.get(RUN_KEY)
+    try:
+        existing: bytes | RecordError | None = get_record(mailbox, RUN_KEY, RunRecord.KIND)
+    except RecordError as exc:
+        existing = exc
     if existing is None:
         store = describe(mailbox)
         raise UnsafeStoreError(

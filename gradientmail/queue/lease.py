@@ -32,10 +32,10 @@ import threading
 import time
 from typing import Any
 
-from gradientmail.errors import LeaseLostError
+from gradientmail.errors import LeaseLostError, RecordError
 from gradientmail.layout import lease_key
 from gradientmail.mailbox.confirmed import create_confirmed, replace_confirmed
-from gradientmail.records import FENCED, LeaseRecord
+from gradientmail.records import FENCED, LeaseRecord, get_record_versioned
 from gradientmail.verdict import LIVE, judge_lease
 
 __all__ = ["WRITE_ATTEMPTS", "OwnLease", "fence"]
@@ -92,7 +92,7 @@ class OwnLease:
                 self.learner_id, self.incarnation, self._beat, consumed, self.lease_s, state
             ).to_bytes()
             for _ in range(WRITE_ATTEMPTS):
-                got = self.mailbox.get_versioned(self.key)
+                got = _read_versioned(self.mailbox, self.key)
                 if got is not None and not self._ours(got[0]):
                     raise self._lose(got[0], paused_s)
                 self._sent = body
@@ -120,7 +120,8 @@ class OwnLease:
                 raise self._lost
             if self._written is None:
                 return  # not written yet: nothing to lose
-            data = self.mailbox.get(self.key)
+            got = _read_versioned(self.mailbox, self.key)
+            data = None if got is None else got[0]
             if data is not None and not self._ours(data):
                 raise self._lose(data, paused_s)
 
@@ -195,5 +196,15 @@ def fence(
     if fenced:
         log.info("%s fenced the lease of %s (judged dead) to take its units over", taker, learner)
         return True
-    now = LeaseRecord.read(mailbox.get(key))
+    got = _read_versioned(mailbox, key)
+    now = None if got is None else LeaseRecord.read(got[0])
     return now is not None and judge_lease(now, lease_s, incarnation=incarnation) != LIVE
+
+
+def _read_versioned(mailbox: Any, key: str) -> tuple[bytes, str] | None:
+    """The lease at ``key`` read with the record bound; a value too large to be a lease reads as
+    an empty body (nobody's lease: an owner finding it there has lost its record)."""
+    try:
+        return get_record_versioned(mailbox, key, LeaseRecord.KIND)
+    except RecordError:
+        return b"", ""

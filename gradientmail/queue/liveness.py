@@ -32,7 +32,7 @@ from gradientmail.errors import DuplicateLearnerError, RecordError
 from gradientmail.layout import learner_key
 from gradientmail.mailbox.base import Mailbox, supports_replace_if
 from gradientmail.mailbox.confirmed import create_confirmed, replace_confirmed
-from gradientmail.records import RUNNING, STOPPED, LeaseRecord, PresenceRecord
+from gradientmail.records import RUNNING, STOPPED, LeaseRecord, PresenceRecord, get_record, get_record_versioned
 from gradientmail.verdict import LIVE, Sightings, judge_lease
 
 __all__ = [
@@ -215,19 +215,24 @@ def _body(learner_id: str, incarnation: str, state: str, beat: int, renew_s: flo
     return record.to_bytes()
 
 
-def _parse(key: str, data: bytes | None) -> PresenceRecord | None:
-    """A presence record, or None (with a warning when the record is unreadable)."""
+def _parse(key: str, data: bytes | RecordError | None) -> PresenceRecord | None:
+    """A presence record, or None (with a warning when the record is unreadable: ``data`` is
+    then its bytes, or the ``RecordError`` it was refused unread with)."""
     if data is None:
         return None
-    try:
-        return PresenceRecord.from_bytes(data, key)
-    except RecordError as exc:
-        warnings.warn(
-            f"gradientmail: the presence record {key!r} ({len(data)} bytes) is not one this "
-            f"library wrote ({exc}); ignoring it (it is overwritten)",
-            stacklevel=4,
-        )
-        return None
+    if isinstance(data, RecordError):
+        error, size = data, ""
+    else:
+        try:
+            return PresenceRecord.from_bytes(data, key)
+        except RecordError as exc:
+            error, size = exc, f" ({len(data)} bytes)"
+    warnings.warn(
+        f"gradientmail: the presence record {key!r}{size} is not one this "
+        f"library wrote ({error}); ignoring it (it is overwritten)",
+        stacklevel=4,
+    )
+    return None
 
 
 def _same_machine(record: PresenceRecord) -> bool:
@@ -355,13 +360,18 @@ class Presence:
             )
 
     # -- internals ---------------------------------------------------------------------------
-    def _get(self) -> tuple[bytes | None, str | None]:
-        if self._versioned:
-            got = self.mailbox.get_versioned(self.key)  # type: ignore[attr-defined]
-            return (None, None) if got is None else got
-        return self.mailbox.get(self.key), None
+    def _get(self) -> tuple[bytes | RecordError | None, str | None]:
+        """The record's body and version; a body too large to read is its ``RecordError``, with
+        no version (it is then overwritten with a plain ``put``)."""
+        try:
+            if self._versioned:
+                got = get_record_versioned(self.mailbox, self.key, PresenceRecord.KIND)  # type: ignore[arg-type]
+                return (None, None) if got is None else got
+            return get_record(self.mailbox, self.key, PresenceRecord.KIND), None
+        except RecordError as exc:
+            return exc, None
 
-    def _register(self, data: bytes | None, version: str | None) -> bool:
+    def _register(self, data: bytes | RecordError | None, version: str | None) -> bool:
         self._beat += 1
         body = _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s)
         # Confirmed by a read-back (incarnation and beat make the body unique): on a store that

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gradientmail.errors import LeaseLostError
+from gradientmail.errors import LeaseLostError, RecordError
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
@@ -25,7 +25,16 @@ from gradientmail.queue.batches import Item, UnitTag
 from gradientmail.queue.claims import load_claim
 from gradientmail.queue.lease import OwnLease
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
-from gradientmail.records import RELEASED, RUNNING, STOPPED, DoneRecord, SkippedRecords, WorkRecord
+from gradientmail.records import (
+    RELEASED,
+    RUNNING,
+    STOPPED,
+    ClaimRecord,
+    DoneRecord,
+    SkippedRecords,
+    WorkRecord,
+    get_record_versioned,
+)
 from gradientmail.session.folded_units import folded_mark
 
 __all__ = ["Consumption", "ProgressTracker", "consume_inline", "tagged_items"]
@@ -254,11 +263,14 @@ class ProgressTracker:
         released = 0
         prefix = work_prefix(self.learner_id)
         for key in list(self.mailbox.list(prefix)):
-            record = self.skipped.read(WorkRecord, self.mailbox.get(key), key, self.learner_id)
+            record = self.skipped.fetch(WorkRecord, self.mailbox, key, self.learner_id)
             if record is None or record.incarnation != self.options.incarnation:
                 continue
             identifier = key[len(prefix) :]
-            got = self.mailbox.get_versioned(claim_key(identifier))
+            try:
+                got = get_record_versioned(self.mailbox, claim_key(identifier), ClaimRecord.KIND)
+            except RecordError:
+                got = None  # too large to be a claim: unreadable, not ours
             claim = load_claim(got[0]) if got is not None else None
             if claim is not None and claim.token == record.token:
                 step, position = record.step, record.position
@@ -366,7 +378,7 @@ class ProgressTracker:
             self.gate.written(identifier, index)
             self.writes["progress"] += 1
         for identifier, token, index in finished:
-            claim = load_claim(self.mailbox.get(claim_key(identifier)))
+            claim = ClaimRecord.fetch(self.mailbox, claim_key(identifier))
             if claim is not None and claim.token == token:
                 # Another node that took the unit over (this one was judged dead) finishes it.
                 self.mailbox.put_if_absent(done_key(identifier), DoneRecord.new(self.learner_id, token).to_bytes())

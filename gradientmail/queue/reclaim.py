@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from gradientmail.errors import RecordError
 from gradientmail.fold_gate import UnitMark, held_everywhere
 from gradientmail.layout import (
     CLAIMS_PREFIX,
@@ -36,12 +37,21 @@ from gradientmail.layout import (
     work_key,
     work_prefix,
 )
-from gradientmail.mailbox.base import Mailbox, require_replace_if
+from gradientmail.mailbox.base import Mailbox, exists, require_replace_if
 from gradientmail.queue.claimer import CROWD_LIMIT, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
 from gradientmail.queue.lease import fence
 from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
-from gradientmail.records import ACTIVE, FENCED, RELEASED, ClaimRecord, LeaseRecord, SkippedRecords, WorkRecord
+from gradientmail.records import (
+    ACTIVE,
+    FENCED,
+    RELEASED,
+    ClaimRecord,
+    LeaseRecord,
+    SkippedRecords,
+    WorkRecord,
+    get_record_versioned,
+)
 from gradientmail.session.folded_units import close_slots, folded_mark
 from gradientmail.verdict import LIVE, judge_lease
 
@@ -115,7 +125,10 @@ def take_over(
         UnsafeStoreError: the replaced claim cannot be read back.
     """
     key = claim_key(identifier)
-    got = mailbox.get_versioned(key)
+    try:
+        got = get_record_versioned(mailbox, key, ClaimRecord.KIND)
+    except RecordError:
+        got = None  # too large to be a claim: unreadable, so nobody can take it over
     if got is None:
         return None
     data, version = got
@@ -142,7 +155,7 @@ def take_over(
         return None
     if not read_back(mailbox, key, token, action="replaced", what="takeovers"):
         return None  # replaced again meanwhile, by someone else
-    if mailbox.get(done_key(identifier)) is not None:
+    if exists(mailbox, done_key(identifier)):
         # Finished meanwhile: its owner writes ``done`` after checking the claim is still its own,
         # so a unit done before the swap is seen here (a scan's listing of done units ages).
         return None
@@ -191,8 +204,7 @@ def recorded_progress(
     record = ClaimRecord.of(claim)
     if record.state != RELEASED and record.learner is not None:
         key = work_key(record.learner, identifier)
-        data = mailbox.get(key)
-        work = WorkRecord.read(data) if skipped is None else skipped.read(WorkRecord, data, key, record.learner)
+        work = WorkRecord.fetch(mailbox, key) if skipped is None else skipped.fetch(WorkRecord, mailbox, key, record.learner)
         if work is not None and work.token == record.token:
             return work.step, work.position
     return record.step, record.position
@@ -422,7 +434,7 @@ class ElasticClaimer:
         prefix = work_prefix(self.learner_id)
         found = []
         for key in self.mailbox.list(prefix):
-            record = self.skipped.read(WorkRecord, self.mailbox.get(key), key, self.learner_id)
+            record = self.skipped.fetch(WorkRecord, self.mailbox, key, self.learner_id)
             if record is None or record.incarnation == self.options.incarnation:
                 continue  # unusable (warned), or a sibling worker's current unit
             found.append(key[len(prefix) :])
@@ -485,7 +497,7 @@ class ElasticClaimer:
             if identifier not in claimed or identifier in done:
                 continue
             key = claim_key(identifier)
-            claim = self.skipped.read(ClaimRecord, self.mailbox.get(key), key)
+            claim = self.skipped.fetch(ClaimRecord, self.mailbox, key)
             if claim is None or claim.incarnation == self.options.incarnation:
                 continue  # unusable (warned; nobody can take it over), or being worked on by this node
             verdict = self.judge(identifier, claim, leases)
@@ -531,7 +543,11 @@ class ElasticClaimer:
         now = self.clock()
         first_seen = self._claims_seen.setdefault((identifier, record.token), now)
         if owner not in leases:  # one read per owner and scan
-            got = self.mailbox.get_versioned(lease_key(owner))
+            try:
+                got = get_record_versioned(self.mailbox, lease_key(owner), LeaseRecord.KIND)
+            except RecordError as exc:  # too large to be a lease: judged as a missing one
+                self.skipped.skip(LeaseRecord.KIND, exc, owner)
+                got = None
             leases[owner] = _SeenLease(got)
             self.skipped.read(LeaseRecord, leases[owner].data, lease_key(owner), owner)  # counted and warned
         seen = leases[owner]

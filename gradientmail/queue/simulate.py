@@ -54,7 +54,7 @@ import torch
 
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import LIST_PAGE
-from gradientmail.mailbox.keys import validate_prefix
+from gradientmail.mailbox.keys import validate_max_bytes, validate_prefix
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES
@@ -128,12 +128,13 @@ class PagedMemoryMailbox(MemoryMailbox):
             self._claimed[position] = 1
             return True
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         if key in self._positions:  # a claim's key: checked when the index was built
             store = self._store
             with store.lock:
-                return store.values.get(key)
-        return super().get(key)
+                data = store.values.get(key)
+            return self._within(key, validate_max_bytes(max_bytes), data)
+        return super().get(key, max_bytes=max_bytes)
 
     def _put_if_absent(self, key: str, value: bytes) -> bool:
         created = super()._put_if_absent(sys.intern(key), value)

@@ -123,11 +123,9 @@ def read_marks(mailbox: Mailbox, learner_id: str, ref: MarksRef) -> tuple[UnitMa
         ValueError: the object is missing, too large, or does not hold what the line says.
     """
     key = marks_key(learner_id, ref.token)
-    body = mailbox.get(key)
+    body = mailbox.get(key, max_bytes=2 + ref.count * MAX_MARK_BYTES)  # longer: ValueTooLargeError
     if body is None:
         raise ValueError(f"{key!r}, named by {learner_id!r}'s line of the run's state, does not exist")
-    if len(body) > 2 + ref.count * MAX_MARK_BYTES:
-        raise ValueError(f"{key!r} holds {len(body)} bytes, more than {ref.count} unit marks take")
     if zlib.crc32(body) != ref.crc:
         raise ValueError(f"{key!r} does not hold what the line names (CRC-32 differs)")
     try:

@@ -8,10 +8,12 @@ Runs the real command in a fresh process, on a directory and on S3 through moto'
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 
 import pytest
-from cli_helpers import cli_env, run_cli, write_seed_run
+from cli_helpers import cli_env, run_cli, run_cli_measured, write_seed_run
 
 from gradientmail.errors import RunNotFoundError
 from gradientmail.status import read_run, require_run
@@ -129,3 +131,56 @@ def test_a_reader_keeps_listing_an_unreadable_claim_on_later_reads(memory_mailbo
     first, second = reader.read(), reader.read()
     assert [r.key for r in first.unreadable] == [r.key for r in second.unreadable] == ["units/a"]
     assert read_run(memory_mailbox).to_dict()["unreadable"][0]["problem"].startswith("claim 'units/a'")
+
+
+STRAY_BYTES = 2**30
+"""A stray file's size: sparse (``truncate``), so it costs no disk, but reading it costs 1 GiB."""
+
+PEAK_LIMIT = 300 * 2**20
+"""``status`` of a small run stays far below this (about 60 MB); reading one stray: above 1 GiB."""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="max RSS in KiB and sparse files as on Linux")
+def test_status_lists_huge_stray_files_as_unreadable_without_reading_them(tmp_path):
+    """A 1 GiB file under ``progress/`` (and under ``units/`` and ``leases/``) is refused after
+    reading at most a record's bound of it: the command's peak memory stays far below the file."""
+    from gradientmail import LocalMailbox
+
+    box = LocalMailbox(tmp_path / "run")
+    write_seed_run(box, units=8)
+    strays = ["progress/stray.json", "units/stray.json", "leases/stray.json"]
+    for key in strays:
+        (tmp_path / "run" / key).parent.mkdir(exist_ok=True)
+        with open(tmp_path / "run" / key, "wb") as file:
+            os.truncate(file.fileno(), STRAY_BYTES)
+    result, peak = run_cli_measured("status", "--json", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    doc = _strict(result.stdout)
+    problems = {record["key"]: record["problem"] for record in doc["unreadable"]}
+    assert sorted(problems) == sorted(strays)
+    assert "'progress/stray.json': 1,073,741,824 bytes, more than a record may hold" in problems["progress/stray.json"]
+    assert doc["units_claimed"] == 9  # the stray claim counts: its unit is taken, by nobody known
+    # The stray lease names a learner "stray" (as any unusable lease does), with no lease state.
+    assert {row["learner"] for row in doc["learners"]} == {"node-A", "node-B", "node-C", "node-D", "?", "stray"}
+    assert peak < PEAK_LIMIT, f"status peaked at {peak / 2**20:.0f} MiB reading {len(strays)} stray 1 GiB files"
+
+
+def test_a_reader_lists_a_record_too_large_to_read(memory_mailbox):
+    """Over the record bound, a record is refused at the read: listed with its size, like any
+    other unusable record, and a claim so refused still counts as claimed."""
+    from gradientmail.records import MAX_RECORD_BYTES
+
+    huge = b" " * (MAX_RECORD_BYTES + 1)
+    for key in ("run.json", "units/a", "progress/p.json", "leases/l.json"):
+        memory_mailbox.put(key, huge)
+    run = read_run(memory_mailbox)
+    assert {record.key: record.problem for record in run.unreadable} == {
+        "run.json": "run record 'run.json': 65,537 bytes, more than a record may hold (65,536 bytes)",
+        "units/a": "claim 'units/a': 65,537 bytes, more than a record may hold (65,536 bytes)",
+        "progress/p.json": "progress record 'progress/p.json': 65,537 bytes, more than a record may hold (65,536 bytes)",
+        "leases/l.json": "lease 'leases/l.json': 65,537 bytes, more than a record may hold (65,536 bytes)",
+    }
+    assert run.units_claimed == 1 and run.claims[0].learner == "?"
+    assert run.learner("l") is not None and run.learner("l").lease is None  # judged as no lease

@@ -362,7 +362,8 @@ def test_a_huge_npy_shape_is_refused_in_a_short_message(tmp_path):
 def test_no_error_message_is_longer_than_two_thousand_characters():
     from gradientmail.errors import MAX_MESSAGE, MailboxError
 
-    for error in (TokenFileError("x" * 50_000), MailboxError("y" * 5_000)):
+    for error in (TokenFileError("start " + "x" * 50_000 + " end"), MailboxError("start " + "y" * 5_000 + " end")):
         text = str(error)
-        assert len(text) == MAX_MESSAGE and text.endswith("characters in all)"), text[-60:]
+        assert len(text) == MAX_MESSAGE and "characters in all; the middle cut" in text, text[-60:]
+        assert text.startswith("start ") and text.endswith(" end"), "what failed and its cause both stay"
     assert str(TokenFileError("short")) == "short"

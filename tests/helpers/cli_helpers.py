@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +38,38 @@ def run_cli(
         env=env or cli_env(),
         cwd=cwd or REPO,
     )
+
+
+_MEASURED = (
+    "import resource, subprocess, sys; "
+    "code = subprocess.call([sys.executable, '-m', 'gradientmail', *sys.argv[2:]]); "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+    "sys.exit(code)"
+)
+"""Runs the command as its one child and writes down that child's max RSS (KiB on Linux)."""
+
+
+def run_cli_measured(
+    *args: str, env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], int]:
+    """``run_cli``, and the command's peak memory in bytes (its max RSS, as the kernel counted it).
+
+    Measured from a small launcher process (``getrusage(RUSAGE_CHILDREN)`` after its one child):
+    Linux counts into a process's max RSS the memory of the process that started it (``vfork``
+    and ``exec``), so a child of this test process, hundreds of MB after many tests, would
+    report at least that.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder, "maxrss")
+        result = subprocess.run(
+            [sys.executable, "-c", _MEASURED, str(report), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env or cli_env(),
+            cwd=cwd or REPO,
+        )
+        return result, int(report.read_text()) * 1024
 
 
 def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:

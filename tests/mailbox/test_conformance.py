@@ -1,12 +1,14 @@
 """Each mailbox backend joins the conformance suite (``gradientmail.testing``) by subclassing it.
 
 ``mailbox_factory`` (tests/conftest.py) opens the backends named here; the hooks say what this
-repository's stores need: moto filled in-process, S3 list requests counted through boto3's
-events, the S3 servers' endpoints for reopening, SeaweedFS's known listing deviation.
+repository's stores need: moto filled in-process, S3 list requests and the bytes of GetObject
+answers counted through boto3's events (moto's server runs in this process, so its memory would
+count too), the S3 servers' endpoints for reopening, SeaweedFS's known listing deviation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,20 @@ SEAWEEDFS_LISTS_BY_DIRECTORY = (
 )
 
 
+def answered_bytes(client: Any) -> Callable[[], int]:
+    """The bytes the GetObject answers to ``client`` carried from now on (their Content-Length):
+    what a read took from the store, whatever the client then kept."""
+    carried = [0]
+
+    def count(http_response: Any, **kwargs: Any) -> None:
+        carried[0] += int(http_response.headers.get("Content-Length") or 0)
+
+    client.meta.events.register("after-call.s3.GetObject", count)
+    return lambda: carried[0]
+
+
 class S3Conformance(MailboxConformance):
-    """The S3 backends: list requests counted, the endpoint passed when reopening."""
+    """The S3 backends: list requests and answered bytes counted, the endpoint passed when reopening."""
 
     server_fixture = "s3_endpoint"
 
@@ -31,6 +45,10 @@ class S3Conformance(MailboxConformance):
         calls: list[int] = []
         mailbox.client.meta.events.register("before-send.s3.ListObjectsV2", lambda **kwargs: calls.append(1))
         return calls
+
+    @pytest.fixture
+    def read_meter(self) -> Callable[[Any], Callable[[], int]]:
+        return lambda mailbox: answered_bytes(mailbox.client)
 
     @pytest.fixture
     def reopen_options(self, request: pytest.FixtureRequest) -> dict[str, Any]:
@@ -91,6 +109,10 @@ class TestFsspecOnMoto(MailboxConformance):
     @pytest.fixture
     def reopen_options(self, s3_endpoint: str) -> dict[str, Any]:
         return {"endpoint_url": s3_endpoint}
+
+    @pytest.fixture
+    def read_meter(self) -> Callable[[Any], Callable[[], int]]:
+        return lambda mailbox: answered_bytes(mailbox.filesystem.s3)  # s3fs's aiobotocore client
 
 
 @pytest.mark.slow

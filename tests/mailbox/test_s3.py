@@ -19,6 +19,7 @@ from botocore.awsrequest import AWSResponse  # noqa: E402
 from botocore.httpsession import URLLib3Session  # noqa: E402
 
 from gradientmail import MailboxError, UnsafeStoreError, open_mailbox  # noqa: E402
+from gradientmail.errors import ValueTooLargeError  # noqa: E402
 from gradientmail.mailbox.s3 import S3Mailbox  # noqa: E402
 from gradientmail.mailbox.s3_common import TOKEN_METADATA  # noqa: E402
 
@@ -222,6 +223,86 @@ def test_store_ignoring_if_none_match_is_refused_by_verify(mailbox):
     with pytest.raises(UnsafeStoreError, match="ignores conditional writes"):
         mailbox.verify()
     assert [key for key in mailbox.list() if key.startswith("_gradientmail")] == []
+
+
+# -- bounded reads ---------------------------------------------------------------------------------
+class GetObjectWatch:
+    """What each GetObject of a mailbox asked for (its Range) and how many body bytes were read."""
+
+    def __init__(self, mailbox: S3Mailbox) -> None:
+        self.requests: list[tuple[str, str | None]] = []
+        self.body_read = 0
+        events = mailbox.client.meta.events
+        events.register("before-send.s3", self._sent)
+        events.register("after-call.s3.GetObject", self._answered)
+
+    def _sent(self, request, event_name, **_):
+        wanted = request.headers.get("Range")
+        self.requests.append((event_name.rpartition(".")[2], wanted.decode() if isinstance(wanted, bytes) else wanted))
+
+    def _answered(self, parsed, **_):
+        body = parsed.get("Body")
+        if body is None:
+            return
+        read = body.read
+
+        def counted(amt=None):
+            chunk = read(amt)
+            self.body_read += len(chunk)
+            return chunk
+
+        body.read = counted
+
+
+def ignore_range(mailbox: S3Mailbox) -> None:
+    """The store ignores ``Range``: every GetObject answers with the whole object (200)."""
+
+    def strip(request, **_):
+        if "Range" in request.headers:
+            del request.headers["Range"]
+
+    mailbox.client.meta.events.register("before-sign.s3.GetObject", strip)
+
+
+def test_a_bounded_get_is_one_ranged_request_and_a_long_body_is_never_read(mailbox):
+    mailbox.put("big", bytes(2**20))
+    watch = GetObjectWatch(mailbox)
+    with pytest.raises(ValueTooLargeError) as caught:
+        mailbox.get("big", max_bytes=1000)
+    assert caught.value.size == 2**20  # from Content-Range
+    assert watch.requests == [("GetObject", "bytes=0-1000")] and watch.body_read == 0  # no HEAD, no body
+    assert mailbox.get_versioned("big", max_bytes=2**20) == mailbox.get_versioned("big")
+
+
+def test_a_store_that_ignores_range_is_not_read_past_the_bound(mailbox):
+    mailbox.put("big", bytes(2**20))
+    mailbox.put("small", b"12345")
+    ignore_range(mailbox)
+    watch = GetObjectWatch(mailbox)
+    with pytest.raises(ValueTooLargeError) as caught:
+        mailbox.get("big", max_bytes=1000)
+    assert caught.value.size == 2**20 and watch.body_read == 0  # refused by Content-Length, body unread
+    assert mailbox.get("small", max_bytes=5) == b"12345" and mailbox.get("big", max_bytes=2**20) == bytes(2**20)
+
+
+def test_an_answer_without_the_size_is_read_one_byte_past_the_bound_at_most(mailbox):
+    mailbox.put("big", bytes(2**20))
+    watch = GetObjectWatch(mailbox)
+
+    def hide_total(parsed, **_):
+        parsed["ContentRange"] = parsed["ContentRange"].rpartition("/")[0] + "/*"
+
+    mailbox.client.meta.events.register("after-call.s3.GetObject", hide_total)
+    with pytest.raises(ValueTooLargeError) as caught:
+        mailbox.get("big", max_bytes=1000)
+    assert caught.value.size is None and watch.body_read == 1001
+
+
+def test_an_empty_object_is_read_plainly_after_the_range_is_refused(mailbox):
+    mailbox.put("empty", b"")
+    watch = GetObjectWatch(mailbox)
+    assert mailbox.get_versioned("empty", max_bytes=10) == mailbox.get_versioned("empty")
+    assert watch.requests[:2] == [("GetObject", "bytes=0-10"), ("GetObject", None)]  # 416, then plain
 
 
 # -- configuration, credentials, errors ------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 
 from gradientmail import shared_queue
 from gradientmail.cli.main import main as cli_main
+from gradientmail.errors import ValueTooLargeError
 from gradientmail.mailbox import Backend, register_backend
 from gradientmail.mailbox.base import BaseMailbox
 from gradientmail.mailbox.url import open_mailbox, unregister_backend
@@ -51,9 +52,13 @@ class ToyMailbox(BaseMailbox):
             file.write(data)
         return True
 
-    def _get(self, key: str) -> bytes | None:
+    def _get(self, key: str, max_bytes: int | None) -> bytes | None:
         try:
-            return self._file(key).read_bytes()
+            with open(self._file(key), "rb") as file:
+                size = os.fstat(file.fileno()).st_size
+                if max_bytes is not None and size > max_bytes:  # refused before reading any of it
+                    raise ValueTooLargeError(key, max_bytes, size, store=self.url)
+                return file.read()  # had it grown meanwhile, BaseMailbox would refuse it after all
         except FileNotFoundError:
             return None
 

@@ -259,8 +259,8 @@ class BlockingMailbox(MailboxWrapper):
             assert self.release.wait(30)
         return self.inner.put_if_absent(key, data)
 
-    def get(self, key):
-        return self.inner.get(key)
+    def get(self, key, *, max_bytes=None):
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def list(self, prefix="", start_after=None):
         return self.inner.list(prefix, start_after)

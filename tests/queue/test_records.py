@@ -9,16 +9,20 @@ exactly once.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tracemalloc
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 
-from gradientmail import RecordError, RecordSkippedWarning
-from gradientmail.layout import claim_key, lease_key, work_key
+from gradientmail import RecordError, RecordSkippedWarning, RunMismatchError
+from gradientmail.layout import claim_key, learner_key, lease_key, work_key
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.claims import parse_claim
+from gradientmail.queue.dataset import prepare_mailbox
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, take_over
@@ -31,6 +35,8 @@ from gradientmail.records import (
     ClaimRecord,
     LeaseRecord,
     SkippedRecords,
+    get_record,
+    get_record_versioned,
     parse,
 )
 
@@ -248,3 +254,72 @@ def test_a_queue_with_planted_bad_claims_delivers_every_other_unit_once(mailbox_
     assert sorted(got) == [(i, s) for i in (0, 2, 5) for s in range(2)]
     skipped = [str(w.message) for w in caught if issubclass(w.category, RecordSkippedWarning)]
     assert len(skipped) == 1 and "units/u" in skipped[0], skipped
+
+
+# -- records too large to read: refused at the read, then skipped like any unusable record -------
+def test_a_record_too_large_to_read_is_refused_at_the_read(memory_mailbox):
+    box = memory_mailbox
+    box.put("units/huge", b" " * (MAX_RECORD_BYTES + 1))
+    box.put("units/ok", _body(learner="x", token="t"))
+    refusal = r"claim 'units/huge': 65,537 bytes, more than a record may hold \(65,536 bytes\)"
+    with pytest.raises(RecordError, match=refusal):
+        get_record(box, "units/huge", CLAIM)
+    with pytest.raises(RecordError, match=refusal):
+        get_record_versioned(box, "units/huge", CLAIM)
+    assert get_record(box, "units/missing") is None and get_record_versioned(box, "units/missing") is None
+    assert ClaimRecord.fetch(box, "units/huge") is None and ClaimRecord.fetch(box, "units/missing") is None
+    assert ClaimRecord.fetch(box, "units/ok").token == "t"
+    skipped = SkippedRecords("learner 'me'")
+    with pytest.warns(RecordSkippedWarning, match="units/huge"):
+        assert skipped.fetch(ClaimRecord, box, "units/huge") is None
+    assert skipped.get(ClaimRecord, box, "units/huge") is None and skipped.counts == {"claim": 2}
+    assert skipped.fetch(ClaimRecord, box, "units/missing") is None and skipped.total == 2
+
+
+def _plant_sparse(root, key: str) -> None:
+    path = root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as file:
+        os.truncate(file.fileno(), 2**30)  # 1 GiB that costs no disk, but 1 GiB of memory to read
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="sparse files as on Linux")
+def test_huge_stray_records_cost_a_node_no_memory(tmp_path):
+    """1 GiB files where a node reads its presence record, a claim, its own work record and a
+    peer's lease: each is refused unread and handled as an unusable record (the presence record
+    overwritten, the others skipped with a warning), and the node delivers every other unit."""
+    from gradientmail import LocalMailbox
+
+    box = LocalMailbox(tmp_path)
+    for key in (learner_key("node-0"), claim_key("u1"), work_key("node-0", "u2"), lease_key("dead")):
+        _plant_sparse(tmp_path, key)
+    box.put_if_absent(claim_key("u2"), _body(learner="node-0", token="t2", incarnation="old", state="active"))
+    box.put_if_absent(claim_key("u3"), _body(learner="dead", token="t3", incarnation="old", state="active"))
+    units = {f"u{i}": i for i in range(5)}
+    tracemalloc.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with shared_queue(
+                units, mailbox=box, learner_id="node-0", load=_load, workers=0, resume=True, lease=timedelta(seconds=1)
+            ) as batches:
+                got = sorted({int(batch[0]) for _, batch in batches})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"a node peaked at {peak / 2**20:.0f} MiB of Python memory"
+    # u1's claim is unreadable: nobody can take it over. u2 is this learner's own, taken back by
+    # its claim; u3 once its owner's unreadable lease stood still a lease, as a missing one would.
+    assert got == [0, 2, 3, 4]
+    messages = [str(w.message) for w in caught]
+    assert any("presence record 'learners/node-0.json'" in m and "1,073,741,824 bytes" in m for m in messages)
+    skipped = {m.split("skipped ")[1].split(" '")[0] for m in messages if "skipped " in m}
+    assert {"claim", "work record", "lease"} <= skipped, messages
+    assert box.get(learner_key("node-0"), max_bytes=MAX_RECORD_BYTES) is not None  # overwritten: a record now
+
+
+def test_a_run_record_too_large_to_read_is_no_run_to_join(memory_mailbox):
+    memory_mailbox.put("run.json", b" " * (MAX_RECORD_BYTES + 1))
+    with pytest.raises(RunMismatchError, match="65,537 bytes, more than a record may hold"):
+        prepare_mailbox(memory_mailbox, 2, ["a", "b"])

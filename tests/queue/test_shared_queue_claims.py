@@ -73,8 +73,8 @@ def test_tokens_do_not_come_from_random(box):
 class ForeignReadBack(MemoryMailbox):
     """A broken store: the create "succeeds" but the value read back is someone else's."""
 
-    def get(self, key):
-        value = super().get(key)
+    def get(self, key, *, max_bytes=None):
+        value = super().get(key, max_bytes=max_bytes)
         if value is not None and key.startswith(CLAIMS_PREFIX):
             claim = json.loads(value)
             claim["token"] = "someone else"
@@ -83,7 +83,7 @@ class ForeignReadBack(MemoryMailbox):
 
 
 class LosesWrites(MemoryMailbox):
-    def get(self, key):
+    def get(self, key, *, max_bytes=None):
         return None
 
 
