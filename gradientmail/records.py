@@ -495,7 +495,7 @@ class Field(Generic[T]):
     def __get__(self, record: Record | None, owner: type) -> Field[T] | T | None:
         if record is None:
             return self
-        value = record._body.get(self.name)
+        value = record.get(self.name)  # declared: checked when the class was defined
         if self.kind is float:
             return _number(value)  # type: ignore[return-value]
         value = _typed(value, self.kind)

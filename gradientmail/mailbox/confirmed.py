@@ -17,16 +17,20 @@ read-back always finds the body; it costs nothing else.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gradientmail.mailbox.base import Mailbox
+from gradientmail.errors import ValueTooLargeError
+from gradientmail.mailbox.base import Mailbox, VersionedMailbox
 
 __all__ = ["create_confirmed", "holds", "replace_confirmed"]
 
 
 def holds(mailbox: Mailbox, key: str, data: bytes) -> bool:
-    """Whether ``key`` holds exactly ``data`` now (one ``get``)."""
-    return mailbox.get(key) == bytes(data)
+    """Whether ``key`` holds exactly ``data`` now: one ``get`` bounded by ``len(data)``, so a
+    larger value (anyone else's) is told apart without being read."""
+    data = bytes(data)
+    try:
+        return mailbox.get(key, max_bytes=len(data)) == data
+    except ValueTooLargeError:
+        return False
 
 
 def create_confirmed(mailbox: Mailbox, key: str, data: bytes) -> bool:
@@ -37,7 +41,7 @@ def create_confirmed(mailbox: Mailbox, key: str, data: bytes) -> bool:
     return mailbox.put_if_absent(key, data) and holds(mailbox, key, data)
 
 
-def replace_confirmed(mailbox: Any, key: str, data: bytes, version: str) -> bool:
+def replace_confirmed(mailbox: VersionedMailbox, key: str, data: bytes, version: str) -> bool:
     """``replace_if(key, data, version)``, then a read-back: True only if this call's body is the
-    one stored (``mailbox`` offers ``replace_if``; ``data`` is unique to this call)."""
-    return bool(mailbox.replace_if(key, data, version)) and holds(mailbox, key, data)
+    one stored (``data`` must be unique to this call)."""
+    return bool(mailbox.replace_if(key, data, version)) and holds(mailbox, key, data)  # type: ignore[arg-type]

@@ -204,7 +204,11 @@ def recorded_progress(
     record = ClaimRecord.of(claim)
     if record.state != RELEASED and record.learner is not None:
         key = work_key(record.learner, identifier)
-        work = WorkRecord.fetch(mailbox, key) if skipped is None else skipped.fetch(WorkRecord, mailbox, key, record.learner)
+        work = (
+            WorkRecord.fetch(mailbox, key)
+            if skipped is None
+            else skipped.fetch(WorkRecord, mailbox, key, record.learner)
+        )
         if work is not None and work.token == record.token:
             return work.step, work.position
     return record.step, record.position
