@@ -19,6 +19,9 @@ waits inside its ``with`` block until all three stand there; a restart does not)
   behind (alternately) for the whole run, restart included, and its host name differs per run, so
   that its presence record is judged as another machine's (by the times on the store); it is
   killed after N batches and restarted as after a kill;
+- **hour_ahead**, **hour_behind**: the same with the victim's wall clock an hour ahead or behind:
+  its peers see its member key, contributions and presence dated an hour off, and it sees theirs
+  so; who counts in ``N`` and who holds a unit must not depend on it;
 - **slow**: every request of the victim's mailbox takes 100 ms more (``DelayedMailbox``, a distant
   node), restart included; it is killed after N batches (1 to 8: it trains only about 6 to 12 in a
   run, its folds taking a second) and restarted; every node trains 40 ms a batch in these trials
@@ -48,7 +51,7 @@ stops on an error stops its Session's folds first. Counted here: samples per lea
 ``consensus`` reports them (the fewest any fragment holds); a node that dies mid-round leaves
 its last batches in some fragments only, which the next node trains again (see docs/elastic.md).
 
-Usage: ``python -m benchmarks.faults [--quick] [--trials N] [--faults kill,freeze,clock,slow,transient]
+Usage: ``python -m benchmarks.faults [--quick] [--trials N] [--faults kill,freeze,clock,hour_ahead,...]
 [--store local|seaweedfs] [--seed S] [--start I] [--fragments F]`` (default 50 trials of every kind,
 about 4 minutes on 2 cores on local; ``--quick``: one trial of each kind, CI). A trial depends on
 the seed and its number only: ``--start 37 --trials 1`` runs trial 37 again. The last line printed
@@ -99,6 +102,8 @@ FREEZE_S = 2.5
 """How long a frozen node stands still (SIGSTOP, then SIGCONT): past its 1 s lease."""
 CLOCK_OFFSET_S = 600.0
 """How far the ``clock`` victim's wall clock is off, ahead and behind alternately."""
+HOUR_S = 3600.0
+"""How far the ``hour_ahead`` and ``hour_behind`` victims' wall clocks are off."""
 LATENCY_S = 0.1
 """What every request of the ``slow`` victim's mailbox takes on top."""
 TRAIN_S = 0.004
@@ -106,8 +111,8 @@ TRAIN_S = 0.004
 SLOW_TRAIN_S = 0.04
 """One batch in ``slow`` trials, every node: the run lasts long enough (about 3 s) for the
 distant node, whose every claim takes a few of its 100 ms requests, to get a share of the units."""
-FAULTS = ("kill", "freeze", "clock", "slow", "transient")
-KILLED = ("kill", "clock", "slow")
+FAULTS = ("kill", "freeze", "clock", "hour_ahead", "hour_behind", "slow", "transient")
+KILLED = ("kill", "clock", "hour_ahead", "hour_behind", "slow")
 """The kinds whose victim is SIGKILLed after N batches."""
 NO_FAULT = "finished first"
 NOT_HIT = "not hit"
@@ -210,11 +215,17 @@ def run_trial(store: Store, root: Path, index: int, seed: int, kinds: tuple[str,
     context = multiprocessing.get_context("fork")
     after = rng.randint(*(SLOW_KILL_AFTER if fault == "slow" else KILL_AFTER))
     victim = rng.randrange(NODES)
-    offset = CLOCK_OFFSET_S * (1 if ordinal % 2 == 0 else -1) if fault == "clock" else 0.0
+    offset = {
+        "clock": CLOCK_OFFSET_S * (1 if ordinal % 2 == 0 else -1),
+        "hour_ahead": HOUR_S,
+        "hour_behind": -HOUR_S,
+    }.get(fault, 0.0)
     latency = LATENCY_S if fault == "slow" else 0.0
     plan = transient_plan(rng, after, ordinal) if fault == "transient" else None
     detail = {
         "clock": f"{offset:+.0f} s",
+        "hour_ahead": f"{offset:+.0f} s",
+        "hour_behind": f"{offset:+.0f} s",
         "slow": f"+{latency * 1000:.0f} ms",
         "transient": "" if plan is None else f"{plan.target} ({'landed' if plan.landed else 'not sent'})",
     }.get(fault, "")

@@ -38,9 +38,14 @@ from gradientmail.mailbox.confirmed import create_confirmed, replace_confirmed
 from gradientmail.records import FENCED, LeaseRecord, get_record_versioned
 from gradientmail.verdict import LIVE, judge_lease
 
-__all__ = ["WRITE_ATTEMPTS", "OwnLease", "fence"]
+__all__ = ["UNREADABLE_LEASE", "WRITE_ATTEMPTS", "OwnLease", "fence"]
 
 log = logging.getLogger("gradientmail.queue")
+
+UNREADABLE_LEASE: tuple[bytes, str] = (b"", "")
+"""What a lease key holding a value too large to be a lease reads as: no body, no version. No
+owner can beat over it (its own read finds it foreign and it stops with ``LeaseLostError``), so
+once it has stood still for a lease a taker counts it as fenced (``fence``)."""
 
 WRITE_ATTEMPTS = 3
 """Compare-and-swap attempts of one lease write (only its owner rewrites a live record)."""
@@ -183,6 +188,10 @@ def fence(
         the owner wrote it meanwhile (it is alive; its beat landed first).
     """
     key = lease_key(learner)
+    if seen == UNREADABLE_LEASE:
+        # Nothing to compare-and-swap on, and no beat of the owner can land there either.
+        log.info("%s takes the units of %s over: its lease record is unreadable", taker, learner)
+        return True
     record = None if seen is None else LeaseRecord.read(seen[0])
     if record is None:  # missing or unusable: a fence that names the owner all the same
         record = LeaseRecord({"learner": learner, **({"incarnation": incarnation} if incarnation else {})})
@@ -207,4 +216,4 @@ def _read_versioned(mailbox: Any, key: str) -> tuple[bytes, str] | None:
     try:
         return get_record_versioned(mailbox, key, LeaseRecord.KIND)
     except RecordError:
-        return b"", ""
+        return UNREADABLE_LEASE

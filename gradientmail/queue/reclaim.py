@@ -40,7 +40,7 @@ from gradientmail.layout import (
 from gradientmail.mailbox.base import Mailbox, exists, require_replace_if
 from gradientmail.queue.claimer import CROWD_LIMIT, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
-from gradientmail.queue.lease import fence
+from gradientmail.queue.lease import UNREADABLE_LEASE, fence
 from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
 from gradientmail.records import (
     ACTIVE,
@@ -549,11 +549,12 @@ class ElasticClaimer:
         if owner not in leases:  # one read per owner and scan
             try:
                 got = get_record_versioned(self.mailbox, lease_key(owner), LeaseRecord.KIND)
-            except RecordError as exc:  # too large to be a lease: judged as a missing one
+            except RecordError as exc:  # too large to be a lease: an unusable one (see ``fence``)
                 self.skipped.skip(LeaseRecord.KIND, exc, owner)
-                got = None
+                got = UNREADABLE_LEASE
             leases[owner] = _SeenLease(got)
-            self.skipped.read(LeaseRecord, leases[owner].data, lease_key(owner), owner)  # counted and warned
+            if got is not UNREADABLE_LEASE:
+                self.skipped.read(LeaseRecord, leases[owner].data, lease_key(owner), owner)  # counted and warned
         seen = leases[owner]
         incarnation = record.incarnation
         if not self._watch.expired(owner, seen.data, incarnation):

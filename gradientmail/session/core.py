@@ -456,7 +456,7 @@ class Session:
         mark, units, since = guard.snapshot()  # the batches it holds; where, in unwritten units
         link = guard.link
         assert link is not None
-        taken = time.time()
+        taken = time.monotonic()  # who counts in N is judged on this clock (members.SignsOfLife)
         totals = (self._steps, self._samples)
         # Progress is written once per round (and on leaving), not once per fragment.
         progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None

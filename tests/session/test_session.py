@@ -27,7 +27,6 @@ from gradientmail.session import DelayedNesterov, Session, consensus
 from gradientmail.session.chain import KEEP, TOMBSTONE, FragmentChain
 from gradientmail.session.fragments import FragmentPlan, float_state, spec_of, to_wire
 from gradientmail.session.mail import FORMAT, Contribution, StateHeader, decode, encode
-from gradientmail.session.members import Members, active_learners
 from gradientmail.session.outer import resolve_outer
 
 pytestmark = pytest.mark.timeout(60)
@@ -442,18 +441,6 @@ def test_a_restarted_learner_continues_its_totals_and_keeps_its_progress(memory_
     assert value(result) == 4.0
     members = [k for k in memory_mailbox.list("session/members/")]
     assert members == []  # each incarnation left cleanly
-
-
-def test_a_peer_that_stops_mailing_stops_counting_after_max_staleness():
-    now = 10_000.0
-    members = Members(joined={"me": now - 5, "quiet": now - 1000, "new": now - 30, "done": now - 100})
-    learners = {
-        "quiet": Contribution(seq=1, step=1, samples=1, time=now - 400),
-        "done": Contribution(seq=2, step=2, samples=2, time=now - 50, final=True),
-        "me": Contribution(seq=1, step=1, samples=1, time=now - 5),
-    }
-    assert active_learners(members, learners, "me", now, max_staleness=300) == {"me", "new"}
-    assert active_learners(members, learners, "me", now, max_staleness=500) == {"me", "new", "quiet"}
 
 
 def test_exchanging_less_often_than_max_staleness_does_not_make_peers_look_stale(memory_mailbox):
