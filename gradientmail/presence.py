@@ -30,6 +30,7 @@ from gradientmail.errors import DuplicateLearnerError, RecordError
 from gradientmail.layout import learner_key
 from gradientmail.learner_id import ENV_LEARNER_ID, RANK_VARIABLES, default_learner_id
 from gradientmail.mailbox.base import Mailbox, supports_replace_if
+from gradientmail.mailbox.confirmed import create_confirmed, replace_confirmed
 from gradientmail.records import RUNNING, STOPPED, PresenceRecord, get_record, get_record_versioned
 from gradientmail.verdict import LIVE, Sightings, judge_lease
 
@@ -367,10 +368,12 @@ class Presence:
     def _write_running(self, data: bytes | RecordError | None, version: str | None) -> bool:
         self._beat += 1
         body = _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s)
+        # Confirmed by a read-back (incarnation and beat make the body unique): on a store that
+        # told two writers they both won, the one whose record is not stored did not register.
         if data is None:
-            return self.mailbox.put_if_absent(self.key, body)
+            return create_confirmed(self.mailbox, self.key, body)
         if version is not None:
-            return bool(self.mailbox.replace_if(self.key, body, version))  # type: ignore[attr-defined]
+            return replace_confirmed(self.mailbox, self.key, body, version)
         self.mailbox.put(self.key, body)  # no compare-and-swap: best effort
         return True
 
@@ -488,10 +491,10 @@ class Presence:
                 return
             self._beat += 1
             body = _body(self.learner_id, self.incarnation, RUNNING, self._beat, self.renew_s)
-            if data is None:
-                written = self.mailbox.put_if_absent(self.key, body)
+            if data is None:  # confirmed by a read-back, as in ``_write_running``
+                written = create_confirmed(self.mailbox, self.key, body)
             elif version is not None:
-                written = bool(self.mailbox.replace_if(self.key, body, version))  # type: ignore[attr-defined]
+                written = replace_confirmed(self.mailbox, self.key, body, version)
             else:
                 self.mailbox.put(self.key, body)  # no compare-and-swap: checked just before
                 written = True

@@ -386,7 +386,7 @@ class RunReader:
         run_body = None
         if run_data is not None:
             run_body, unreadable[RUN_KEY] = _checked(RunRecord, RUN_KEY, run_data)
-        run = {} if run_body is None else run_body.fields
+        run = {} if run_body is None else run_body.to_dict()
 
         listed = [key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)]
         self._done.update(key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX))

@@ -73,10 +73,11 @@ def _confirm_requests(units: int) -> Counter:
 def test_confirming_ownership_before_a_fold_costs_the_same_for_one_unit_or_sixty_four():
     """Before: a read and a compare-and-swap of each held unit's claim (1,237 compare-and-swaps
     for 238 one-batch units, one after another before every fragment write: 0.24x the folds of
-    a Session without a lease, 20 ms from its store). Now one beat of the learner's lease."""
+    a Session without a lease, 20 ms from its store). Now one beat of the learner's lease: a
+    read, a compare-and-swap and its read-back (``mailbox.confirmed``)."""
     one, many = _confirm_requests(1), _confirm_requests(64)
     assert many == one, f"1 unit: {dict(one)}, 64 units: {dict(many)}"
-    assert sum(one.values()) <= 2, dict(one)
+    assert sum(one.values()) <= 3, dict(one)
 
 
 class OwnerBeatsAfterTheRead(MailboxWrapper):
