@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradientmail.errors import MailRejectedError, SessionError, UnusableStateError
+from gradientmail.errors import MailRejectedError, SessionError, UnusableStateError, ValueTooLargeError
 from gradientmail.layout import (
     SESSION_PREFIX,
     parse_pending_key,
@@ -40,7 +40,7 @@ from gradientmail.layout import (
     versions_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe
-from gradientmail.mailbox.confirmed import create_confirmed
+from gradientmail.records import MAX_RECORD_BYTES
 from gradientmail.session.fragments import to_wire, widen
 from gradientmail.session.mail import (
     Contribution,
@@ -448,10 +448,10 @@ class FragmentChain:
             data = encode(wire, pending)
             if before_create is not None:  # again: the process may have been frozen inside the create
                 before_create(view.listed)
-            # Confirmed by a read-back (bounded by the body; only on this path, after a lost race):
-            # a peer's closure that landed instead, on a store that told both writers they won,
-            # is a closed slot, and this contribution goes to the next one.
-            if create_confirmed(self.mailbox, own, data):
+            # Read back (only on this path, after a lost race): a peer's closure that landed
+            # instead, on a store that told both writers they won, is a closed slot, and this
+            # contribution goes to the next one.
+            if self.mailbox.put_if_absent(own, data) and not self._closed_instead(own, data):
                 learners[me] = entry
                 return Folded(summed, learners, None, view.base, 1)
             if not isinstance(self._read_pending(own), VoidSlotError):
@@ -468,6 +468,19 @@ class FragmentChain:
             f"learner {me!r}: its pending contribution slots of fragment {self.index} were closed "
             f"{CLOSED_SLOT_ATTEMPTS} times in a row by peers that judged it dead"
         )
+
+    def _closed_instead(self, key: str, data: bytes) -> bool:
+        """Whether this learner's pending slot ``key``, which it was just told it created with
+        ``data``, holds a peer's closure instead (a store that told both writers they won).
+
+        Only this learner and a closing peer write the key, and a closure is record-sized: the
+        read-back is bounded by that. A missing key was ours, already absorbed by a peer's fold.
+        """
+        try:
+            stored = self.mailbox.get(key, max_bytes=min(len(data), MAX_RECORD_BYTES))
+        except ValueTooLargeError:
+            return False  # larger than any closure: this learner's own contribution
+        return stored is not None and stored != data
 
     def _orphaned(self, version: int, me: str, seq: int) -> bool:
         """Whether ``version``, just created by ``me`` with contribution ``seq``, is off the chain.

@@ -172,3 +172,38 @@ def test_a_slot_closure_whose_contribution_landed_instead_closes_nothing(memory_
         first.wait()
     box.rivals[FRAGMENTS_PREFIX] = b"the learner's late contribution"  # over the slot being closed
     assert close_slots(box, "node-0", "node-1") == 0  # before: 1, counted as closed
+
+
+class AbsorbedAtOnce(MailboxWrapper):
+    """A learner's version create loses the race, and a peer's fold absorbs (reads and deletes)
+    the contribution it then leaves pending before its read-back can see it."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.armed = False
+        self.absorbed: list[str] = []
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if self.armed and "/versions/" in key:
+            return False
+        won = self.inner.put_if_absent(key, data)
+        if self.armed and "/pending/" in key and won:
+            self.armed = False
+            self.inner.delete(key)
+            self.absorbed.append(key)
+        return won
+
+
+def test_a_pending_contribution_absorbed_before_its_read_back_is_no_duplicate_learner(memory_mailbox):
+    """A missing pending slot after a won create was absorbed by a peer's fold: the contribution
+    is in the run. Before: the read-back found nothing and the learner stopped with "two
+    processes run under one learner id" (a busy run's folds absorb pending slots at once)."""
+    store = AbsorbedAtOnce(memory_mailbox)
+    model = torch.nn.Linear(1, 1)
+    with Session(model, mailbox=store, learner_id="node-0", every=None, every_steps=1) as session:
+        session.step(samples=1)
+        session.wait()
+        store.armed = True
+        session.step(samples=1)
+        session.wait()
+    assert len(store.absorbed) == 1
