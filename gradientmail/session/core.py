@@ -29,6 +29,7 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
+from gradientmail.session.group import APPLY, FAILED, NOTHING, GroupSync
 from gradientmail.session.marks_store import MarksWriter
 from gradientmail.session.options import (
     DEFAULT_EVERY,
@@ -78,6 +79,10 @@ class Session:
         wire_dtype: ``None`` (float32 state) or ``torch.bfloat16`` (half the bytes).
         fragments: how many fragments the state is cut into (``None``: one per 64 KiB of
             float32 state, at most 16); every node of a run must use the same.
+        group: a ``torch.distributed`` process group whose ranks train this model in lockstep
+            (DDP): they are one learner (rank 0's ``learner_id``), its rank 0 alone talks to the
+            store, and every rank applies each exchange at the same ``step()``. Every rank
+            enters, steps, waits and leaves together (``docs/session.md``, Multi-GPU machines).
 
     The ``ENV_*`` environment variables override the matching arguments when set.
 
@@ -112,6 +117,7 @@ class Session:
         outer: str | OuterOptimizer = "delayed_nesterov",
         wire_dtype: torch.dtype | None = None,
         fragments: int | None = None,
+        group: Any = None,
     ) -> None:
         if not callable(getattr(model, "state_dict", None)):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -186,6 +192,8 @@ class Session:
             catch_up=catch_up,
             max_staleness_s=self._max_staleness_s,
         )
+        self._group = None if group is None else GroupSync(group)
+        self._follows = self._group is not None and not self._group.leads  # never talks to the store
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -247,6 +255,28 @@ class Session:
     def __enter__(self) -> Session:
         if self._state != "new":
             raise SessionError(f"Session {self.learner_id!r} was already entered; create a new one")
+        group = self._group
+        if group is None:
+            return self._join()
+        self.learner_id = group.agree(self.learner_id)
+        if self._follows:
+            self._plan = FragmentPlan.of(self.model, self._fragments_asked)
+            joined, self._steps, self._samples = group.announce([0, 0, 0])
+            if not joined:
+                raise SessionError(f"rank 0 of the group of learner {self.learner_id!r} failed to join the run")
+            group.share(self.model, self._plan.fragments)
+            self._state = "active"
+            return self
+        try:
+            self._join()
+        except BaseException:
+            group.announce([0, 0, 0])
+            raise
+        group.announce([1, self._steps, self._samples])
+        group.share(self.model, self._plan.fragments)
+        return self
+
+    def _join(self) -> Session:
         entries = float_state(self.model)
         if not entries:
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
@@ -289,6 +319,31 @@ class Session:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        group = self._group
+        if self._follows and self._state == "active":
+            self._state = "closed"
+            if exc is not None:
+                return False
+        elif group is None or exc is not None or self._state != "active":
+            # After an exception the ranks may not all be here: no collective (the launcher stops
+            # the group); rank 0 leaves as a learner does after a failed body.
+            return self._leave(exc_type, exc, tb)
+        if self._follows:
+            if not group.announce([0])[0]:
+                raise SessionError(f"rank 0 of the group of learner {self.learner_id!r} failed to leave the run")
+            group.share(self.model, self._plan.fragments)
+            return False
+        left = False
+        try:
+            self._leave(exc_type, exc, tb)
+            left = True
+        finally:
+            group.announce([int(left)])
+            if left:  # every rank ends on the model of the final fold
+                group.share(self.model, self._plan.fragments)
+        return False
+
+    def _leave(self, exc_type, exc, tb) -> bool:
         if self._state != "active":
             return False
         self._state = "closed"
@@ -366,6 +421,9 @@ class Session:
         if samples < 0:
             raise ValueError(f"samples must be >= 0, not {samples}")
         self._steps += 1
+        if self._group is not None:
+            self._group_step(samples)
+            return
         self._samples += samples
         self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
         job = self._job
@@ -379,8 +437,48 @@ class Session:
         if self._steps >= self._due_step or time.monotonic() >= self._due_time:
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
+    def _group_step(self, samples: int) -> None:
+        """``step()`` in a group: one all-reduce; an exchange rank 0 saw finish is applied by all.
+
+        Rank 0 applies only what it announced before the collective, never a job that finished
+        during it, so every rank applies the same exchange at the same step.
+        """
+        assert self._group is not None
+        job = self._job if not self._follows else None
+        status, fragments = NOTHING, []
+        if job is not None and job.done.is_set():
+            status = APPLY if job.error is None else FAILED
+            with self._landed_lock:
+                fragments = [merge.fragment.index for merge in self._landed]
+        word = self._group.step(samples, status, fragments, len(self._plan))
+        self._samples += word.samples
+        if self._follows:
+            self._group_apply(word.status, word.fragments, None)
+            return
+        self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
+        if word.status != NOTHING:
+            self._group_apply(word.status, word.fragments, job)
+        if self._guard.revoked:
+            return  # the queue stopped uncleanly: nothing more is folded
+        if self._job is None and (self._steps >= self._due_step or time.monotonic() >= self._due_time):
+            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
+
+    def _group_apply(self, status: int, fragments: tuple[int, ...], job: Job | None) -> None:
+        """Rank 0 applies ``job``; then every rank takes rank 0's ``fragments``; a failure raises on all."""
+        assert self._group is not None and self._plan is not None
+        try:
+            if job is not None:
+                self._job = None
+                self._apply(job, "a background exchange")
+        finally:
+            self._group.share(self.model, [self._plan.fragments[i] for i in fragments])
+        if status == FAILED and self._follows:
+            raise SessionError(f"the exchange of learner {self.learner_id!r} failed on rank 0 of its group")
+
     def wait(self, timeout: timedelta | None = None, *, apply: bool = True) -> None:
         """Wait for the exchange in flight, if any, and apply it now (before an evaluation).
+
+        In a group every rank calls it; rank 0 waits, then every rank applies together.
 
         Args:
             timeout: the longest wait (default: the session's ``timeout``).
@@ -391,6 +489,9 @@ class Session:
         """
         if self._state != "active":
             raise SessionError(f"Session {self.learner_id!r}: call wait() inside `with session:`")
+        if self._group is not None:
+            self._group_wait(timeout, apply)
+            return
         job = self._job
         if job is not None:
             limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
@@ -400,6 +501,23 @@ class Session:
             if apply:
                 self._job = None
                 self._apply(job, "the exchange in flight")
+
+    def _group_wait(self, timeout: timedelta | None, apply: bool) -> None:
+        assert self._group is not None
+        job = self._job if not self._follows else None
+        status, fragments = NOTHING, []
+        if job is not None:
+            limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
+            job.done.wait(limit)
+            if apply and job.done.is_set():
+                status = APPLY if job.error is None else FAILED
+                with self._landed_lock:
+                    fragments = [merge.fragment.index for merge in self._landed]
+        word = self._group.step(0, status, fragments, len(self._plan))
+        if word.status != NOTHING:
+            self._group_apply(word.status, word.fragments, job)
+        elif job is not None:
+            self._raise_if_running(job, "the exchange in flight", self._timeout_s)
 
     def _wait_for_fold(self) -> None:
         """Until the fold under way (if any) ended: the queue stopped uncleanly (``QueueGuard``)."""
