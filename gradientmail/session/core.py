@@ -29,7 +29,7 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
-from gradientmail.session.group import APPLY, FAILED, NOTHING, GroupSync
+from gradientmail.session.group import APPLY, FAILED, NOTHING, GroupSync, PendingStep, StepWord
 from gradientmail.session.marks_store import MarksWriter
 from gradientmail.session.options import (
     DEFAULT_EVERY,
@@ -194,6 +194,8 @@ class Session:
         )
         self._group = None if group is None else GroupSync(group)
         self._follows = self._group is not None and not self._group.leads  # never talks to the store
+        self._pending: PendingStep | None = None  # the group's word of the last step, in flight
+        self._announced: Job | None = None  # the exchange that word told the group to apply
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -328,6 +330,12 @@ class Session:
             # After an exception the ranks may not all be here: no collective (the launcher stops
             # the group); rank 0 leaves as a learner does after a failed body.
             return self._leave(exc_type, exc, tb)
+        try:
+            self._group_flush()  # the last step's word: its samples and what it announced
+        except BaseException as error:  # raised on every rank alike: leave as after a failed body
+            if not self._follows:
+                self._leave(type(error), error, error.__traceback__)
+            raise
         if self._follows:
             if not group.announce([0])[0]:
                 raise SessionError(f"rank 0 of the group of learner {self.learner_id!r} failed to leave the run")
@@ -438,41 +446,57 @@ class Session:
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
     def _group_step(self, samples: int) -> None:
-        """``step()`` in a group: one all-reduce; an exchange rank 0 saw finish is applied by all.
+        """``step()`` in a group: read the previous step's word, start this one's.
 
-        Rank 0 applies only what it announced before the collective, never a job that finished
-        during it, so every rank applies the same exchange at the same step.
+        The word of step k carries rank 0's news as of step k (an exchange finished, which
+        fragments) and every rank's samples; every rank reads it at step k + 1, after it ran
+        beside that step's training, and applies what it announced: all ranks apply the same
+        exchange at the same step, and none waits for a collective of its own step. Rank 0
+        waits for its own step's word only when an exchange is due (its count must be exact).
         """
-        assert self._group is not None
-        job = self._job if not self._follows else None
+        assert self._group is not None and self._plan is not None
+        self._group_flush()
         status, fragments = NOTHING, []
-        if job is not None and job.done.is_set():
+        job = None if self._follows else self._job
+        if job is not None and job is not self._announced and job.done.is_set():
             status = APPLY if job.error is None else FAILED
             with self._landed_lock:
                 fragments = [merge.fragment.index for merge in self._landed]
-        word = self._group.step(samples, status, fragments, len(self._plan))
-        self._samples += word.samples
+            self._announced = job
+        self._pending = self._group.start(samples, status, fragments, len(self._plan))
         if self._follows:
-            self._group_apply(word.status, word.fragments, None)
             return
         self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
-        if word.status != NOTHING:
-            self._group_apply(word.status, word.fragments, job)
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
         if self._job is None and (self._steps >= self._due_step or time.monotonic() >= self._due_time):
+            self._count(self._pending)  # the fold records the group's samples to this step
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
-    def _group_apply(self, status: int, fragments: tuple[int, ...], job: Job | None) -> None:
-        """Rank 0 applies ``job``; then every rank takes rank 0's ``fragments``; a failure raises on all."""
+    def _count(self, pending: PendingStep) -> StepWord:
+        word = pending.word()
+        if not pending.counted:
+            pending.counted = True
+            self._samples += word.samples
+        return word
+
+    def _group_flush(self) -> None:
+        """Read the word in flight (every rank, at the same point) and apply what it announced."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        word = self._count(pending)
+        if word.status == NOTHING:
+            return
         assert self._group is not None and self._plan is not None
+        announced, self._announced = self._announced, None
         try:
-            if job is not None:
+            if announced is not None and announced is self._job:  # not applied meanwhile (_fold_now)
                 self._job = None
-                self._apply(job, "a background exchange")
+                self._apply(announced, "a background exchange")
         finally:
-            self._group.share(self.model, [self._plan.fragments[i] for i in fragments])
-        if status == FAILED and self._follows:
+            self._group.share(self.model, [self._plan.fragments[i] for i in word.fragments])
+        if word.status == FAILED and self._follows:
             raise SessionError(f"the exchange of learner {self.learner_id!r} failed on rank 0 of its group")
 
     def wait(self, timeout: timedelta | None = None, *, apply: bool = True) -> None:
@@ -503,8 +527,9 @@ class Session:
                 self._apply(job, "the exchange in flight")
 
     def _group_wait(self, timeout: timedelta | None, apply: bool) -> None:
-        assert self._group is not None
-        job = self._job if not self._follows else None
+        assert self._group is not None and self._plan is not None
+        self._group_flush()
+        job = None if self._follows else self._job
         status, fragments = NOTHING, []
         if job is not None:
             limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
@@ -513,10 +538,10 @@ class Session:
                 status = APPLY if job.error is None else FAILED
                 with self._landed_lock:
                     fragments = [merge.fragment.index for merge in self._landed]
-        word = self._group.step(0, status, fragments, len(self._plan))
-        if word.status != NOTHING:
-            self._group_apply(word.status, word.fragments, job)
-        elif job is not None:
+                self._announced = job
+        self._pending = self._group.start(0, status, fragments, len(self._plan))
+        self._group_flush()
+        if job is not None and self._job is job:
             self._raise_if_running(job, "the exchange in flight", self._timeout_s)
 
     def _wait_for_fold(self) -> None:
@@ -530,6 +555,8 @@ class Session:
         when the queue closes before the Session (called from the training thread)."""
         if self._state != "active" or self._guard.revoked:
             return
+        if self._pending is not None:  # in a group: the last step's samples, for this fold's count
+            self._count(self._pending)
         job, self._job = self._job, None
         if job is not None:
             self._wait(job, "the exchange in flight", apply=True)

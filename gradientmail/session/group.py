@@ -2,10 +2,11 @@
 
 With DDP inside a group every rank holds the same parameters, so the group needs the store
 only once: its rank 0 runs the Session's exchanges, the other ranks never touch the mailbox.
-Each ``step()`` the group runs one small all-reduce (the ranks' samples summed, and rank 0's
-word on whether an exchange finished and which fragments it changed); when one did, rank 0
-applies it and broadcasts those fragments, so every rank moves to the same parameters at the
-same step boundary and no rank ever waits on the store.
+Each ``step()`` starts one small all-reduce (the ranks' samples summed, and rank 0's word on
+whether an exchange finished and which fragments it changed) and reads the previous step's,
+which ran while this step trained; when that word says an exchange finished, rank 0 applies it
+and broadcasts those fragments, so every rank moves to the same parameters at the same step
+boundary and no rank ever waits on the store or on a collective of its own step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from gradientmail.session.fragments import Fragment
 
-__all__ = ["APPLY", "FAILED", "NOTHING", "GroupSync", "StepWord"]
+__all__ = ["APPLY", "FAILED", "NOTHING", "GroupSync", "PendingStep", "StepWord"]
 
 NOTHING, APPLY, FAILED = 0, 1, 2
 """Rank 0's word at a step: nothing finished; an exchange finished (apply its fragments); it
@@ -34,6 +35,25 @@ class StepWord(NamedTuple):
     """``NOTHING``, ``APPLY`` or ``FAILED``, as rank 0 said."""
     fragments: tuple[int, ...]
     """The fragments rank 0 applied and now broadcasts (with ``APPLY`` and ``FAILED``)."""
+
+
+class PendingStep:
+    """One step's all-reduce in flight; ``word()`` waits for it (once) and reads it."""
+
+    def __init__(self, work: Any, tensor: Tensor) -> None:
+        self._work = work
+        self._tensor = tensor
+        self._word: StepWord | None = None
+        self.counted = False
+        """Its samples are in the Session's count (the word is read more than once at most)."""
+
+    def word(self) -> StepWord:
+        if self._word is None:
+            self._work.wait()
+            summed = self._tensor.tolist()
+            fragments = tuple(i for i, flag in enumerate(summed[2:]) if flag)
+            self._word = StepWord(summed[0], summed[1], fragments)
+        return self._word
 
 
 class GroupSync:
@@ -81,18 +101,17 @@ class GroupSync:
         self._dist.broadcast(tensor, group=self.group, group_src=0)
         return tensor.tolist()
 
-    def step(self, samples: int, status: int, fragments: Iterable[int], count: int) -> StepWord:
-        """One step's all-reduce: ``[samples, status, one flag per fragment]``, summed.
+    def start(self, samples: int, status: int, fragments: Iterable[int], count: int) -> PendingStep:
+        """Start one step's all-reduce of ``[samples, status, one flag per fragment]``, summed.
 
         Only rank 0 passes a ``status`` and ``fragments``; the others pass ``NOTHING`` and none.
+        It runs while the next step trains: waiting for it then costs nothing.
         """
         words = [samples, status] + [0] * count
         for index in fragments:
             words[2 + index] = 1
         tensor = torch.tensor(words, dtype=torch.int64, device=self.device)
-        self._dist.all_reduce(tensor, group=self.group)
-        summed = tensor.tolist()
-        return StepWord(summed[0], summed[1], tuple(i for i, flag in enumerate(summed[2:]) if flag))
+        return PendingStep(self._dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
 
     def share(self, model: torch.nn.Module, fragments: Iterable[Fragment]) -> None:
         """Make ``fragments`` of every rank's ``model`` rank 0's: broadcast, piece by piece."""
