@@ -25,10 +25,12 @@ from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batches import Batch, TensorTree, checked_count
 from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
+from gradientmail.queue.group import FollowerBatches, GroupUnit, LeaderBatches, LeaderLoad, Split, split_rows
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
 from gradientmail.queue.telemetry import BatchWatch, ProgressDisplay, unit_times
+from gradientmail.session.group import GroupSync
 
 __all__ = ["WITH_HINT", "QueueContext", "shared_queue"]
 
@@ -102,6 +104,8 @@ def shared_queue(
     lease: timedelta | float | None = None,
     claim_ahead: int = DEFAULT_CLAIM_AHEAD,
     progress: bool = False,
+    group: Any = None,
+    split: Split | None = split_rows,
 ) -> Iterator[Iterator[Batch]]:
     """Consume a shared queue of work units: ``with shared_queue(...) as batches:``.
 
@@ -122,6 +126,14 @@ def shared_queue(
         shutdown_timeout: Longest wait for an operation in flight when leaving the block.
         claim_ahead: Most claims in flight ahead of the unit being loaded (0: on demand).
         progress: Show units taken and batches/s on stderr.
+        group: A ``torch.distributed`` process group whose ranks train one model in lockstep
+            (DDP): one learner of the queue. Its rank 0 claims (the other ranks never touch the
+            mailbox) and every rank gets its share of every batch, ending at the same step.
+            Every rank passes the same ``units`` and ``load``, and leaves the loop at the same
+            step (``break`` on all or none).
+        split: ``split(batch, rank, size)``, a rank's share of a whole batch (with ``group``);
+            default ``split_rows``, near-equal blocks of rows. ``None``: ``load`` already
+            yields this rank's share (it must yield the same steps on every rank).
 
     Raises:
         RunMismatchError: the prefix holds a run of another unit set.
@@ -140,6 +152,37 @@ def shared_queue(
         [1, 2]
     """
     prefetch = checked_count("prefetch", prefetch, 1)
+    if group is not None:
+        sync = GroupSync(group)
+        if not sync.leads:  # loads what rank 0 claimed; nothing on the store
+            follower = FollowerBatches(units, load, split, sync, prefetch)
+            try:
+                yield follower
+                follower.leave()
+            finally:
+                follower.close()
+            return
+        tagged = {key: GroupUnit(key, index, value) for index, (key, value) in enumerate(units.items())}
+        with shared_queue(
+            tagged,
+            mailbox=mailbox,
+            learner_id=learner_id,
+            load=LeaderLoad(load, split, sync.size),
+            prefetch=prefetch,
+            workers=workers,
+            order=order,
+            pin_memory=pin_memory,
+            multiprocessing_context=multiprocessing_context,
+            shutdown_timeout=shutdown_timeout,
+            resume=resume,
+            lease=lease,
+            claim_ahead=claim_ahead,
+            progress=progress,
+        ) as inner:
+            leader = LeaderBatches(inner, sync)
+            yield leader
+            leader.leave()
+        return
     if prefetch > MAX_PREFETCH:
         raise ValueError(
             f"prefetch must be <= {MAX_PREFETCH}, not {prefetch}: it is the number of batches held in "

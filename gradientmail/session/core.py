@@ -30,6 +30,7 @@ from gradientmail.mailbox.keys import validate_key
 from gradientmail.presence import SESSION, PresenceShare
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
+from gradientmail.session.group import APPLY, FAILED, NOTHING, GroupSync, PendingStep, StepWord
 from gradientmail.session.marks_store import MarksWriter
 from gradientmail.session.options import (
     DEFAULT_EVERY,
@@ -79,6 +80,10 @@ class Session:
         wire_dtype: ``None`` (float32 state) or ``torch.bfloat16`` (half the bytes).
         fragments: how many fragments the state is cut into (``None``: one per 64 KiB of
             float32 state, at most 16); every node of a run must use the same.
+        group: a ``torch.distributed`` process group whose ranks train this model in lockstep
+            (DDP): they are one learner (rank 0's ``learner_id``), its rank 0 alone talks to the
+            store, and every rank applies each exchange at the same ``step()``. Every rank
+            enters, steps, waits and leaves together (``docs/session.md``, Multi-GPU machines).
 
     The ``ENV_*`` environment variables override the matching arguments when set.
 
@@ -113,6 +118,7 @@ class Session:
         outer: str | OuterOptimizer = "delayed_nesterov",
         wire_dtype: torch.dtype | None = None,
         fragments: int | None = None,
+        group: Any = None,
     ) -> None:
         if not callable(getattr(model, "state_dict", None)):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -188,6 +194,10 @@ class Session:
             catch_up=catch_up,
             max_staleness_s=self._max_staleness_s,
         )
+        self._group = None if group is None else GroupSync(group)
+        self._follows = self._group is not None and not self._group.leads  # never talks to the store
+        self._pending: PendingStep | None = None  # the group's word of the last step, in flight
+        self._announced: Job | None = None  # the exchange that word told the group to apply
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -249,6 +259,28 @@ class Session:
     def __enter__(self) -> Session:
         if self._state != "new":
             raise SessionError(f"Session {self.learner_id!r} was already entered; create a new one")
+        group = self._group
+        if group is None:
+            return self._join()
+        self.learner_id = group.agree(self.learner_id)
+        if self._follows:
+            self._plan = FragmentPlan.of(self.model, self._fragments_asked)
+            joined, self._steps, self._samples = group.announce([0, 0, 0])
+            if not joined:
+                raise SessionError(f"rank 0 of the group of learner {self.learner_id!r} failed to join the run")
+            group.share(self.model, self._plan.fragments)
+            self._state = "active"
+            return self
+        try:
+            self._join()
+        except BaseException:
+            group.announce([0, 0, 0])
+            raise
+        group.announce([1, self._steps, self._samples])
+        group.share(self.model, self._plan.fragments)
+        return self
+
+    def _join(self) -> Session:
         entries = float_state(self.model)
         if not entries:
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
@@ -300,6 +332,37 @@ class Session:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        group = self._group
+        if self._follows and self._state == "active":
+            self._state = "closed"
+            if exc is not None:
+                return False
+        elif group is None or exc is not None or self._state != "active":
+            # After an exception the ranks may not all be here: no collective (the launcher stops
+            # the group); rank 0 leaves as a learner does after a failed body.
+            return self._leave(exc_type, exc, tb)
+        try:
+            self._group_flush()  # the last step's word: its samples and what it announced
+        except BaseException as error:  # raised on every rank alike: leave as after a failed body
+            if not self._follows:
+                self._leave(type(error), error, error.__traceback__)
+            raise
+        if self._follows:
+            if not group.announce([0])[0]:
+                raise SessionError(f"rank 0 of the group of learner {self.learner_id!r} failed to leave the run")
+            group.share(self.model, self._plan.fragments)
+            return False
+        left = False
+        try:
+            self._leave(exc_type, exc, tb)
+            left = True
+        finally:
+            group.announce([int(left)])
+            if left:  # every rank ends on the model of the final fold
+                group.share(self.model, self._plan.fragments)
+        return False
+
+    def _leave(self, exc_type, exc, tb) -> bool:
         if self._state != "active":
             return False
         self._state = "closed"
@@ -379,6 +442,9 @@ class Session:
         if samples < 0:
             raise ValueError(f"samples must be >= 0, not {samples}")
         self._steps += 1
+        if self._group is not None:
+            self._group_step(samples)
+            return
         self._samples += samples
         self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
         job = self._job
@@ -393,8 +459,64 @@ class Session:
             self._presence.check()  # replaced by another process of this learner (after a freeze)?
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
+    def _group_step(self, samples: int) -> None:
+        """``step()`` in a group: read the previous step's word, start this one's.
+
+        The word of step k carries rank 0's news as of step k (an exchange finished, which
+        fragments) and every rank's samples; every rank reads it at step k + 1, after it ran
+        beside that step's training, and applies what it announced: all ranks apply the same
+        exchange at the same step, and none waits for a collective of its own step. Rank 0
+        waits for its own step's word only when an exchange is due (its count must be exact).
+        """
+        assert self._group is not None and self._plan is not None
+        self._group_flush()
+        status, fragments = NOTHING, []
+        job = None if self._follows else self._job
+        if job is not None and job is not self._announced and job.done.is_set():
+            status = APPLY if job.error is None else FAILED
+            with self._landed_lock:
+                fragments = [merge.fragment.index for merge in self._landed]
+            self._announced = job
+        self._pending = self._group.start(samples, status, fragments, len(self._plan))
+        if self._follows:
+            return
+        self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
+        if self._guard.revoked:
+            return  # the queue stopped uncleanly: nothing more is folded
+        if self._job is None and (self._steps >= self._due_step or time.monotonic() >= self._due_time):
+            self._count(self._pending)  # the fold records the group's samples to this step
+            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
+
+    def _count(self, pending: PendingStep) -> StepWord:
+        word = pending.word()
+        if not pending.counted:
+            pending.counted = True
+            self._samples += word.samples
+        return word
+
+    def _group_flush(self) -> None:
+        """Read the word in flight (every rank, at the same point) and apply what it announced."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        word = self._count(pending)
+        if word.status == NOTHING:
+            return
+        assert self._group is not None and self._plan is not None
+        announced, self._announced = self._announced, None
+        try:
+            if announced is not None and announced is self._job:  # not applied meanwhile (_fold_now)
+                self._job = None
+                self._apply(announced, "a background exchange")
+        finally:
+            self._group.share(self.model, [self._plan.fragments[i] for i in word.fragments])
+        if word.status == FAILED and self._follows:
+            raise SessionError(f"the exchange of learner {self.learner_id!r} failed on rank 0 of its group")
+
     def wait(self, timeout: timedelta | None = None, *, apply: bool = True) -> None:
         """Wait for the exchange in flight, if any, and apply it now (before an evaluation).
+
+        In a group every rank calls it; rank 0 waits, then every rank applies together.
 
         Args:
             timeout: the longest wait (default: the session's ``timeout``).
@@ -405,6 +527,9 @@ class Session:
         """
         if self._state != "active":
             raise SessionError(f"Session {self.learner_id!r}: call wait() inside `with session:`")
+        if self._group is not None:
+            self._group_wait(timeout, apply)
+            return
         job = self._job
         if job is not None:
             limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
@@ -414,6 +539,24 @@ class Session:
             if apply:
                 self._job = None
                 self._apply(job, "the exchange in flight")
+
+    def _group_wait(self, timeout: timedelta | None, apply: bool) -> None:
+        assert self._group is not None and self._plan is not None
+        self._group_flush()
+        job = None if self._follows else self._job
+        status, fragments = NOTHING, []
+        if job is not None:
+            limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
+            job.done.wait(limit)
+            if apply and job.done.is_set():
+                status = APPLY if job.error is None else FAILED
+                with self._landed_lock:
+                    fragments = [merge.fragment.index for merge in self._landed]
+                self._announced = job
+        self._pending = self._group.start(0, status, fragments, len(self._plan))
+        self._group_flush()
+        if job is not None and self._job is job:
+            self._raise_if_running(job, "the exchange in flight", self._timeout_s)
 
     def _wait_for_fold(self) -> None:
         """Until the fold under way (if any) ended: the queue stopped uncleanly (``QueueGuard``)."""
@@ -426,6 +569,8 @@ class Session:
         when the queue closes before the Session (called from the training thread)."""
         if self._state != "active" or self._guard.revoked:
             return
+        if self._pending is not None:  # in a group: the last step's samples, for this fold's count
+            self._count(self._pending)
         job, self._job = self._job, None
         if job is not None:
             self._wait(job, "the exchange in flight", apply=True)

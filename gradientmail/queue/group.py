@@ -1,0 +1,201 @@
+"""The shared queue of a group: its rank 0 claims units, every rank trains its share of each step.
+
+A group (the ranks of one machine training one model with DDP) is one learner of the queue:
+its rank 0 runs the ordinary ``shared_queue`` (claims, prefetch, the elastic records) with a
+``load`` that also tags each batch with its unit and position; before each batch it broadcasts
+that tag, and every other rank loads the same unit on a thread of its own (the batches of a unit
+read ahead) and keeps its share. Every rank gets a batch at every step and they all end at the
+same step, so DDP never waits for a rank that ran out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from gradientmail.errors import LoaderError
+from gradientmail.queue.batches import Batch, TensorTree, loaded_batches, map_tensors
+from gradientmail.queue.pumps import HandOff
+from gradientmail.session.group import GroupSync
+
+__all__ = [
+    "BATCH",
+    "END",
+    "FAILED",
+    "STOP",
+    "FollowerBatches",
+    "GroupUnit",
+    "LeaderBatches",
+    "LeaderLoad",
+    "split_rows",
+]
+
+V = TypeVar("V")
+
+Split = Callable[[TensorTree, int, int], TensorTree]
+"""``split(batch, rank, size)``: rank ``rank``'s share of a whole batch, of a group of ``size``."""
+
+END, BATCH, FAILED, STOP = 0, 1, 2, 3
+"""What rank 0 announces before each step: the batches ran out; a batch (unit, position, step);
+its queue failed; its loop left early (``break``)."""
+
+
+def split_rows(batch: TensorTree, rank: int, size: int) -> TensorTree:
+    """Rank ``rank``'s rows of every tensor in ``batch``: near-equal contiguous blocks (views).
+
+    Example:
+        >>> split_rows(torch.arange(5), 1, 2)
+        tensor([3, 4])
+    """
+    return map_tensors(batch, lambda tensor: tensor.tensor_split(size)[rank])
+
+
+@dataclass(frozen=True)
+class GroupUnit(Generic[V]):
+    """A unit as rank 0's queue holds it: the user's value and where it is in the mapping."""
+
+    identifier: str
+    index: int
+    value: V
+
+
+class LeaderLoad(Generic[V]):
+    """Rank 0's ``load``: its share of each batch, tagged ``[unit index, position]``.
+
+    Module-level and made of picklable parts, so DataLoader workers take it like ``load``.
+    """
+
+    def __init__(self, load: Callable[[V], Iterable[tuple[int, TensorTree]]], split: Split | None, size: int) -> None:
+        self.load = load
+        self.split = split
+        self.size = size
+
+    def __call__(self, unit: GroupUnit[V]) -> Iterator[tuple[int, tuple[TensorTree, torch.Tensor]]]:
+        batches = loaded_batches(self.load, unit.value, unit.identifier)
+        for position, (step, batch) in enumerate(batches):
+            share = batch if self.split is None else self.split(batch, 0, self.size)
+            yield step, (share, torch.tensor([unit.index, position]))
+
+
+class LeaderBatches(Iterator[Batch]):
+    """Rank 0's batches: each one announced to the group before the loop gets it."""
+
+    def __init__(self, inner: Iterator[Any], sync: GroupSync) -> None:
+        self._inner = inner
+        self._sync = sync
+        self.ended = False
+
+    def __iter__(self) -> LeaderBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.ended:
+            raise StopIteration
+        try:
+            step, (share, tag) = next(self._inner)
+        except StopIteration:
+            self._say(END)
+            raise
+        except BaseException:
+            self._say(FAILED)
+            raise
+        index, position = (int(value) for value in tag.tolist())
+        self._sync.announce([BATCH, index, position, step])
+        return step, share
+
+    def _say(self, what: int) -> None:
+        self.ended = True
+        self._sync.announce([what, 0, 0, 0])
+
+    def leave(self) -> None:
+        """The loop left before the end (on every rank, at the same step): tell the others."""
+        if not self.ended:
+            self._say(STOP)
+
+
+class FollowerBatches(Iterator[Batch]):
+    """The batches of a rank other than 0: the units rank 0 announces, loaded here, this rank's share.
+
+    Args:
+        units: the same mapping as rank 0's.
+        load, split: as for ``shared_queue``.
+        sync: the group.
+        prefetch: batches of the current unit read ahead.
+    """
+
+    def __init__(
+        self,
+        units: Mapping[str, V],
+        load: Callable[[V], Iterable[tuple[int, TensorTree]]],
+        split: Split | None,
+        sync: GroupSync,
+        prefetch: int,
+    ) -> None:
+        self._units = list(units.items())
+        self._load = load
+        self._split = split
+        self._sync = sync
+        self._prefetch = prefetch
+        self._unit = -1
+        self._position = 0
+        self._pump: HandOff | None = None
+        self.ended = False
+
+    def __iter__(self) -> FollowerBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.ended:
+            raise StopIteration
+        what, index, position, step = self._sync.announce([0, 0, 0, 0])
+        if what != BATCH:
+            self.ended = True
+            self.close()
+            if what == FAILED:
+                raise LoaderError("the shared queue of this group failed on its rank 0 (its error is raised there)")
+            raise StopIteration
+        got, batch = self._batch(index, position)
+        if got != step:
+            raise LoaderError(
+                f"unit {self._units[index][0]!r} at position {position}: rank {self._sync.rank} loaded "
+                f"step {got} where rank 0 loaded step {step}; load must yield the same batches on every rank"
+            )
+        share = batch if self._split is None else self._split(batch, self._sync.rank, self._sync.size)
+        return step, share
+
+    def _batch(self, index: int, position: int) -> tuple[int, TensorTree]:
+        if index != self._unit or position < self._position:
+            self.close()
+            identifier, value = self._units[index]
+            batches = loaded_batches(self._load, value, identifier)
+            self._pump = HandOff(batches, self._prefetch, f"gradientmail-group-unit-{identifier}")
+            self._unit, self._position = index, 0
+        assert self._pump is not None
+        while True:  # a resumed unit starts past the batches already trained
+            try:
+                item = self._pump.take()
+            except StopIteration:
+                raise LoaderError(
+                    f"unit {self._units[index][0]!r} has no batch at position {position} on rank "
+                    f"{self._sync.rank}, where rank 0 had one; load must yield the same batches on every rank"
+                ) from None
+            self._position += 1
+            if self._position > position:
+                return item
+
+    def leave(self) -> None:
+        """The loop left before the end: take rank 0's word that it did too."""
+        if not self.ended:
+            self.ended = True
+            self._sync.announce([0, 0, 0, 0])
+        self.close()
+
+    def close(self) -> None:
+        """Stop reading ahead."""
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.stop()
+            pump.finish(None, lambda: None)
