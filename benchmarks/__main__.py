@@ -58,6 +58,7 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("small_units", "small_units_makespan_workers0", "the same with prefetch=2, workers=0"),
     ("small_units", "demo_units_makespan", "the same with 4 batches a unit, the demo's options"),
     ("small_units", "small_units_over_bound_240", "240 one-batch units, defaults: makespan / fluid bound"),
+    ("small_units", "epochs_makespan", "the documented case over 2 epochs as one run (epochs()), defaults (ideal 22)"),
     ("requests", "requests_per_claim", "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
     ("requests", "conflicts_per_claim", "lost claims per claimed unit, same (virtual clock: atomic steps)"),
     ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),

@@ -30,6 +30,7 @@ FIGURES = {
         "small_units_makespan_workers0",
         "demo_units_makespan",
         "small_units_over_bound_240",
+        "epochs_makespan",
         "small_units_makespan_spread",
         "small_units_makespan_wrong",
     ],
