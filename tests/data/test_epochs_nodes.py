@@ -28,9 +28,9 @@ def test_a_node_killed_in_the_second_epoch_and_restarted_trains_every_epoch_unit
     common = dict(root=str(root), units=units, out_dir=str(tmp_path))
     specs = [
         # node-0 is the fastest, so it reaches the second epoch while the others are in it too.
-        EpochNode(learner="node-0", train=0.005, kill_in_epoch=1, kill_after=5, **common),
-        EpochNode(learner="node-1", train=0.02, **common),
-        EpochNode(learner="node-2", train=0.02, **common),
+        EpochNode(learner="node-0", train=0.02, kill_in_epoch=1, kill_after=5, **common),
+        EpochNode(learner="node-1", train=0.05, **common),
+        EpochNode(learner="node-2", train=0.05, **common),
     ]
     run_epoch_nodes(specs, killed=frozenset({"node-0"}))
     run_epoch_nodes([EpochNode(learner="node-0", run=2, **common)])
