@@ -51,7 +51,8 @@ def test_a_node_killed_in_the_second_epoch_and_restarted_trains_every_epoch_unit
     assert twice <= set(dead) and set(seen.values()) <= {1, 2}, "trained twice, and not by the dead node"
 
     # In the run's state each batch moved its own weight by 1 / N (N: the learners its fold
-    # counted, 1 to 3): a batch missing reads 0, a batch counted twice 2/3 or more than 1.
+    # counted, 1 to 3): a batch missing reads 0, a batch counted twice 2/3, 5/6, 4/3 or more
+    # (or 1, twice 1/2, which the samples' total below also bounds).
     counter = batch_counter()
     samples = sum(consensus(box, counter).values())
     counts = (counter.weight[0] * 6).round().tolist()  # 6 / N: 6, 3 or 2
