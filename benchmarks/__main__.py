@@ -26,7 +26,17 @@ from pathlib import Path
 
 from benchmarks._common import TARGETS
 
-SCRIPTS = ("balance", "small_units", "requests", "throughput", "stall", "session", "session_lease", "session_figures")
+SCRIPTS = (
+    "balance",
+    "small_units",
+    "requests",
+    "epochs",
+    "throughput",
+    "stall",
+    "session",
+    "session_lease",
+    "session_figures",
+)
 """What ``python -m benchmarks`` runs (within its budget, ``BUDGET_S``)."""
 FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
 """What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
@@ -64,6 +74,14 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),
     ("requests", "conflicts_per_claim_threads", "lost claims per claim, same"),
     ("requests", "conflicts_per_claim_threads_no_rotation", "lost claims per claim, same without rotation"),
+    (
+        "epochs",
+        "epochs_requests_per_claim",
+        "requests per claim, 16 nodes, 2 shuffled epochs (epochs()), virtual clock",
+    ),
+    ("epochs", "epochs_plain_keys_requests_per_claim", "the same order under plain e0000/{id} keys"),
+    ("epochs", "mix_requests_per_claim", "requests per claim, a 90/10 mixture (mix()), same nodes"),
+    ("epochs", "mix_plain_keys_requests_per_claim", "the same order under plain {source}/{id} keys"),
     ("throughput", "ratio_local", "shared_queue / plain DataLoader batches/s, LocalMailbox in tmpfs, loader-bound"),
     ("throughput", "ratio_disk", "the same, LocalMailbox on this machine's disk (0.8 ms a file create; --full)"),
     ("throughput", "ratio_latency_20ms", "the same (tmpfs), 20 ms per mailbox request"),

@@ -44,6 +44,13 @@ FIGURES = {
         "requests_per_claim_threads_no_rotation",
         "conflicts_per_claim_threads_no_rotation",
     ],
+    "epochs": [
+        "sorted_requests_per_claim",
+        "epochs_requests_per_claim",
+        "epochs_plain_keys_requests_per_claim",
+        "mix_requests_per_claim",
+        "mix_plain_keys_requests_per_claim",
+    ],
     "throughput": [
         "ratio_local",
         "ratio_latency_20ms",
