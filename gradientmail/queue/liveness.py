@@ -42,6 +42,7 @@ __all__ = [
     "lease_seconds",
     "machine",
     "presence_renew_s",
+    "process_gone",
 ]
 
 
@@ -236,6 +237,12 @@ def _parse(key: str, data: bytes | RecordError | None) -> PresenceRecord | None:
 
 def _same_machine(record: PresenceRecord) -> bool:
     return all(record.get(name) == value for name, value in machine().items())
+
+
+def process_gone(record: PresenceRecord) -> bool:
+    """Whether ``record`` names a process of this machine that no longer runs (a peer's own
+    verdict at once; another machine's record is judged by its age instead)."""
+    return _same_machine(record) and not _alive(record.pid, record.fields.get("pid_start"))
 
 
 # -- the record's owner ------------------------------------------------------------------------

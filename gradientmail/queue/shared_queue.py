@@ -29,6 +29,7 @@ from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
+from gradientmail.queue.reclaim import warn_unfinished
 from gradientmail.queue.telemetry import BatchWatch, ProgressDisplay, unit_times
 
 __all__ = ["WITH_HINT", "QueueContext", "shared_queue"]
@@ -99,7 +100,7 @@ def shared_queue(
     pin_memory: bool = False,
     multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
     shutdown_timeout: timedelta | float | None = None,
-    resume: bool = False,
+    resume: bool | None = None,
     lease: timedelta | float | None = None,
     claim_ahead: int = DEFAULT_CLAIM_AHEAD,
     progress: bool = False,
@@ -180,6 +181,8 @@ def shared_queue(
     incarnation = elastic.incarnation if elastic is not None else uuid.uuid4().hex
     presence = Presence(mailbox, dataset.learner_id, incarnation, renew_s=presence_renew_s(dataset.lease_s))
     presence.start()  # DuplicateLearnerError before anything is claimed or recorded
+    if elastic is None:  # units an earlier run of this learner left are not taken back: say so
+        warn_unfinished(mailbox, dataset.learner_id, dataset.incarnation)
     watch = BatchWatch(unit_times(describe(mailbox), dataset.learner_id))
     display: ProgressDisplay | None = None
     began = time.monotonic()
@@ -292,6 +295,13 @@ def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], N
                     "again, use a fresh prefix)"
                 )
             else:
+                if dataset.elastic.automatic and dataset.lease_s is None:
+                    why = (
+                        f"{run} is done or held by another learner (a unit left unfinished goes "
+                        "back only to its own learner_id; `gradientmail status` shows who holds what)"
+                    )
+                    warnings.warn(f"shared_queue: 0 batches for learner {dataset.learner_id!r}: {why}", stacklevel=3)
+                    return
                 mine = "none of this learner's earlier units was left unfinished, and " if dataset.resume else ""
                 why = (
                     f"{mine}{run} is done or held by a live node: nothing is left for this node "
@@ -309,6 +319,8 @@ def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], N
 def _mode(dataset: SharedQueueDataset[Any]) -> str:
     if dataset.elastic is None:
         return "seed queue"
+    if dataset.elastic.automatic and dataset.lease_s is None:
+        return "resume (automatic)"
     parts = ["resume"] if dataset.resume else []
     return "+".join([*parts, *(["lease"] if dataset.lease_s is not None else [])])
 
