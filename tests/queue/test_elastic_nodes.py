@@ -159,9 +159,9 @@ def _drain_claimer(mailbox, order, learner) -> None:
         pass
 
 
-def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
-    """Same requests as the seed's claim protocol plus start-up and one count of the nodes near
-    the end, and claims stay permanent."""
+def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
+    """Same requests as the seed's claim protocol plus start-up, one count of the nodes near
+    the end and each unit's ``work/`` record while it loads, and claims stay permanent."""
     monkeypatch.setattr("gradientmail.queue.liveness.RENEW_S", 3600.0)  # no renewal mid-test
     monkeypatch.setattr("gradientmail.queue.pacing.ALONE_GRACE_S", 3600.0)  # one count of the nodes
     units = named_units(40, steps=2)
@@ -172,6 +172,7 @@ def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_fact
         learner_id="node-0",
         load=RecordingLoad(str(mailbox_factory("local").path), "node-0"),
         workers=0,
+        resume=False,
     ) as batches:
         assert len(list(batches)) == 80
     reference = CountingMailbox(mailbox_factory("memory", "reference"))
@@ -179,17 +180,20 @@ def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_fact
     startup = Counter(put_if_absent=3, get=1, delete=1)  # verify_mailbox (4) and run.json (1)
     presence = Counter(get_versioned=2, put_if_absent=1, replace_if=1)  # learners/node-0.json
     nodes = Counter(list=1)  # learners/: the endgame is near from the start (pacing.Endgame)
-    assert counted.counts == reference.counts + startup + presence + nodes
+    loading = Counter(list=1, put=len(units), delete=len(units))  # work/: earlier runs; each unit loading
+    assert counted.counts == reference.counts + startup + presence + nodes + loading
     assert not [key for prefix in (WORK_PREFIX, DONE_PREFIX, LEASES_PREFIX) for key in memory_mailbox.list(prefix)]
 
     # A node that stops early keeps its claims: nobody else gets them.
     box = mailbox_factory("memory", "early")
     load = RecordingLoad(str(mailbox_factory("local").path), "x")
-    with shared_queue(units, mailbox=box, learner_id="node-0", load=load, workers=0, prefetch=1) as batches:
+    with shared_queue(
+        units, mailbox=box, learner_id="node-0", load=load, workers=0, prefetch=1, resume=False
+    ) as batches:
         next(batches)
     claimed = list(box.list(CLAIMS_PREFIX))
     assert all(b"released" not in box.get(key) for key in claimed)
-    with shared_queue(units, mailbox=box, learner_id="node-1", load=load, workers=0) as batches:
+    with shared_queue(units, mailbox=box, learner_id="node-1", load=load, workers=0, resume=False) as batches:
         seen = {int(batch[0]) for _, batch in batches}
     assert len(seen) == len(units) - len(claimed)
 
