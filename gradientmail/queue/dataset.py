@@ -284,6 +284,10 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self.lease_s = check_elastic(mailbox, resume, lease)
         self.wiring = Wiring(prepared=prepared, elastic=elastic_options(mailbox, resume, self.lease_s))
         self.resume = self.wiring.elastic is not None and self.wiring.elastic.resume
+        self.marks_loading = resume is None
+        """The design note's queue chosen by the automatic mode (a DataLoader worker, a store
+        without ``replace_if``) marks each unit it loads in ``work/`` (a PUT and a DELETE per
+        unit), so that ``status`` and a restart see what it left; ``resume=False`` records nothing."""
         """Whether a restarted learner takes its own unfinished units back (``resume`` resolved)."""
         self.incarnation = uuid.uuid4().hex
         """This dataset's run of the learner in the design note's queue (its workers share it):
@@ -355,6 +359,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         worker = info.id if info is not None else None
         if worker is not None:
             exit_with_parent()
+        if not self.units:
+            return iter(())
         if self.wiring.elastic is not None and not self.wiring.tagged:
             if worker is not None and self.wiring.elastic.automatic and self.wiring.elastic.lease_s is None:
                 # The automatic mode cannot see the loop from here: the design note's queue.
@@ -369,6 +375,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     "in the training process, or use state_dict()/load_state_dict() (e.g. "
                     "torchdata's StatefulDataLoader) without these options"
                 )
+            if not self.wiring.prepared:  # a store that cannot create atomically is refused first
+                prepare_mailbox(self.mailbox, len(self.units), self.units)
+                return self.configured(prepared=True).__iter__()
             joined = gate_for(describe(self.mailbox), self.learner_id).take_join_marks()
             options = dataclasses.replace(self.wiring.elastic, incarnation=uuid.uuid4().hex, joined_marks=joined)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
@@ -416,7 +425,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         if options is not None or self._restore:
             yield from self._claim_and_load_elastic(worker, options)
             return
-        if worker in (None, 0) and not self.wiring.prepared:  # shared_queue warns in its own process
+        marks = self.marks_loading
+        if marks and worker in (None, 0) and not self.wiring.prepared:  # shared_queue warns in its own process
             warn_unfinished(self.mailbox, self.learner_id, self.incarnation)
         if self._claim_index is None:
             self._claim_index = ClaimIndex(self.units)
@@ -451,10 +461,10 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     raise
                 if identifier is None:
                     return
-                # Claimed and not yet loaded: what ``status`` and a restart of this learner see.
-                self.mailbox.put(
-                    work_key(self.learner_id, identifier), untracked_record(self.learner_id, self.incarnation)
-                )
+                if marks:  # claimed and not yet loaded: what ``status`` and a restart of this learner see
+                    self.mailbox.put(
+                        work_key(self.learner_id, identifier), untracked_record(self.learner_id, self.incarnation)
+                    )
                 for position, (step, tensor) in enumerate(self._load_unit(identifier)):
                     self._positions[identifier] = {"token": None, "step": step, "position": position}
                     if pacer is not None:
@@ -462,7 +472,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     yield Item(step, tensor, UnitTag(identifier)) if self.wiring.timed else (step, tensor)
                 if pacer is not None:
                     pacer.ended()  # a unit without batches
-                self.mailbox.delete(work_key(self.learner_id, identifier))
+                if marks:
+                    self.mailbox.delete(work_key(self.learner_id, identifier))
                 loaded = self._positions.pop(identifier, None)
                 if log.isEnabledFor(logging.DEBUG):
                     batches = 0 if loaded is None else loaded["position"] + 1

@@ -281,6 +281,9 @@ class Presence:
         self._renewed_at = clock()
         self._checked_at = -float("inf")  # the training thread's last ownership check
         self._replaced: DuplicateLearnerError | None = None
+        self.previous: PresenceRecord | None = None
+        """The record of another incarnation ``start`` found and replaced (None: none): whether
+        this learner's previous run left cleanly."""
 
     # -- public ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -289,6 +292,7 @@ class Presence:
             data, version = self._get()
             record = _parse(self.key, data)
             if record is not None and record.incarnation != self.incarnation:
+                self.previous = record
                 judged = self._judge(record, data)
                 if judged is not None:
                     raise self._duplicate(judged)
@@ -488,6 +492,7 @@ class Presence:
             data, version = self._get()
             record = _parse(self.key, data)
             if record is not None and record.incarnation != self.incarnation:
+                self.previous = record
                 self._replaced = self._replaced_by(record)
                 _log.warning("%s", self._replaced)
                 return

@@ -70,6 +70,7 @@ __all__ = [
     "recorded_step",
     "take_over",
     "untracked_record",
+    "warn_unclean",
     "warn_unfinished",
 ]
 
@@ -117,6 +118,23 @@ def warn_unfinished(mailbox: Mailbox, learner_id: str, incarnation: str) -> int:
         log.warning("%s", message)
         warnings.warn(message, UnfinishedUnitsWarning, stacklevel=3)
     return len(units)
+
+
+def warn_unclean(learner_id: str, previous: PresenceRecord | None) -> bool:
+    """With ``resume=False`` nothing records a unit's progress: warn when the previous run of
+    ``learner_id`` (its presence record, read at registration) did not leave cleanly, since the
+    units it held then stay claimed and untrained; returns whether it warned."""
+    if previous is None or previous.state == STOPPED:
+        return False
+    message = (
+        f"learner {learner_id!r}: its previous run (host {previous.host!r}, pid {previous.pid}) did "
+        "not leave cleanly: the units it had claimed and not finished stay claimed and are not "
+        "trained in this run. resume=False records no progress, so how many is unknown; the "
+        "default resume=None records it and a restart takes them back"
+    )
+    log.warning("%s", message)
+    warnings.warn(message, UnfinishedUnitsWarning, stacklevel=3)
+    return True
 
 
 def untracked_claims_error(learner_id: str, identifier: str, store: str) -> UntrackedClaimsError:

@@ -29,7 +29,7 @@ from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
-from gradientmail.queue.reclaim import warn_unfinished
+from gradientmail.queue.reclaim import warn_unclean, warn_unfinished
 from gradientmail.queue.telemetry import BatchWatch, ProgressDisplay, unit_times
 
 __all__ = ["WITH_HINT", "QueueContext", "shared_queue"]
@@ -182,7 +182,10 @@ def shared_queue(
     presence = Presence(mailbox, dataset.learner_id, incarnation, renew_s=presence_renew_s(dataset.lease_s))
     presence.start()  # DuplicateLearnerError before anything is claimed or recorded
     if elastic is None:  # units an earlier run of this learner left are not taken back: say so
-        warn_unfinished(mailbox, dataset.learner_id, dataset.incarnation)
+        if dataset.marks_loading:
+            warn_unfinished(mailbox, dataset.learner_id, dataset.incarnation)
+        else:
+            warn_unclean(dataset.learner_id, presence.previous)
     watch = BatchWatch(unit_times(describe(mailbox), dataset.learner_id))
     display: ProgressDisplay | None = None
     began = time.monotonic()

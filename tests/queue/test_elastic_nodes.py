@@ -160,8 +160,8 @@ def _drain_claimer(mailbox, order, learner) -> None:
 
 
 def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
-    """Same requests as the seed's claim protocol plus start-up, one count of the nodes near
-    the end and each unit's ``work/`` record while it loads, and claims stay permanent."""
+    """Same requests as the seed's claim protocol plus start-up and one count of the nodes near
+    the end, and claims stay permanent."""
     monkeypatch.setattr("gradientmail.queue.liveness.RENEW_S", 3600.0)  # no renewal mid-test
     monkeypatch.setattr("gradientmail.queue.pacing.ALONE_GRACE_S", 3600.0)  # one count of the nodes
     units = named_units(40, steps=2)
@@ -180,8 +180,7 @@ def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factor
     startup = Counter(put_if_absent=3, get=1, delete=1)  # verify_mailbox (4) and run.json (1)
     presence = Counter(get_versioned=2, put_if_absent=1, replace_if=1)  # learners/node-0.json
     nodes = Counter(list=1)  # learners/: the endgame is near from the start (pacing.Endgame)
-    loading = Counter(list=1, put=len(units), delete=len(units))  # work/: earlier runs; each unit loading
-    assert counted.counts == reference.counts + startup + presence + nodes + loading
+    assert counted.counts == reference.counts + startup + presence + nodes
     assert not [key for prefix in (WORK_PREFIX, DONE_PREFIX, LEASES_PREFIX) for key in memory_mailbox.list(prefix)]
 
     # A node that stops early keeps its claims: nobody else gets them.
@@ -217,7 +216,7 @@ def test_state_dict_resumes_after_the_last_batch_yielded(memory_mailbox, tmp_pat
     """The torchdata Stateful protocol on the dataset itself, called as StatefulDataLoader would."""
     units = named_units(3, steps=5)
     load = RecordingLoad(str(tmp_path), "n")
-    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load)
+    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False)
     iterator = iter(dataset)
     got = [next(iterator) for _ in range(3)]
     assert [step for step, _ in got] == [0, 1, 2]
@@ -236,14 +235,14 @@ def test_stateful_dataloader_if_installed(memory_mailbox, tmp_path):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     units = named_units(2, steps=4)
     load = RecordingLoad(str(tmp_path), "n")
-    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load)
+    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False)
     loader = stateful.StatefulDataLoader(dataset, batch_size=None, num_workers=0)
     iterator = iter(loader)
     for _ in range(2):
         next(iterator)
     state = loader.state_dict()
     again = stateful.StatefulDataLoader(
-        SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load),
+        SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False),
         batch_size=None,
         num_workers=0,
     )
