@@ -500,6 +500,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             crowd_limit=self._crowd_limit,
             restore=self._restore,
             stopping=lambda: halt[0] or (control is not None and control.stop.is_set()),
+            claim_ahead=self.claim_ahead,
+            gauge=self.wiring.gauge,
         )
         self._restore = {}
         gauge = self.wiring.gauge
@@ -537,6 +539,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         finally:
             if pacer is not None:
                 pacer.ended()
+            claimer.close()
             self._claim_stats.update(claimer.claim_stats)
 
     def _load_unit(self, identifier: str) -> Iterator[Batch]:

@@ -41,10 +41,11 @@ from gradientmail.layout import (
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe, exists, require_replace_if, supports_replace_if
-from gradientmail.queue.claimer import CROWD_LIMIT, Claimer, Pick
+from gradientmail.queue.claimer import CROWD_LIMIT, ClaimAhead, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
 from gradientmail.queue.lease import fence
 from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds, process_gone
+from gradientmail.queue.pacing import BufferGauge
 from gradientmail.records import (
     ACTIVE,
     FENCED,
@@ -349,12 +350,16 @@ def elastic_options(mailbox: Mailbox, resume: bool | None, lease_s: float | None
 
 
 class _FreshClaimer(Claimer):
-    """The seed's ``Claimer``, writing elastic claim bodies and remembering each won token."""
+    """The seed's ``Claimer``, writing elastic claim bodies and each won unit's ``work/`` record.
+
+    Attempts may run on ``ClaimAhead``'s threads: each won token is kept by identifier, and the
+    work record is written before the unit is handed out, so a unit claimed ahead is already
+    this incarnation's for ``status`` and for a restart."""
 
     def __init__(self, *args: Any, incarnation: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.incarnation = incarnation
-        self.token: str | None = None
+        self.tokens: dict[str, str] = {}
 
     def attempt(self, pick: Pick) -> bool:
         won = try_claim(
@@ -368,7 +373,11 @@ class _FreshClaimer(Claimer):
             step=None,
         )
         if won:
-            self.token = pick.token  # claims run one at a time here (no ClaimAhead on the elastic path)
+            self.mailbox.put(
+                work_key(self.learner_id, pick.identifier),
+                WorkRecord.new(self.learner_id, pick.token, self.incarnation, None).to_bytes(),
+            )
+            self.tokens[pick.identifier] = pick.token
         return won
 
 
@@ -419,6 +428,8 @@ class ElasticClaimer:
         stopping: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        claim_ahead: int = 0,
+        gauge: BufferGauge | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.order = list(order)
@@ -436,6 +447,14 @@ class ElasticClaimer:
             listing=listing,
             crowd_limit=crowd_limit,
             incarnation=options.incarnation,
+        )
+        # Fresh units claimed ahead on background threads (the automatic mode; ``resume=True``
+        # and ``lease=`` claim on demand): a claim's round trips then overlap loading.
+        self._ahead = ClaimAhead(
+            self._fresh,
+            limit=claim_ahead if options.automatic else 0,
+            gauge=gauge,
+            name=f"gradientmail-claim-{learner_id}",
         )
         self._watch = LeaseWatch(options.lease_s, clock) if options.lease_s else None
         self._restore = dict(restore or {})
@@ -501,18 +520,17 @@ class ElasticClaimer:
             if found is not None:
                 return found
         if self._fresh_left:
-            identifier = self._fresh.claim_next()
+            identifier = self._ahead.next()
             if identifier is not None:
                 self.stats["claims"] += 1
-                assert self._fresh.token is not None
-                token = self._fresh.token
-                self.mailbox.put(
-                    work_key(self.learner_id, identifier),
-                    WorkRecord.new(self.learner_id, token, self.options.incarnation, None).to_bytes(),
-                )
-                return Assignment(identifier, token)
+                return Assignment(identifier, self._fresh.tokens.pop(identifier))
             self._fresh_left = False
         return self._drain()
+
+    def close(self) -> None:
+        """Stop claiming ahead and wait for the claims in flight (units won stay claimed, with
+        their ``work/`` records: this learner's restart takes them back)."""
+        self._ahead.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _take(

@@ -200,7 +200,7 @@ def shared_queue(
             _mode(dataset),
             workers,
             prefetch,
-            dataset.claim_ahead if elastic is None else 0,
+            dataset.claim_ahead if elastic is None or (elastic.automatic and elastic.lease_s is None) else 0,
         )
         tracker: ProgressTracker | None = None
         if elastic is not None:
