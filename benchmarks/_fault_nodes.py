@@ -28,6 +28,13 @@ LEASE_LOST_EXIT = 3
 """A node's exit code after ``LeaseLostError`` (it found its units taken over on resuming)."""
 STOPPED_EXIT = 4
 """A node's exit code after the injected transient error surfaced (it stops; it is restarted)."""
+DUPLICATE_EXIT = 5
+"""The intruder's exit code when its Session was refused (``DuplicateLearnerError``)."""
+INTRUDER_STEPS = 6
+"""What the intruder trains if its Session is admitted: 6 samples the dataset does not have."""
+HELD, RELEASED = "held-{learner}", "intruder-done"
+"""Files in the trial's directory: the victim stands still inside its loop (its Session and
+queue live) from ``HELD`` until the parent writes ``RELEASED``."""
 
 TARGETS: dict[str, tuple[frozenset[str], str]] = {
     "list versions": (frozenset({"list"}), r"session/fragments/#/versions/"),
@@ -84,6 +91,8 @@ class NodeSpec:
     latency_s: float = 0.0
     transient: Transient | None = None
     gate: int = 0  # wait, inside the loop's with block, until this many nodes stand there
+    hold_after: int | None = None  # stand still after this many batches until RELEASED exists
+    intruder: bool = False  # a second process under this learner id: a Session alone
 
 
 def open_box(box: str, endpoint: str | None) -> Any:
@@ -203,12 +212,12 @@ def skew_clock(offset_s: float, host_suffix: str) -> None:
     time.time_ns = lambda: real_time_ns() + int(offset_s * 1e9)  # type: ignore[assignment]
     socket.gethostname = lambda: real_host() + host_suffix  # type: ignore[assignment]
     # Caches a forked parent may have filled, and a default bound at import (``Presence(wall=)``).
+    from gradientmail import presence
     from gradientmail.mailbox import local as local_backend
-    from gradientmail.queue import liveness
 
-    liveness.machine.cache_clear()
+    presence.machine.cache_clear()
     local_backend.host_token.cache_clear()
-    defaults = liveness.Presence.__init__.__kwdefaults__
+    defaults = presence.Presence.__init__.__kwdefaults__
     if defaults is not None and "wall" in defaults:
         defaults["wall"] = time.time
 
@@ -217,6 +226,9 @@ def node(spec: NodeSpec) -> None:
     """The documented loop; appends ``unit step`` per batch received to its own file."""
     if spec.clock_offset_s:
         skew_clock(spec.clock_offset_s, f"-skewed-{spec.run}")
+    if spec.intruder:
+        intrude(spec)
+        return
     import torch
 
     from gradientmail import LeaseLostError, Session
@@ -277,10 +289,46 @@ def train(spec: NodeSpec, box: Any, model: Any, session: Any, units: dict[str, s
                 model.weight.add_(1.0)
             session.step(samples=1)
             received += 1
+            if received == spec.hold_after:
+                hold(Path(spec.out), spec.learner)
             if spec.kill_after is not None and received >= spec.kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
             if flaky is not None and received == spec.transient.after:
                 flaky.arm()
+
+
+def hold(out: Path, learner: str, timeout_s: float = 60.0) -> None:
+    """Stand still inside the loop, alive (the Session and the queue renew their records), while
+    the parent starts an intruder under this learner id and waits for it to end."""
+    (out / HELD.format(learner=learner)).touch()
+    deadline = time.monotonic() + timeout_s
+    while not (out / RELEASED).exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def intrude(spec: NodeSpec) -> None:
+    """A second process starting a Session under a live learner's id (the same script started
+    twice): it must be refused before it writes anything. Admitted, it would fold
+    ``INTRUDER_STEPS`` samples the dataset does not have under the live learner's name."""
+    import torch
+
+    from gradientmail import DuplicateLearnerError, Session
+
+    torch.set_num_threads(1)
+    box = open_box(spec.box, spec.endpoint)
+    model = torch.nn.Linear(4, 4)
+    session = Session(
+        model, mailbox=box, learner_id=spec.learner, every=timedelta(seconds=spec.every_s), fragments=spec.fragments
+    )
+    try:
+        with session:
+            for _ in range(INTRUDER_STEPS):
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                session.step(samples=1)
+    except DuplicateLearnerError as exc:
+        (Path(spec.out) / f"refused-{spec.learner}.txt").write_text(f"{exc}"[:400] + "\n")
+        sys.exit(DUPLICATE_EXIT)
 
 
 def wait_at_gate(out: Path, learner: str, count: int, timeout_s: float = 60.0) -> None:

@@ -19,6 +19,9 @@ waits inside its ``with`` block until all three stand there; a restart does not)
   behind (alternately) for the whole run, restart included, and its host name differs per run, so
   that its presence record is judged as another machine's (by the times on the store); it is
   killed after N batches and restarted as after a kill;
+- **hour_ahead**, **hour_behind**: the same with the victim's wall clock an hour ahead or behind:
+  its peers see its member key, contributions and presence dated an hour off, and it sees theirs
+  so; who counts in ``N`` and who holds a unit must not depend on it;
 - **slow**: every request of the victim's mailbox takes 100 ms more (``DelayedMailbox``, a distant
   node), restart included; it is killed after N batches (1 to 8: it trains only about 6 to 12 in a
   run, its folds taking a second) and restarted; every node trains 40 ms a batch in these trials
@@ -31,7 +34,12 @@ waits inside its ``with`` block until all three stand there; a restart does not)
   versions, reading a version or a pending contribution, creating a version, a tombstone, the
   progress, work and lease records, claims, done records...; ``any``: the k-th request of any
   kind), alternately before it reaches the store and after it took effect (its answer lost). A
-  node the error stops (exit code 4) is restarted like a killed one; one that absorbs it goes on.
+  node the error stops (exit code 4) is restarted like a killed one; one that absorbs it goes on;
+- **duplicate**: the victim stands still inside its loop (alive: its Session and queue renew
+  their records) while a second process starts a ``Session`` alone under its learner id, as the
+  same script started twice would, and would fold 6 samples the dataset does not have; it must be
+  refused with ``DuplicateLearnerError`` (exit code 5: outcome "refused"; admitted, it is an
+  error); the victim then goes on.
 
 Then ``consensus`` says how many samples the run's state holds; the dataset has 144. Figures,
 in total and per fault kind: ``faults_lost`` (dataset - in model, if > 0), ``faults_doubled`` (in
@@ -51,7 +59,7 @@ stops on an error stops its Session's folds first. Counted here: samples per lea
 ``consensus`` reports them (the fewest any fragment holds); a node that dies mid-round leaves
 its last batches in some fragments only, which the next node trains again (see docs/elastic.md).
 
-Usage: ``python -m benchmarks.faults [--quick] [--trials N] [--faults kill,freeze,clock,slow,transient]
+Usage: ``python -m benchmarks.faults [--quick] [--trials N] [--faults kill,freeze,clock,hour_ahead,...,duplicate]
 [--store local|seaweedfs] [--seed S] [--start I] [--fragments F]`` (default 50 trials of every kind,
 about 4 minutes on 2 cores on local; ``--quick``: one trial of each kind, CI). A trial depends on
 the seed and its number only: ``--start 37 --trials 1`` runs trial 37 again. The last line printed
@@ -61,6 +69,7 @@ is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -76,7 +85,10 @@ from pathlib import Path
 from benchmarks._common import emit, table
 from benchmarks._fault_nodes import (
     ANY_NTH,
+    DUPLICATE_EXIT,
+    HELD,
     LEASE_LOST_EXIT,
+    RELEASED,
     STEPS,
     STOPPED_EXIT,
     TARGETS,
@@ -102,6 +114,8 @@ FREEZE_S = 2.5
 """How long a frozen node stands still (SIGSTOP, then SIGCONT): past its 1 s lease."""
 CLOCK_OFFSET_S = 600.0
 """How far the ``clock`` victim's wall clock is off, ahead and behind alternately."""
+HOUR_S = 3600.0
+"""How far the ``hour_ahead`` and ``hour_behind`` victims' wall clocks are off."""
 LATENCY_S = 0.1
 """What every request of the ``slow`` victim's mailbox takes on top."""
 TRAIN_S = 0.004
@@ -109,8 +123,8 @@ TRAIN_S = 0.004
 SLOW_TRAIN_S = 0.04
 """One batch in ``slow`` trials, every node: the run lasts long enough (about 3 s) for the
 distant node, whose every claim takes a few of its 100 ms requests, to get a share of the units."""
-FAULTS = ("kill", "freeze", "clock", "slow", "transient", "restart")
-KILLED = ("kill", "clock", "slow", "restart")
+FAULTS = ("kill", "freeze", "clock", "hour_ahead", "hour_behind", "slow", "transient", "duplicate", "restart")
+KILLED = ("kill", "clock", "hour_ahead", "hour_behind", "slow", "restart")
 """The kinds whose victim is SIGKILLed after N batches."""
 NO_FAULT = "finished first"
 NOT_HIT = "not hit"
@@ -197,6 +211,40 @@ def transient_plan(rng: random.Random, after: int, ordinal: int) -> Transient:
     return Transient(after=after, target=target, nth=nth, landed=ordinal % 2 == 0)
 
 
+def intrude(
+    context: multiprocessing.context.BaseContext,
+    spec: NodeSpec,
+    out: Path,
+    victim: int,
+    after: int,
+    first: multiprocessing.process.BaseProcess,
+) -> tuple[str, str]:
+    """Once the victim stands still after ``after`` batches, start an intruder under its learner
+    id and wait for it; then let the victim go on. ``(outcome, error)``: "refused" when its
+    Session raised ``DuplicateLearnerError``; "admitted" is an error."""
+    held = out / HELD.format(learner=f"node-{victim}")
+    try:
+        if not wait_for_batches(out / f"consumed-node-{victim}-1.txt", after, first):
+            return NO_FAULT, ""
+        deadline = time.monotonic() + 60
+        while not held.exists() and first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if not held.exists():
+            return NO_FAULT, ""
+        intruder = context.Process(target=node, args=(dataclasses.replace(spec, intruder=True),))
+        intruder.start()
+        intruder.join(120)
+        if intruder.is_alive():
+            intruder.kill()
+            intruder.join()
+            return "hung", "the intruder did not end within 120 s"
+        if intruder.exitcode == DUPLICATE_EXIT:
+            return "refused", ""
+        return "admitted", f"the intruder under node-{victim} was admitted (exit code {intruder.exitcode})"
+    finally:
+        (out / RELEASED).touch()
+
+
 RESTARTS = 3
 """Rounds of restarts for nodes that stopped with ``LeaseLostError`` (judged dead while busy)."""
 
@@ -213,11 +261,17 @@ def run_trial(store: Store, root: Path, index: int, seed: int, kinds: tuple[str,
     context = multiprocessing.get_context("fork")
     after = rng.randint(*(SLOW_KILL_AFTER if fault == "slow" else KILL_AFTER))
     victim = rng.randrange(NODES)
-    offset = CLOCK_OFFSET_S * (1 if ordinal % 2 == 0 else -1) if fault == "clock" else 0.0
+    offset = {
+        "clock": CLOCK_OFFSET_S * (1 if ordinal % 2 == 0 else -1),
+        "hour_ahead": HOUR_S,
+        "hour_behind": -HOUR_S,
+    }.get(fault, 0.0)
     latency = LATENCY_S if fault == "slow" else 0.0
     plan = transient_plan(rng, after, ordinal) if fault == "transient" else None
     detail = {
         "clock": f"{offset:+.0f} s",
+        "hour_ahead": f"{offset:+.0f} s",
+        "hour_behind": f"{offset:+.0f} s",
         "slow": f"+{latency * 1000:.0f} ms",
         "transient": "" if plan is None else f"{plan.target} ({'landed' if plan.landed else 'not sent'})",
     }.get(fault, "")
@@ -239,6 +293,7 @@ def run_trial(store: Store, root: Path, index: int, seed: int, kinds: tuple[str,
             latency_s=latency if faulty else 0.0,
             transient=plan if faulty and first else None,
             gate=NODES if first else 0,
+            hold_after=after if faulty and first and fault == "duplicate" else None,
         )
 
     processes = {rank: context.Process(target=node, args=(spec(rank, 1),)) for rank in range(NODES)}
@@ -253,10 +308,14 @@ def run_trial(store: Store, root: Path, index: int, seed: int, kinds: tuple[str,
             time.sleep(FREEZE_S)
             os.kill(first.pid, signal.SIGCONT)
             frozen = True
+    if fault == "duplicate":
+        outcome, error = intrude(context, spec(victim, 2), out, victim, after, first)
     first.join(180)
-    expected = {"freeze": (0, LEASE_LOST_EXIT), "transient": (0, STOPPED_EXIT, LEASE_LOST_EXIT)}.get(
-        fault, (-signal.SIGKILL, 0, LEASE_LOST_EXIT)
-    )
+    expected = {
+        "freeze": (0, LEASE_LOST_EXIT),
+        "transient": (0, STOPPED_EXIT, LEASE_LOST_EXIT),
+        "duplicate": (0, LEASE_LOST_EXIT),
+    }.get(fault, (-signal.SIGKILL, 0, LEASE_LOST_EXIT))
     if first.exitcode not in expected:
         error = f"node-{victim} ended with {first.exitcode}"
     if fault == "freeze":
@@ -272,13 +331,17 @@ def run_trial(store: Store, root: Path, index: int, seed: int, kinds: tuple[str,
             stopped = out / f"stopped-node-{victim}-1.txt"
             if stopped.exists():
                 detail += f" -> {stopped.read_text().split(':', 1)[0]}"
+    elif fault == "duplicate":
+        pass  # the victim went on; the intruder's outcome is the trial's
     elif first.exitcode == LEASE_LOST_EXIT:
         outcome = "stopped"  # judged dead by its peers before the fault hit (a slow store, a busy machine)
     elif first.exitcode == 0:
         outcome = NO_FAULT  # its share of the units ran out before the batch it was to die at
-    restart = context.Process(target=node, args=(spec(victim, 2),))
-    restart.start()  # resume=True: takes its own unfinished units back (nothing, if it went on)
-    for process in [*processes.values(), restart]:
+    latest = dict(processes)
+    if fault != "duplicate":  # the victim of a duplicate went on
+        latest[victim] = context.Process(target=node, args=(spec(victim, 2),))
+        latest[victim].start()  # resume=True: takes its own unfinished units back (nothing, if it went on)
+    for process in {*processes.values(), *latest.values()}:
         process.join(180)
         if process.is_alive():
             process.kill()
@@ -286,8 +349,7 @@ def run_trial(store: Store, root: Path, index: int, seed: int, kinds: tuple[str,
             error = error or "a node did not finish within 180 s"
     # A node judged dead (lease 1 s: a busy machine stalls a process that long) stops with
     # LeaseLostError, its units taken over; it is restarted as its message says, and noted.
-    latest = {**processes, victim: restart}
-    runs = dict.fromkeys(latest, 1) | {victim: 2}
+    runs = dict.fromkeys(latest, 1) | ({} if fault == "duplicate" else {victim: 2})
     for _ in range(RESTARTS):
         stopped = [rank for rank, process in latest.items() if process.exitcode == LEASE_LOST_EXIT]
         for rank in stopped:

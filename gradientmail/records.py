@@ -3,7 +3,7 @@
 Every JSON record the library writes has one class here (``ClaimRecord``, ``WorkRecord``,
 ``DoneRecord``, ``LeaseRecord``, ``PresenceRecord``, ``RunRecord``, ``MemberRecord``,
 ``ProgressRecord``): its ``new(...)`` builds a body to write, ``from_bytes`` (or ``read``)
-reads one back through ``parse``, and typed properties say what the fields mean. The keys they live under are in
+reads one back, bounded and checked, and typed properties say what the fields mean. The keys they live under are in
 ``gradientmail.layout``. The Session's tensor records (state and pending contributions) are
 safetensors with a bounded JSON header, typed by ``session.mail.StateHeader`` and
 ``PendingHeader`` beside their encoding, which needs torch: this bottom layer does not.
@@ -22,10 +22,14 @@ problem, a record that is
   an ``int`` in ``[0, MAX_COUNT]``, a time that is not a finite unix time between 1970 and
   9999, a state outside its few values.
 
-A record is read from the store with the same bound (``get_record``, ``Record.fetch``): a stray
-huge value under a record's prefix is refused after at most ``MAX_RECORD_BYTES + 1`` bytes, never
-loaded, and is then unusable like any other. Unknown fields are kept and ignored (the formats
-only ever gain fields, ``gradientmail.layout``). Readers that must go on (a node's scans, the
+Code reads only what is checked. A record class exposes the fields its ``RecordKind`` declares,
+each with its check, and nothing else: a typed ``Field`` of an undeclared name fails when the class
+is defined, and ``get``, ``[]``, ``to_dict`` and ``replace`` refuse an undeclared name
+(``UndeclaredFieldError``). Unknown fields (a newer writer's, or junk) are kept as opaque bytes
+for ``to_bytes`` only, so a rewrite keeps them, and no decision can depend on an unchecked
+value. A record is read from the store with the same bound (``get_record``, ``Record.fetch``): a
+stray huge value under a record's prefix is refused after at most ``MAX_RECORD_BYTES + 1`` bytes,
+never loaded, and is then unusable like any other. Readers that must go on (a node's scans, the
 status tool) use ``SkippedRecords``: it counts each refused record and warns once per kind and
 learner (``RecordSkippedWarning``), not once per record and scan.
 """
@@ -75,6 +79,7 @@ __all__ = [
     "RunRecord",
     "STOPPED",
     "SkippedRecords",
+    "UndeclaredFieldError",
     "WORK",
     "WorkRecord",
     "get_record",
@@ -423,8 +428,8 @@ def get_record_versioned(
         raise _refused(kind, key, exc) from None
 
 
-def parse(kind: RecordKind, data: bytes, key: str = "") -> dict[str, Any]:
-    """``data`` as a ``kind`` record: bounded, every known field checked; else ``RecordError``."""
+def _checked_body(kind: RecordKind, data: bytes, key: str) -> dict[str, Any]:
+    """The whole body of a ``kind`` record (unknown fields too), every declared field checked."""
     where = f"{kind.name} {key!r}" if key else kind.name
     record = loads_object(data, where=where)
     for name in kind.required:
@@ -436,6 +441,15 @@ def parse(kind: RecordKind, data: bytes, key: str = "") -> dict[str, Any]:
             if problem is not None:
                 raise RecordError(f"{where}: field {name!r} {problem}")
     return record
+
+
+def parse(kind: RecordKind, data: bytes, key: str = "") -> dict[str, Any]:
+    """The declared fields of ``data`` as a ``kind`` record, each checked; else ``RecordError``.
+
+    Unknown fields are left out: nothing may decide on a value no check has seen.
+    """
+    record = _checked_body(kind, data, key)
+    return {name: value for name, value in record.items() if name in kind.fields}
 
 
 # -- typed records: each record's writer and reader together ---------------------------------------
@@ -459,9 +473,10 @@ def _number(value: Any) -> float | None:
 
 
 class Field(Generic[T]):
-    """A typed read of one record field: the stored value when it has the type, else None.
+    """A typed read of one declared record field: the stored value when it has the type, else None.
 
-    ``kind`` float accepts any JSON number (as a float); ``at_least`` refuses smaller ints.
+    ``kind`` float accepts any JSON number (as a float); ``at_least`` refuses smaller ints. A record
+    class may only hold ``Field``s of names its ``KIND`` declares (checked when it is defined).
     """
 
     def __init__(self, kind: type[T], doc: str = "", *, at_least: int | None = None) -> None:
@@ -480,7 +495,7 @@ class Field(Generic[T]):
     def __get__(self, record: Record | None, owner: type) -> Field[T] | T | None:
         if record is None:
             return self
-        value = record.fields.get(self.name)
+        value = record.get(self.name)  # declared: checked when the class was defined
         if self.kind is float:
             return _number(value)  # type: ignore[return-value]
         value = _typed(value, self.kind)
@@ -489,19 +504,37 @@ class Field(Generic[T]):
         return value
 
 
+class UndeclaredFieldError(LookupError):
+    """Code asked a record for a field its ``RecordKind`` does not declare, so that no check ever
+    looked at the value: declare the field with its check in ``gradientmail.records`` first."""
+
+
 class Record:
     """A record body: typed fields over the exact JSON object it was read from or built as.
 
-    ``to_bytes`` gives back exactly the body it holds: unknown fields (a newer writer's) and
-    the key order are kept, so a rewrite changes only what it means to change.
+    Only the fields its ``KIND`` declares can be read (``Field`` properties, ``get``, ``[]``,
+    ``to_dict``); unknown ones are opaque. ``to_bytes`` gives back exactly the body it holds:
+    unknown fields (a newer writer's) and the key order are kept, so a rewrite changes only what
+    it means to change.
     """
 
     KIND: ClassVar[RecordKind]
-    __slots__ = ("fields",)
+    __slots__ = ("_body",)
 
     def __init__(self, fields: Mapping[str, Any]) -> None:
-        self.fields: Mapping[str, Any] = MappingProxyType(dict(fields))
-        """The body, key order kept (read-only); unknown fields are kept and ignored."""
+        self._body: Mapping[str, Any] = MappingProxyType(dict(fields))
+        """The whole body, key order kept; only ``to_bytes`` sees its unknown fields."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = cls.KIND.fields
+        for owner in cls.__mro__:
+            for name, value in vars(owner).items():
+                if isinstance(value, Field) and name not in declared:
+                    raise TypeError(
+                        f"{cls.__name__}.{name} would read field {name!r}, which {cls.KIND.name!r} does not "
+                        "declare with a check"
+                    )
 
     @classmethod
     def from_bytes(cls: type[RecordT], data: bytes, key: str = "") -> RecordT:
@@ -510,7 +543,7 @@ class Record:
         Raises:
             RecordError: not a usable record of this kind (too large or deep, not JSON, a bad field).
         """
-        return cls(parse(cls.KIND, data, key))
+        return cls(_checked_body(cls.KIND, data, key))
 
     @classmethod
     def read(cls: type[RecordT], data: bytes | None, key: str = "") -> RecordT | None:
@@ -533,7 +566,7 @@ class Record:
 
     def to_bytes(self) -> bytes:
         """The body as compact JSON: the bytes the record is stored as."""
-        return self.encode(self.fields)
+        return self.encode(self._body)
 
     @staticmethod
     def encode(fields: Mapping[str, Any]) -> bytes:
@@ -541,22 +574,40 @@ class Record:
         record: a claim is written per unit)."""
         return _ENCODER.encode(dict(fields)).encode()
 
+    def _declared(self, name: str) -> str:
+        if name not in self.KIND.fields:
+            raise UndeclaredFieldError(
+                f"{self.KIND.name} has no declared field {name!r} (declared: {', '.join(self.KIND.fields)}); "
+                "an undeclared field is never checked, so no code may read or write it"
+            )
+        return name
+
     def to_dict(self) -> dict[str, Any]:
-        """A mutable copy of the body."""
-        return dict(self.fields)
+        """The declared fields present, in the body's order, as a mutable dict (unknown fields are
+        left out)."""
+        declared = self.KIND.fields
+        return {name: value for name, value in self._body.items() if name in declared}
 
     def get(self, name: str, default: Any = None) -> Any:
-        """A field as stored (for display; code that decides reads the typed properties)."""
-        return self.fields.get(name, default)
+        """A declared field as stored, ``default`` when absent (code that decides reads the
+        typed properties)."""
+        return self._body.get(self._declared(name), default)
+
+    def __getitem__(self, name: str) -> Any:
+        """A declared field as stored; ``KeyError`` when absent."""
+        return self._body[self._declared(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.KIND.fields and name in self._body
 
     def replace(self: RecordT, **changes: Any) -> RecordT:
-        """A copy with ``changes``: fields already present keep their place, new ones go last."""
-        return type(self)({**self.fields, **changes})
+        """A copy with declared fields ``changes``: those present keep their place, new ones go last."""
+        for name in changes:
+            self._declared(name)
+        return type(self)({**self._body, **changes})
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({dict(self.fields)!r})"
-
-    learner = Field(str, "The learner that wrote it (every record but the run's names one).")
+        return f"{type(self).__name__}({dict(self._body)!r})"
 
 
 class ClaimRecord(Record):
@@ -572,6 +623,7 @@ class ClaimRecord(Record):
 
     KIND = CLAIM
     __slots__ = ()
+    learner = Field(str, "The learner that claimed the unit.")
 
     @classmethod
     def of(cls, claim: Mapping[str, Any] | ClaimRecord) -> ClaimRecord:
@@ -585,7 +637,7 @@ class ClaimRecord(Record):
     @property
     def worker(self) -> Any:
         """The DataLoader worker that claimed (None: the main process), as stored."""
-        return self.fields.get("worker")
+        return self.get("worker")
 
     claimed_at = Field(float)
     state = Field(str, "``ACTIVE`` or ``RELEASED`` for elastic claims, None for the seed's.")
@@ -606,6 +658,7 @@ class WorkRecord(Record):
 
     KIND = WORK
     __slots__ = ()
+    learner = Field(str)
 
     @classmethod
     def new(
@@ -637,7 +690,7 @@ class WorkRecord(Record):
 
     @property
     def done(self) -> bool:
-        return self.fields.get("done") is True
+        return self.get("done") is True
 
 
 class DoneRecord(Record):
@@ -645,6 +698,7 @@ class DoneRecord(Record):
 
     KIND = DONE
     __slots__ = ()
+    learner = Field(str)
 
     @classmethod
     def new(cls, learner: str, token: str) -> DoneRecord:
@@ -659,6 +713,7 @@ class LeaseRecord(Record):
 
     KIND = LEASE
     __slots__ = ()
+    learner = Field(str)
 
     @classmethod
     def new(cls, learner: str, incarnation: str, beat: int, consumed: int, lease_s: float, state: str) -> LeaseRecord:
@@ -692,6 +747,7 @@ class PresenceRecord(Record):
 
     KIND = PRESENCE
     __slots__ = ()
+    learner = Field(str)
 
     @classmethod
     def new(
@@ -723,20 +779,20 @@ class PresenceRecord(Record):
 
     @property
     def incarnation(self) -> str:
-        return self.fields["incarnation"]  # required and checked
+        return self["incarnation"]  # required and checked
 
     @property
     def state(self) -> str:
         """``RUNNING`` or ``STOPPED``."""
-        return self.fields["state"]
+        return self["state"]
 
     @property
     def host(self) -> str:
-        return self.fields["host"]
+        return self["host"]
 
     @property
     def pid(self) -> int:
-        return self.fields["pid"]
+        return self["pid"]
 
     pid_start = Field(int, "The process's start time in clock ticks since boot (None: unknown).")
     time = Field(float)
@@ -757,6 +813,7 @@ class RunRecord(Record):
         return cls(fields)
 
     units = Field(int)
+    created = Field(float)
     fingerprint = Field(str, "``unit_fingerprint`` of the run's identifiers (None: an older version's record).")
 
 
@@ -766,6 +823,7 @@ class MemberRecord(Record):
 
     KIND = MEMBER
     __slots__ = ()
+    learner = Field(str)
 
     @classmethod
     def new(cls, learner: str, joined: float) -> MemberRecord:
@@ -779,6 +837,7 @@ class ProgressRecord(Record):
 
     KIND = PROGRESS
     __slots__ = ()
+    learner = Field(str)
 
     @classmethod
     def new(

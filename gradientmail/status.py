@@ -1,9 +1,11 @@
 """Read a run from its mailbox into plain data: what ``gradientmail status`` and ``plot`` show.
 
-Read-only, from the documented records (``run.json``, claims, progress, ``done/``, ``leases/``),
-so it works on any mailbox, during or after a run. Every record is read with the record bound
-(``records.get_record``): a stray huge file is refused unread. Unusable records are listed in
+Read-only, from the documented records (``run.json``, claims, progress, ``done/``, ``leases/``,
+``learners/``), so it works on any mailbox, during or after a run. Every record is read with the
+record bound (``records.get_record``): a stray huge file is refused unread. Unusable records are listed in
 ``RunStatus.unreadable``; an unreadable claim still counts as claimed, under learner ``"?"``.
+A learner whose process died without a lease says nothing more: its presence record (or,
+lacking one, its progress record) stops being renewed, and ``LearnerStatus.may_be_dead`` says so.
 """
 
 from __future__ import annotations
@@ -21,16 +23,19 @@ from gradientmail.errors import RecordError, RunNotFoundError
 from gradientmail.layout import (
     CLAIMS_PREFIX,
     DONE_PREFIX,
+    LEARNERS_PREFIX,
     LEASES_PREFIX,
     PROGRESS_PREFIX,
     RUN_KEY,
     WORK_PREFIX,
 )
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.presence import presence_window_s
 from gradientmail.records import (
     STOPPED,
     ClaimRecord,
     LeaseRecord,
+    PresenceRecord,
     ProgressRecord,
     Record,
     RecordT,
@@ -38,7 +43,7 @@ from gradientmail.records import (
     get_record,
 )
 from gradientmail.records import parse as parse_record
-from gradientmail.verdict import Sightings, judge_lease
+from gradientmail.verdict import CLOCK_TOLERANCE_S, EXPIRED, Sightings, judge_lease
 
 DEFAULT_THREADS = 16
 """Parallel GETs when reading claim bodies; object stores answer each in tens of ms."""
@@ -49,6 +54,12 @@ a 100k-unit run never holds 100k bodies (or 100k futures) at once."""
 
 UNKNOWN_LEARNER = "?"
 """Learner name shown for a claim whose body cannot be parsed."""
+
+SILENT_PROGRESS_S = 600.0
+"""A learner with a progress record but no presence record (a writer that keeps none) may be
+dead once its ``last_seen`` is this much older than the reader's clock (plus
+``CLOCK_TOLERANCE_S``): a progress record names no renewal interval, and a Session writes one per
+round of exchanges (30 s by default), so only a long silence says anything."""
 
 
 class Fetched(NamedTuple):
@@ -139,6 +150,18 @@ class LearnerStatus:
     unfinished: int = 0
     """Units claimed under this learner id and not finished: being trained now, or left by a
     run of it that stopped (``work/{learner}/`` records, in every mode)."""
+    presence: str | None = None
+    """Its presence record (``learners/``, written by its Session and its queue) judged as the
+    nodes judge it: ``"live"``, ``"expired"`` (not renewed for three of its renewal intervals)
+    or ``"stopped"``; None without one."""
+    seen_alive: float | None = None
+    """When it was last known alive (unix seconds): its presence record's last renewal (when
+    this reader saw the record change, where it has; else the writer's own time), or without one
+    its progress record's ``last_seen``."""
+    may_be_dead: bool | None = None
+    """True when it has neither finished nor stopped and ``seen_alive`` is well past its renewal
+    interval: its process may have died (nothing else would say so without a lease). None when
+    its lease judges it (``lease``) or nothing does."""
 
 
 @dataclass
@@ -223,6 +246,7 @@ _PLAIN_LEARNER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@:+-]{0,199}")
 _PREFIXES: tuple[tuple[str, type[Record]], ...] = (
     (CLAIMS_PREFIX, ClaimRecord),
     (LEASES_PREFIX, LeaseRecord),
+    (LEARNERS_PREFIX, PresenceRecord),
     (PROGRESS_PREFIX, ProgressRecord),
 )
 
@@ -322,19 +346,28 @@ class RunReader:
     """Reads a run repeatedly (``status --watch``), fetching each permanent claim body once."""
 
     def __init__(
-        self, mailbox: Mailbox, *, threads: int | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        mailbox: Mailbox,
+        *,
+        threads: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] | None = None,
     ) -> None:
         """``threads``: parallel GETs (default ``default_threads(mailbox)``); ``clock`` times how
-        long each lease record stood still (a test passes a fake one)."""
+        long each lease and presence record stood still, ``wall`` is the reader's unix time
+        (default ``time.time``; a test passes fake ones)."""
         if threads is None:
             threads = default_threads(mailbox)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, not {threads}")
         self.mailbox = mailbox
         self.threads = threads
+        self.wall = wall if wall is not None else lambda: time.time()
         self._claims: dict[str, Claim] = {}
         self._done: set[str] = set()
         self._lease_sightings = Sightings(clock)  # how long each lease stood still, on our clock
+        self._presence_sightings = Sightings(clock)  # the same for presence records
+        self._presence_first: dict[str, bytes] = {}  # each presence record as first read here
         self._unreadable_claims: dict[str, str] = {}  # claims are read once: their problems kept
 
     def _get(self, key: str) -> Fetched:
@@ -355,13 +388,13 @@ class RunReader:
                 yield from pool.map(self._get, keys[start : start + FETCH_CHUNK])
 
     def read(self) -> RunStatus:
-        read_at = time.time()
+        read_at = self.wall()
         unreadable: dict[str, str] = {}
         _, run_data, unreadable[RUN_KEY] = self._get(RUN_KEY)
         run_body = None
         if run_data is not None:
             run_body, unreadable[RUN_KEY] = _checked(RunRecord, RUN_KEY, run_data)
-        run = {} if run_body is None else run_body.fields
+        run = {} if run_body is None else run_body.to_dict()
 
         listed = [key[len(CLAIMS_PREFIX) :] for key in self.mailbox.list(CLAIMS_PREFIX)]
         self._done.update(key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX))
@@ -380,11 +413,13 @@ class RunReader:
             if learner and identifier:
                 unfinished.setdefault(learner, []).append(identifier)
         progress_keys = [key for key in self.mailbox.list(PROGRESS_PREFIX) if key.endswith(".json")]
-        fetched = self._fetch([*new, *progress_keys, *lease_keys])
+        presence_keys = [key for key in self.mailbox.list(LEARNERS_PREFIX) if key.endswith(".json")]
+        fetched = self._fetch([*new, *progress_keys, *lease_keys, *presence_keys])
 
         learners: dict[str, LearnerStatus] = {}
         unit_spans: dict[str, list[UnitSpan]] = {}
         leases: dict[str, bytes | None] = {}
+        presences: dict[str, bytes] = {}
         for key, data, refused in fetched:
             if key.startswith(CLAIMS_PREFIX):
                 identifier = key[len(CLAIMS_PREFIX) :]
@@ -398,6 +433,11 @@ class RunReader:
             elif key.startswith(LEASES_PREFIX):
                 leases[key[len(LEASES_PREFIX) : -len(".json")]] = data  # refused: judged as missing
                 unreadable[key] = refused if data is None else _checked(LeaseRecord, key, data)[1]
+            elif key.startswith(LEARNERS_PREFIX):
+                if data is not None:
+                    presences[key[len(LEARNERS_PREFIX) : -len(".json")]] = data
+                else:
+                    unreadable[key] = refused
             elif data is not None:
                 name = key[len(PROGRESS_PREFIX) : -len(".json")]
                 row, unreadable[key], spans = _progress(name, data)
@@ -435,6 +475,14 @@ class RunReader:
             learners.setdefault(name, LearnerStatus(name)).lease = state
         for name, units in unfinished.items():
             learners.setdefault(name, LearnerStatus(name)).unfinished = len(units)
+        for name, data in presences.items():
+            key = f"{LEARNERS_PREFIX}{name}.json"
+            record, unreadable[key] = _checked(PresenceRecord, key, data)
+            row = learners.get(name)  # a learner is listed by its claims, progress or lease
+            if record is not None and row is not None:
+                row.presence, row.seen_alive = self._presence_state(name, record, data, read_at)
+        for row in learners.values():
+            row.may_be_dead = _may_be_dead(row, read_at)
 
         return RunStatus(
             mailbox=describe(self.mailbox),
@@ -468,6 +516,43 @@ class RunReader:
             return STOPPED if judge_lease(body, math.inf) == STOPPED else None
         # The writer's clock against ours (fine for a display), then the record standing still.
         return judge_lease(body, lease_s, now=now, unchanged_s=lambda: self._lease_sightings.unchanged_s(learner, data))
+
+    def _presence_state(
+        self, learner: str, record: PresenceRecord, data: bytes, now: float
+    ) -> tuple[str, float | None]:
+        """The verdict on ``learners/{learner}.json`` and when its writer was last known alive.
+
+        As a node on another machine judges it (``judge_lease``): expired once it has not
+        changed for three of its renewal intervals, on this reader's clock where it has seen the
+        record change (``--watch``), else by its writer's clock, allowing ``CLOCK_TOLERANCE_S``
+        of skew.
+        """
+        window = presence_window_s(record)
+        held = self._presence_sightings.unchanged_s(learner, data)
+        watched = self._presence_first.setdefault(learner, data) != data  # it changed while read here
+        state = judge_lease(
+            record,
+            window,
+            now=None if watched else now,
+            stale_s=window + CLOCK_TOLERANCE_S,
+            unchanged_s=lambda: held,
+        )
+        return state, now - held if watched else record.time
+
+
+def _may_be_dead(row: LearnerStatus, now: float) -> bool | None:
+    """``LearnerStatus.may_be_dead`` from the rest of the row (``seen_alive`` filled in for a
+    learner known by its progress record alone)."""
+    if row.lease is not None:
+        return None  # its lease says whether it lives
+    if row.finished or row.presence == STOPPED:
+        return False
+    if row.presence is not None:
+        return row.presence == EXPIRED
+    if row.finished is False and row.last_seen is not None:
+        row.seen_alive = row.last_seen
+        return now - row.last_seen > SILENT_PROGRESS_S + CLOCK_TOLERANCE_S
+    return None
 
 
 def read_run(mailbox: Mailbox, *, threads: int | None = None) -> RunStatus:

@@ -3,8 +3,8 @@
 A lease (``leases/``) and a presence record (``learners/``) both say "my writer runs" by being
 rewritten. ``judge_lease`` decides from what the caller knows: the record's own state, the
 writer's clock (``now``) and how long the caller has seen it unchanged on its own clock
-(``Sightings``). The elastic queue (``queue.liveness.LeaseWatch``), takeovers, ``Presence`` (one
-live incarnation per learner id) and ``gradientmail status`` all ask it.
+(``Sightings``). The elastic queue (``queue.liveness.LeaseWatch``), takeovers, ``presence.Presence``
+(one live incarnation per learner id) and ``gradientmail status`` all ask it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ from collections.abc import Callable, Hashable
 
 from gradientmail.records import FENCED, STOPPED, LeaseRecord, PresenceRecord
 
-__all__ = ["EXPIRED", "LIVE", "Sightings", "judge_lease"]
+__all__ = ["CLOCK_TOLERANCE_S", "EXPIRED", "LIVE", "Sightings", "judge_lease"]
 
 LIVE, EXPIRED = "live", "expired"
 """What ``judge_lease`` says of a writer, besides ``records.STOPPED`` (it said it stopped)."""
+
+CLOCK_TOLERANCE_S = 30.0
+"""Clock skew tolerated where a writer's own time is compared with the reader's: a presence
+record long dead, a lease read for the first time (``LeaseWatch.vouches``), a learner that
+``gradientmail status`` shows as possibly dead."""
 
 
 class Sightings:

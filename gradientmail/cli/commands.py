@@ -104,21 +104,21 @@ def _table(
     in_run = any(row.samples_in_run is not None for row in run.learners)
     # (header, right-aligned) of each column; "in run": a Session's learners, how much of what
     # they trained the run's state holds.
-    columns = [("learner", False), ("units", True), ("unfinished", True), ("share", True), ("samples", True)]
+    unfinished = any(row.unfinished for row in run.learners)  # the column only when some are left
+    columns = [("learner", False), ("units", True)]
+    columns += [("not done", True)] if unfinished else []
+    columns += [("share", True), ("samples", True)]
     columns += [("in run", True)] if in_run else []
     columns += [("samples/s", True), ("steps", True), ("last seen", True), ("state", False)]
     rows = []
     for row in run.learners:
         share = f"{100.0 * row.units / run.units_claimed:.0f}%" if run.units_claimed else "-"
-        state = {True: "finished", False: "running", None: "-"}[row.finished]
-        if row.lease is not None:
-            joint = "\n" if compact else ", "
-            state = f"{state}{joint}lease {row.lease}" if state != "-" else f"lease {row.lease}"
+        state = _state(row, run.read_at, "\n" if compact else ", ")
         rows.append(
             [
                 (names or {}).get(row.learner, row.learner),
                 str(row.units),
-                str(row.unfinished) if row.unfinished else "-",
+                *([str(row.unfinished) if row.unfinished else "-"] if unfinished else []),
                 share,
                 count(row.samples),
                 *([count(row.samples_in_run)] if in_run else []),
@@ -156,6 +156,21 @@ def unfinished_notes(run) -> list[str]:
         shown = ", ".join(units[:UNREADABLE_SHOWN]) + (", ..." if len(units) > UNREADABLE_SHOWN else "")
         notes.append(f"claimed and not finished by {learner}: {len(units)} unit(s) ({shown})")
     return notes
+
+
+def _state(row, now: float, joint: str) -> str:
+    """A learner's state cell: finished or running, with its lease when it holds one; without a
+    lease, what its presence record says: stopped, or last seen when it may be dead."""
+    state = {True: "finished", False: "running", None: "-"}[row.finished]
+    if row.lease is not None:
+        return f"{state}{joint}lease {row.lease}" if state != "-" else f"lease {row.lease}"
+    if row.may_be_dead:
+        return f"last seen {_ago(row.seen_alive, now)}{joint}may be dead"
+    if row.presence == "stopped" and not row.finished:
+        return "stopped"
+    if row.presence == "live" and row.finished is None:
+        return "running"
+    return state
 
 
 UNREADABLE_SHOWN = 5

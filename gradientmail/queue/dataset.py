@@ -30,6 +30,7 @@ from gradientmail.fold_gate import gate_for
 from gradientmail.layout import RUN_KEY, work_key
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
+from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batches import (
     Batch,
     Item,
@@ -50,7 +51,6 @@ from gradientmail.queue.claimer import (
     Claimer,
 )
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
-from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.reclaim import (
@@ -381,8 +381,12 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             joined = gate_for(describe(self.mailbox), self.learner_id).take_join_marks()
             options = dataclasses.replace(self.wiring.elastic, incarnation=uuid.uuid4().hex, joined_marks=joined)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
-            presence = Presence(
-                self.mailbox, self.learner_id, options.incarnation, renew_s=presence_renew_s(options.lease_s)
+            presence = PresenceShare(
+                self.mailbox,
+                self.learner_id,
+                QUEUE,
+                incarnation=options.incarnation,
+                renew_s=presence_renew_s(options.lease_s),
             )
             return consume_inline(self._claim_and_load(None, options), tracker, presence)
         batches = self._claim_and_load(worker, self.wiring.elastic)

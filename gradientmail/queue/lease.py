@@ -13,7 +13,9 @@ fold, however many units the node holds:
 - A taker first rewrites the record it judged stale, by compare-and-swap on the very version it
   judged, to ``FENCED`` naming itself (``fence``), and only then takes units over. Of an owner's
   beat and a taker's fence exactly one lands: a beat first makes the fence fail (the taker takes
-  nothing), a fence first makes every later write of the owner fail.
+  nothing), a fence first makes every later write of the owner fail. Both read the record back
+  after a compare-and-swap that succeeded (``mailbox.confirmed``): on a store that can tell two
+  writers they both won (SeaweedFS, docs/mailboxes.md), the one whose body is not stored lost.
 - A beat restarts the taker's wait for a whole lease, so a fold written right after its beat
   lands before any fence. An owner frozen between its beat and its write would send the write
   after the fence: before it reads what the run holds of the owner's units, the taker closes the
@@ -32,12 +34,18 @@ from typing import Any
 
 from gradientmail.errors import LeaseLostError, RecordError
 from gradientmail.layout import lease_key
+from gradientmail.mailbox.confirmed import create_confirmed, replace_confirmed
 from gradientmail.records import FENCED, LeaseRecord, get_record_versioned
 from gradientmail.verdict import LIVE, judge_lease
 
-__all__ = ["WRITE_ATTEMPTS", "OwnLease", "fence"]
+__all__ = ["UNREADABLE_LEASE", "WRITE_ATTEMPTS", "OwnLease", "fence"]
 
 log = logging.getLogger("gradientmail.queue")
+
+UNREADABLE_LEASE: tuple[bytes, str] = (b"", "")
+"""What a lease key holding a value too large to be a lease reads as: no body, no version. No
+owner can beat over it (its own read finds it foreign and it stops with ``LeaseLostError``), so
+once it has stood still for a lease a taker counts it as fenced (``fence``)."""
 
 WRITE_ATTEMPTS = 3
 """Compare-and-swap attempts of one lease write (only its owner rewrites a live record)."""
@@ -93,10 +101,12 @@ class OwnLease:
                 if got is not None and not self._ours(got[0]):
                     raise self._lose(got[0], paused_s)
                 self._sent = body
+                # Confirmed by a read-back (the body is unique: incarnation and beat): on a store that
+                # can tell two writers they both won, a fence that landed instead is seen here.
                 if got is None:  # never written, or removed: a taker would create its fence the same way
-                    written = self.mailbox.put_if_absent(self.key, body)
+                    written = create_confirmed(self.mailbox, self.key, body)
                 else:
-                    written = self.mailbox.replace_if(self.key, body, got[1])
+                    written = replace_confirmed(self.mailbox, self.key, body, got[1])
                 if written:
                     self._written, self._sent = body, None
                     return
@@ -178,14 +188,20 @@ def fence(
         the owner wrote it meanwhile (it is alive; its beat landed first).
     """
     key = lease_key(learner)
+    if seen == UNREADABLE_LEASE:
+        # Nothing to compare-and-swap on, and no beat of the owner can land there either.
+        log.info("%s takes the units of %s over: its lease record is unreadable", taker, learner)
+        return True
     record = None if seen is None else LeaseRecord.read(seen[0])
     if record is None:  # missing or unusable: a fence that names the owner all the same
         record = LeaseRecord({"learner": learner, **({"incarnation": incarnation} if incarnation else {})})
     body = record.replace(state=FENCED, fenced_by=taker, fenced_at=time.time()).to_bytes()
+    # Confirmed by a read-back (the taker and the time make the body unique): an owner's beat that
+    # landed instead, on a store that told both writers they won, makes this a lost race.
     if seen is None:
-        fenced = mailbox.put_if_absent(key, body)
+        fenced = create_confirmed(mailbox, key, body)
     else:
-        fenced = mailbox.replace_if(key, body, seen[1])
+        fenced = replace_confirmed(mailbox, key, body, seen[1])
     if fenced:
         log.info("%s fenced the lease of %s (judged dead) to take its units over", taker, learner)
         return True
@@ -200,4 +216,4 @@ def _read_versioned(mailbox: Any, key: str) -> tuple[bytes, str] | None:
     try:
         return get_record_versioned(mailbox, key, LeaseRecord.KIND)
     except RecordError:
-        return b"", ""
+        return UNREADABLE_LEASE

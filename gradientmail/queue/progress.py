@@ -20,6 +20,7 @@ from gradientmail.errors import LeaseLostError, RecordError
 from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
+from gradientmail.mailbox.confirmed import replace_confirmed
 from gradientmail.queue.batches import Item, UnitTag
 from gradientmail.queue.claims import load_claim
 from gradientmail.queue.lease import OwnLease
@@ -288,7 +289,9 @@ class ProgressTracker:
                     if mark is not None and mark.token == claim.token and (mark.position or 0) > (position or -1):
                         step, position = mark.step, mark.position
                 claim = claim.replace(state=RELEASED, step=step, position=position, released_at=time.time())
-                if self.mailbox.replace_if(claim_key(identifier), claim.to_bytes(), got[1]):
+                # Confirmed by a read-back (the token and the time make the body unique): a takeover
+                # that landed instead, on a store that told both writers they won, keeps the unit.
+                if replace_confirmed(self.mailbox, claim_key(identifier), claim.to_bytes(), got[1]):
                     released += 1
             self.mailbox.delete(key)
         self.writes["released"] += released
@@ -469,7 +472,7 @@ class Consumption:
 def consume_inline(items: Iterator[Item], tracker: ProgressTracker, presence: Any = None) -> Iterator[tuple[int, Any]]:
     """Direct iteration of a dataset in this process: the generator resuming means consumed.
 
-    ``presence`` (a ``presence.Presence``) registers this incarnation first and is closed last.
+    ``presence`` (a ``presence.PresenceShare``) registers this learner first and is closed last.
     """
     consumption = Consumption(tracker)
     if presence is not None:

@@ -41,10 +41,11 @@ from gradientmail.layout import (
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe, exists, require_replace_if, supports_replace_if
+from gradientmail.presence import process_gone
 from gradientmail.queue.claimer import CROWD_LIMIT, ClaimAhead, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
-from gradientmail.queue.lease import fence
-from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds, process_gone
+from gradientmail.queue.lease import UNREADABLE_LEASE, fence
+from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.records import (
     ACTIVE,
@@ -180,11 +181,12 @@ def take_over(
     learner_id: str,
     incarnation: str,
     *,
-    expect: Callable[[dict[str, Any]], bool] = lambda claim: True,
-    after: Callable[[dict[str, Any]], int | None] | None = None,
+    expect: Callable[[ClaimRecord], bool] = lambda claim: True,
+    after: Callable[[ClaimRecord], int | None] | None = None,
     worker: int | None = None,
-    position: Callable[[dict[str, Any]], int | None] | None = None,
+    position: Callable[[ClaimRecord], int | None] | None = None,
     joined_marks: Sequence[Sequence[UnitMark]] | None = None,
+    skipped: SkippedRecords | None = None,
 ) -> Assignment | None:
     """Replace the claim on ``identifier`` with one of ours if ``expect(claim)`` holds.
 
@@ -196,7 +198,9 @@ def take_over(
     (default: recorded alongside the step; None when ``after`` is given without it).
     ``joined_marks``: this learner's unit marks per fragment as its Session read them when
     joining, used instead of the store's for its own earlier incarnation's claims (see
-    ``FoldGate.take_join_marks``).
+    ``FoldGate.take_join_marks``). The callbacks get the claim as a ``ClaimRecord``: its declared
+    fields, each checked. ``skipped`` counts and warns about an unusable claim or work record
+    (None: they are skipped silently).
 
     Returns:
         The ``Assignment``, or None when the claim changed meanwhile or ``expect`` refused it.
@@ -212,17 +216,14 @@ def take_over(
     if got is None:
         return None
     data, version = got
-    record = load_claim(data)
-    if record is None:
-        return None
-    claim = record.to_dict()  # what the callbacks are documented to get
-    if not expect(claim):
+    record = load_claim(data) if skipped is None else skipped.read(ClaimRecord, data, key)
+    if record is None or not expect(record):
         return None
     owner = record.learner
     if after is not None:
-        start, start_position = after(claim), position(claim) if position is not None else None
+        start, start_position = after(record), position(record) if position is not None else None
     else:
-        start, start_position = recorded_progress(mailbox, identifier, record)
+        start, start_position = recorded_progress(mailbox, identifier, record, skipped)
     token = uuid.uuid4().hex
     body = claim_record(
         learner_id,
@@ -253,7 +254,7 @@ def take_over(
             mark = held_everywhere(joined_marks, identifier, record.token)
         else:
             mark = folded_mark(mailbox, owner, identifier, record.token)
-        again, again_position = recorded_progress(mailbox, identifier, record)
+        again, again_position = recorded_progress(mailbox, identifier, record, skipped)
         for step, at in ((mark.step, mark.position) if mark is not None else (None, None), (again, again_position)):
             if at is not None and (start_position is None or at > start_position):
                 start, start_position = step, at
@@ -276,13 +277,22 @@ def recorded_step(mailbox: Mailbox, identifier: str, claim: Mapping[str, Any] | 
 
 
 def recorded_progress(
-    mailbox: Mailbox, identifier: str, claim: Mapping[str, Any] | ClaimRecord
+    mailbox: Mailbox,
+    identifier: str,
+    claim: Mapping[str, Any] | ClaimRecord,
+    skipped: SkippedRecords | None = None,
 ) -> tuple[int | None, int | None]:
     """``(step, position)`` of the last batch consumed under ``claim``, from its owner's work
-    record if it matches, else from the claim (taken over or released there)."""
+    record if it matches, else from the claim (taken over or released there); ``skipped``
+    counts and warns about an unusable work record."""
     record = ClaimRecord.of(claim)
     if record.state != RELEASED and record.learner is not None:
-        work = WorkRecord.fetch(mailbox, work_key(record.learner, identifier))
+        key = work_key(record.learner, identifier)
+        work = (
+            WorkRecord.fetch(mailbox, key)
+            if skipped is None
+            else skipped.fetch(WorkRecord, mailbox, key, record.learner)
+        )
         if work is not None and work.token == record.token:
             return work.step, work.position
     return record.step, record.position
@@ -537,9 +547,9 @@ class ElasticClaimer:
         self,
         identifier: str,
         *,
-        expect: Callable[[dict[str, Any]], bool],
-        after: Callable[[dict[str, Any]], int | None] | None = None,
-        position: Callable[[dict[str, Any]], int | None] | None = None,
+        expect: Callable[[ClaimRecord], bool],
+        after: Callable[[ClaimRecord], int | None] | None = None,
+        position: Callable[[ClaimRecord], int | None] | None = None,
     ) -> Assignment | None:
         found = take_over(
             self.mailbox,
@@ -551,6 +561,7 @@ class ElasticClaimer:
             worker=self.worker,
             position=position,
             joined_marks=self.options.joined_marks,
+            skipped=self.skipped,
         )
         if found is not None:
             self.stats["takeovers"] += 1
@@ -568,18 +579,17 @@ class ElasticClaimer:
         rank = {identifier: position for position, identifier in enumerate(self.order)}
         return sorted((i for i in found if i in rank), key=rank.__getitem__)
 
-    def _own_earlier(self, claim: dict[str, Any], identifier: str) -> bool:
-        record = ClaimRecord.of(claim)
-        if record.learner == self.learner_id and record.incarnation is None and record.state != RELEASED:
+    def _own_earlier(self, claim: ClaimRecord, identifier: str) -> bool:
+        if claim.learner == self.learner_id and claim.incarnation is None and claim.state != RELEASED:
             raise untracked_claims_error(self.learner_id, identifier, describe(self.mailbox))
         return (
-            record.learner == self.learner_id and record.incarnation != self.options.incarnation
-        ) or record.state == RELEASED
+            claim.learner == self.learner_id and claim.incarnation != self.options.incarnation
+        ) or claim.state == RELEASED
 
     def _take_candidate(self) -> Assignment | None:
         while self._candidates:
             identifier, token = self._candidates.pop(0)
-            found = self._take(identifier, expect=lambda claim, token=token: claim.get("token") == token)
+            found = self._take(identifier, expect=lambda claim, token=token: claim.token == token)
             if found is not None:
                 return found
             # Lost: the claim changed (another node took it, or its owner marked it in use).
@@ -702,15 +712,16 @@ class ElasticClaimer:
         # The claim itself must also have stayed the same for a whole lease: a node that has
         # just taken a unit over renews its lease only once it consumes from it.
         now = self.clock()
-        first_seen = self._claims_seen.setdefault((identifier, record.fields.get("token")), now)
+        first_seen = self._claims_seen.setdefault((identifier, record.token), now)
         if owner not in leases:  # one read per owner and scan
             try:
                 got = get_record_versioned(self.mailbox, lease_key(owner), LeaseRecord.KIND)
-            except RecordError as exc:  # too large to be a lease: judged as a missing one
+            except RecordError as exc:  # too large to be a lease: an unusable one (see ``fence``)
                 self.skipped.skip(LeaseRecord.KIND, exc, owner)
-                got = None
+                got = UNREADABLE_LEASE
             leases[owner] = _SeenLease(got)
-            self.skipped.read(LeaseRecord, leases[owner].data, lease_key(owner), owner)  # counted and warned
+            if got is not UNREADABLE_LEASE:
+                self.skipped.read(LeaseRecord, leases[owner].data, lease_key(owner), owner)  # counted and warned
         seen = leases[owner]
         incarnation = record.incarnation
         if not self._watch.expired(owner, seen.data, incarnation):
@@ -783,12 +794,12 @@ def _position_value(value: Any) -> int | None:
     return step if step is not None and step >= 0 else None
 
 
-def _restorable(learner_id: str, state: Mapping[str, Any]) -> Callable[[dict[str, Any]], bool]:
+def _restorable(learner_id: str, state: Mapping[str, Any]) -> Callable[[ClaimRecord], bool]:
     token = state.get("token")
 
-    def expect(claim: dict[str, Any]) -> bool:
+    def expect(claim: ClaimRecord) -> bool:
         if token is not None:
-            return claim.get("token") == token
-        return claim.get("learner") == learner_id and claim.get("state") != RELEASED
+            return claim.token == token
+        return claim.learner == learner_id and claim.state != RELEASED
 
     return expect

@@ -13,7 +13,6 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -22,10 +21,10 @@ from typing import Any, Generic, ParamSpec, TypeVar
 from gradientmail.fold_gate import gate_for
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batches import Batch, TensorTree, checked_count
 from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
-from gradientmail.queue.liveness import Presence, presence_renew_s
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
@@ -176,10 +175,17 @@ def shared_queue(
         yield iter(())
         return
     prepare_mailbox(mailbox, len(dataset.units), dataset.units)
-    # One incarnation for this node's workers, its tracker and its presence record.
+    # One incarnation for this node's workers and its tracker; the presence record is this
+    # process's for the learner, shared with its Session (whose incarnation it names if that
+    # started first).
     elastic = dataset.elastic
-    incarnation = elastic.incarnation if elastic is not None else uuid.uuid4().hex
-    presence = Presence(mailbox, dataset.learner_id, incarnation, renew_s=presence_renew_s(dataset.lease_s))
+    presence = PresenceShare(
+        mailbox,
+        dataset.learner_id,
+        QUEUE,
+        incarnation=elastic.incarnation if elastic is not None else None,
+        renew_s=presence_renew_s(dataset.lease_s),
+    )
     presence.start()  # DuplicateLearnerError before anything is claimed or recorded
     if elastic is None:  # units an earlier run of this learner left are not taken back: say so
         if dataset.marks_loading:

@@ -40,6 +40,7 @@ from gradientmail.layout import (
     versions_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.mailbox.confirmed import create_confirmed
 from gradientmail.session.fragments import to_wire, widen
 from gradientmail.session.mail import (
     Contribution,
@@ -447,7 +448,10 @@ class FragmentChain:
             data = encode(wire, pending)
             if before_create is not None:  # again: the process may have been frozen inside the create
                 before_create(view.listed)
-            if self.mailbox.put_if_absent(own, data):
+            # Confirmed by a read-back (bounded by the body; only on this path, after a lost race):
+            # a peer's closure that landed instead, on a store that told both writers they won,
+            # is a closed slot, and this contribution goes to the next one.
+            if create_confirmed(self.mailbox, own, data):
                 learners[me] = entry
                 return Folded(summed, learners, None, view.base, 1)
             if not isinstance(self._read_pending(own), VoidSlotError):

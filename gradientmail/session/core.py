@@ -27,6 +27,7 @@ from gradientmail.layout import member_key, pending_key, progress_key
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
+from gradientmail.presence import SESSION, PresenceShare
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
 from gradientmail.session.marks_store import MarksWriter
@@ -169,6 +170,7 @@ class Session:
         self._merges = 0
         self._job: Job | None = None
         self._guard = QueueGuard(FoldGate(), learner_id)  # to this learner's queue, once entered
+        self._presence: PresenceShare | None = None  # this process's registration of the learner, once entered
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
@@ -254,7 +256,15 @@ class Session:
         self._buffers = [{} for _ in plan.fragments]
         initial = {name: t.detach().to("cpu", accumulation_dtype(t.dtype), copy=True) for name, t in entries.items()}
         exchanger = self._exchanger
-        self._worker = Worker(f"gradientmail-session-{self.learner_id}")
+        # One live process per learner id: a second one is refused here, before it reads or
+        # writes anything of the run (shared with this learner's queue in this process).
+        presence = self._presence = PresenceShare(self.mailbox, self.learner_id, SESSION)
+        presence.start()
+        try:
+            self._worker = Worker(f"gradientmail-session-{self.learner_id}")
+        except BaseException:
+            presence.close()
+            raise
         self._started_wall = time.time()
         self._started = time.monotonic()
         try:
@@ -271,6 +281,7 @@ class Session:
             self._wait(self._worker.submit(lambda: exchanger.put_progress(progress)), "writing progress")
         except BaseException:
             self._worker.close(0)
+            presence.close()
             raise
         # The queue of this learner in this process records a batch as done once folded.
         self._guard = QueueGuard(gate_for(describe(self.mailbox), self.learner_id), self.learner_id)
@@ -306,6 +317,7 @@ class Session:
                         self._apply(job, "the last exchange")
                 self._worker.submit(self._exchanger.leave).done.wait(self._timeout_s)
             elif exc is None:
+                self._presence.check()  # replaced by another process of this learner: no final fold
                 if job is not None:
                     self._wait(job, "the last exchange", apply=True)
                 final = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=True))
@@ -346,6 +358,7 @@ class Session:
             # An idle thread ends at once; a stuck one (a store that never answers) is a daemon
             # and is left behind rather than waited for again.
             self._worker.close(0 if self._stuck else self._timeout_s)
+            self._presence.close()  # the last holder of this process marks the record stopped
         return False
 
     # -- the training thread -----------------------------------------------------------------
@@ -377,6 +390,7 @@ class Session:
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
         if self._steps >= self._due_step or time.monotonic() >= self._due_time:
+            self._presence.check()  # replaced by another process of this learner (after a freeze)?
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
     def wait(self, timeout: timedelta | None = None, *, apply: bool = True) -> None:
@@ -452,16 +466,17 @@ class Session:
     def _exchange_job_for_now(self, indices: range | list[int], *, final: bool) -> Callable[[], list[Merge]]:
         plan, model, exchanger = self._plan, self.model, self._exchanger
         snapshots = [(i, plan.fragments[i].snapshot_into(self._buffers[i], model)) for i in indices]
-        guard = self._guard
+        guard, presence = self._guard, self._presence
         mark, units, since = guard.snapshot()  # the batches it holds; where, in unwritten units
         link = guard.link
         assert link is not None
-        taken = time.time()
+        taken = time.monotonic()  # who counts in N is judged on this clock (members.SignsOfLife)
         totals = (self._steps, self._samples)
         # Progress is written once per round (and on leaving), not once per fragment.
         progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None
 
         def job() -> None:
+            presence.check()  # a freeze between the snapshot and now: another process may run it
             # Many marks (small units) go to one object, written before any fold names it.
             inline, marks = self._marks.inline_or_write(units)
             for i, snapshot in snapshots:

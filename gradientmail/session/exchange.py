@@ -27,7 +27,7 @@ from gradientmail.session.chain import ABSORB, FragmentChain, View
 from gradientmail.session.fragments import Fragment, FragmentPlan, Piece, widen
 from gradientmail.session.mail import Contribution, State, all_finite
 from gradientmail.session.marks_store import MarksRef, lines_marks
-from gradientmail.session.members import Members, active_learners, check_prefix, list_members
+from gradientmail.session.members import Members, SignsOfLife, check_prefix, list_members
 from gradientmail.session.outer import OuterOptimizer, OuterState
 from gradientmail.session.overlap import parallel
 
@@ -173,11 +173,10 @@ class Exchanger:
         self.trained_unstepped = False  # a fold found progress though the loop never called step()
         self._seqs: list[int] = []  # the sequence number of this learner's next contribution
         self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
-        self._since: list[float] = []  # per fragment, when the progress not yet folded began
+        self._since: list[float] = []  # per fragment, when the progress not yet folded began (monotonic)
         self._members: Members | None = None  # the member list, refreshed once per round
         self._folds = 0
-        self._seen: dict[str, float] = {}  # learner -> when its contributions last advanced (own clock)
-        self._lines: dict[tuple[int, str], int] = {}  # (fragment, learner) -> its seq last seen
+        self._life = SignsOfLife(learner_id)  # who counts in N, on this node's monotonic clock
         self._member: str | None = None
         self._active: list[int] = []  # per fragment, the largest N seen since its previous fold
 
@@ -194,6 +193,7 @@ class Exchanger:
             for i in range(count)
         ]
         members = check_prefix(mailbox)
+        listed = self._life.clock()
         views = parallel(lambda chain: chain.view(), self.chains, lanes=4)
         states = []
         for chain, view, fragment in zip(self.chains, views, plan.fragments):
@@ -217,10 +217,17 @@ class Exchanger:
             ]
         self._seqs = [view.seq_of(me) + 1 for view in states]
         self._unsure = [None] * count
-        self._since = [time.time()] * count
+        now = self._life.clock()
+        self._since = [now] * count
         self._outer_states = [self.outer.start() for _ in range(count)]
-        now = time.time()
-        self._active = [len(active_learners(members, table, me, now, self.max_staleness_s)) for table in self._tables]
+        self._life.listed(members, listed)
+        for index, table in enumerate(self._tables):
+            self._life.read(index, table, now)
+        counted = [
+            self._life.counted(members, table, staleness=self.max_staleness_s, since=now, now=now)
+            for table in self._tables
+        ]
+        self._active = [len(learners) for learners in counted]
         # A restarted learner continues from what every fragment holds (as consensus counts):
         # batches folded into some fragments only, before a crash, are trained again by whoever
         # continues their units, and counted once, by that node.
@@ -240,9 +247,9 @@ class Exchanger:
         units: tuple[UnitMark, ...] = (),
         marks: MarksRef | None = None,
     ) -> Merge:
-        """Fold the progress in ``snapshot`` (fragment ``index``, taken at wall time ``taken``)
-        into the run; ``totals`` is ``(steps, samples)``, ``units`` the snapshot's unit marks
-        (or ``marks``, the object that holds them: ``session.marks_store``)."""
+        """Fold the progress in ``snapshot`` (fragment ``index``, taken at ``taken`` on the
+        monotonic clock) into the run; ``totals`` is ``(steps, samples)``, ``units`` the
+        snapshot's unit marks (or ``marks``, the object that holds them: ``session.marks_store``)."""
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         if totals[0] == 0 and any(bool(tensor.any()) for tensor in local.values()):
@@ -261,8 +268,10 @@ class Exchanger:
         if refresh:
             reads.append(lambda: list_members(self.mailbox))
         view, *listed = parallel(lambda read: read(), reads)
+        now = self._life.clock()
         if listed:
             self._members = listed[0]
+            self._life.listed(self._members, now)
         members = self._members
         if view is None:
             raise SessionError(
@@ -291,10 +300,9 @@ class Exchanger:
         # N for the progress made between the previous snapshot and this one, however late
         # this fold runs: learners that left since still count for it.
         since, self._since[index] = self._since[index], taken
-        now = time.time()
-        self._watch(index, view.learners, now)
+        self._life.read(index, view.learners, now)
         staleness = self._staleness(now - since)
-        active = active_learners(members, view.learners, me, now, staleness, since, self._seen)
+        active = self._life.counted(members, view.learners, staleness=staleness, since=since, now=now)
         seq = self._seqs[index]
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
@@ -318,15 +326,6 @@ class Exchanger:
             if gained > 0 or (learner == me and gained >= 0):
                 weights[learner] = gained
         return Merge(fragment=self._plan.fragments[index], delta=delta, weights=weights)
-
-    def _watch(self, index: int, learners: Mapping[str, Contribution], now: float) -> None:
-        """Note, by this node's clock, which learners' contributions to fragment ``index``
-        advanced since it last looked: signs of life that do not depend on their clocks."""
-        for learner, line in learners.items():
-            previous = self._lines.get((index, learner))
-            if previous is not None and previous != line.seq:
-                self._seen[learner] = now
-            self._lines[(index, learner)] = line.seq
 
     def _staleness(self, round_s: float) -> float:
         """Seconds of silence after which a peer stops counting: ``max_staleness``, or three of

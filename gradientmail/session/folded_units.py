@@ -26,6 +26,7 @@ from __future__ import annotations
 from gradientmail.fold_gate import UnitMark, held_everywhere
 from gradientmail.layout import pending_key
 from gradientmail.mailbox.base import Mailbox
+from gradientmail.mailbox.confirmed import create_confirmed
 from gradientmail.session.chain import FragmentChain, View, run_fragments
 from gradientmail.session.mail import ClosedSlot
 from gradientmail.session.marks_store import lines_marks
@@ -70,7 +71,9 @@ def close_slots(mailbox: Mailbox, learner: str, by: str) -> int:
             continue  # no version yet: a learner's first write there creates version 0
         seq = view.seq_of(learner) + 1
         slot = ClosedSlot(learner, seq, by, index, len(views))
-        closed += bool(mailbox.put_if_absent(pending_key(index, learner, seq), slot.to_bytes()))
+        # Confirmed by a read-back (``mailbox.confirmed``): the learner's late contribution that
+        # landed instead, on a store that told both writers they won, is a slot found taken.
+        closed += create_confirmed(mailbox, pending_key(index, learner, seq), slot.to_bytes())
     return closed
 
 

@@ -1,25 +1,22 @@
 """Who is in the run, and what counts as ``N``: member keys, signs of life, and old mail refused.
 
 A learner writes ``session/members/{learner}.{joined}`` on entering and deletes it on leaving; a
-member counts in ``N`` while it shows a sign of life (joining, or a recent contribution) within
-``max_staleness``. A crashed node's key stays behind and simply stops counting.
+member counts in ``N`` while this learner has watched it show a sign of life (a new member key,
+a contribution) within ``max_staleness``, on this learner's own clock. A crashed node's key stays
+behind and simply stops counting.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError
+from gradientmail.errors import MailRejectedError, UnusableStateError
 from gradientmail.layout import FRAGMENTS_PREFIX, MEMBERS_PREFIX, SESSION_PREFIX, is_old_mail_key, parse_member_key
 from gradientmail.mailbox.base import Mailbox
 from gradientmail.session.mail import Contribution, format_refusal, read_format, skipped
-
-MAX_CLOCK_SKEW_S = 300.0
-"""How far in the future (by this node's clock) a peer's time may lie and still count as a sign
-of life. Beyond it the time is not trusted: a member dated in the year 3000 stops counting."""
 
 
 @dataclass(frozen=True)
@@ -71,63 +68,93 @@ def check_prefix(mailbox: Mailbox) -> Members:
     return members
 
 
-def active_learners(
-    members: Members,
-    learners: Mapping[str, Contribution],
-    me: str,
-    now: float,
-    max_staleness: float,
-    since: float | None = None,
-    seen: Mapping[str, float] | None = None,
-) -> set[str]:
-    """Who counts in ``N``: this learner, and every member that joined or folded recently.
+class SignsOfLife:
+    """Who counts in ``N``, judged only by what this learner watches change in the store, on its
+    own clock.
 
-    A member whose last sign of life (joining, or its newest contribution by its own clock) is
-    older than ``max_staleness`` has stopped counting: a crashed node leaves its member key
-    behind. A time more than ``MAX_CLOCK_SKEW_S`` ahead of ``now`` is no sign of life (a broken
-    clock or a forged date would otherwise count forever). A learner that finished still counts
-    for progress made before it left: when its final contribution is dated after ``since`` (the
-    start of the progress being scaled), however late the fold runs.
+    A sign of life is a member key this learner had not listed before (so every key of its first
+    listing) or a learner's line in a fragment advancing between two of its reads (a contribution
+    folded or left pending; a slot a peer closed is none). A member counts while its last sign of
+    life is within ``staleness``. Peers' dates (in their member keys and lines) are never compared
+    with this clock, so a machine whose clock is hours off counts exactly like any other, from the
+    first fold. The price: a key nobody is behind any more (a node that crashed before this learner
+    joined, a forged date) counts until this learner has watched it for ``staleness`` without a
+    sign of life; meanwhile this learner's progress weighs a little less, never more.
 
-    ``seen`` holds, by this node's own clock, when each learner's contributions were last seen
-    to advance: a learner seen advancing within ``max_staleness`` counts whatever its own clock
-    says, so a machine whose clock is minutes off neither drops its peers from ``N`` nor drops
-    out of theirs once they have watched it contribute.
+    Example:
+        >>> now = [0.0]
+        >>> life = SignsOfLife("me", clock=lambda: now[0])
+        >>> members = Members()
+        >>> members.add("session/members/me.1000"), members.add("session/members/ghost.5")
+        (True, True)
+        >>> life.listed(members, life.clock())
+        >>> sorted(life.counted(members, {}, staleness=300, since=0.0, now=life.clock()))
+        ['ghost', 'me']
+        >>> now[0] = 301.0  # watched for longer than staleness without a sign: it stops counting
+        >>> life.listed(members, life.clock())
+        >>> sorted(life.counted(members, {}, staleness=300, since=0.0, now=life.clock()))
+        ['me']
+
+    Args:
+        me: this learner, which always counts.
+        clock: this learner's clock, in seconds; only its differences matter (``time.monotonic``,
+            so that setting the wall clock changes nothing).
     """
-    active = {me}
-    if since is not None:
-        active |= {
-            learner
-            for learner, entry in learners.items()
-            if entry.final and since <= entry.time <= now + MAX_CLOCK_SKEW_S
-        }
-    for learner, joined in members.joined.items():
-        entry = learners.get(learner)
-        if entry is not None and entry.final and entry.time >= joined:
-            continue
-        if seen is not None and now - seen.get(learner, -math.inf) <= max_staleness:
-            active.add(learner)
-            continue
-        signs = [joined] if entry is None else [joined, entry.time]
-        trusted = [t for t in signs if t <= now + MAX_CLOCK_SKEW_S]
-        if len(trusted) < len(signs):
-            _warn_clock(learner, max(signs) - now)
-        if trusted and now - max(trusted) <= max_staleness:
-            active.add(learner)
-    return active
 
+    def __init__(self, me: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.me = me
+        self.clock = clock
+        self._keys: frozenset[str] = frozenset()  # the member keys of the previous listing
+        self._lines: dict[tuple[int, str], tuple[int, float]] = {}  # (fragment, learner) -> (seq, time) read
+        self._read: set[int] = set()  # fragments read at least once
+        self._alive: dict[str, float] = {}  # learner -> its last sign of life, on this clock
+        self._advanced: dict[str, float] = {}  # learner -> when its line was last seen advancing
 
-_CLOCKS_WARNED: set[str] = set()
+    def listed(self, members: Members, at: float) -> None:
+        """Note the member keys listed at ``at``: a key not listed before is a sign of life."""
+        for learner, keys in members.keys.items():
+            if not self._keys.issuperset(keys):
+                self._alive[learner] = at
+        self._keys = frozenset(key for keys in members.keys.values() for key in keys)
 
+    def read(self, fragment: int, learners: Mapping[str, Contribution], at: float) -> None:
+        """Note each learner's line in ``fragment`` as read at ``at``: a line that advanced since
+        this fragment was last read (or appeared in it) is a sign of life. The first read of a
+        fragment only sets where the lines stand: their dates say nothing this clock can judge."""
+        first = fragment not in self._read
+        self._read.add(fragment)
+        for learner, line in learners.items():
+            before = self._lines.get((fragment, learner))
+            self._lines[(fragment, learner)] = (line.seq, line.time)
+            # A slot a peer closed advances the seq but keeps the learner's last time: no sign.
+            if not first and (before is None or (line.seq > before[0] and line.time != before[1])):
+                self._alive[learner] = self._advanced[learner] = at
 
-def _warn_clock(learner: str, ahead: float) -> None:
-    if learner in _CLOCKS_WARNED:
-        return
-    _CLOCKS_WARNED.add(learner)
-    warnings.warn(
-        f"learner {learner!r} dates its mail {ahead:.0f} s in the future (more than "
-        f"{MAX_CLOCK_SKEW_S:.0f} s of clock skew): its times are not trusted as signs of life, so it "
-        "does not count in N; fix that machine's clock (NTP)",
-        MailSkippedWarning,
-        stacklevel=4,
-    )
+    def counted(
+        self,
+        members: Members,
+        learners: Mapping[str, Contribution],
+        *,
+        staleness: float,
+        since: float,
+        now: float,
+    ) -> set[str]:
+        """The learners that count in ``N`` at ``now`` for the progress made since ``since``
+        (both on this learner's clock), ``learners`` being the lines of the fragment folded.
+
+        A member counts while its last sign of life is within ``staleness``. A learner whose line
+        says it finished (after its newest member key: both dates by its own clock) counts for
+        the progress made while it was still there: when this learner saw its line advance at or
+        after ``since``, however late the fold runs.
+        """
+        counted = {self.me}
+        for learner, joined in members.joined.items():
+            line = learners.get(learner)
+            if line is not None and line.final and line.time >= joined:
+                continue  # it left, after its newest key was written
+            if now - self._alive.get(learner, -math.inf) <= staleness:
+                counted.add(learner)
+        for learner, line in learners.items():
+            if line.final and self._advanced.get(learner, -math.inf) >= since:
+                counted.add(learner)
+        return counted

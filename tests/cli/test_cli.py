@@ -57,6 +57,10 @@ LEARNER_KEYS = {
     "in_progress",
     "orphaned",
     "lease",
+    # a learner's presence record judged, when it was last known alive, and whether it may be dead
+    "presence",
+    "seen_alive",
+    "may_be_dead",
 }
 
 

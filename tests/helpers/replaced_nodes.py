@@ -144,10 +144,10 @@ def _pretend_host(host: str) -> None:
     """Make this process's presence records name another host: a replacement started on another
     machine, which cannot see whether the first process still runs and judges its record by
     whether it changes (the same machine would find a stopped process alive and refuse)."""
-    from gradientmail.queue import liveness
+    from gradientmail import presence
 
-    real = liveness.machine()
-    liveness.machine = lambda: {**real, "host": host}
+    real = presence.machine()
+    presence.machine = lambda: {**real, "host": host}
 
 
 def start_replaceable(node: Replaceable) -> Any:

@@ -131,7 +131,7 @@ LAYERS = (
     ("gradientmail.errors", "gradientmail.learner_id"),
     ("gradientmail.mailbox", "gradientmail.data"),
     ("gradientmail.layout", "gradientmail.records", "gradientmail.fold_gate"),
-    ("gradientmail.verdict", "gradientmail.run_record"),
+    ("gradientmail.verdict", "gradientmail.run_record", "gradientmail.presence"),
     ("gradientmail.session",),
     ("gradientmail.queue",),
     ("gradientmail.status", "gradientmail.plot", "gradientmail.patterns", "gradientmail.testing"),
@@ -141,7 +141,8 @@ LAYERS = (
 The front door (``gradientmail/__init__.py``) and ``__main__`` entry points sit above them all.
 The Session is below the queue: the elastic queue reads the learners' unit marks from the
 run's state (``session.folded_units``) to continue a dead learner's unit; the Session needs
-nothing from the queue (the queue hands its figures over through ``fold_gate``)."""
+nothing from the queue (the queue hands its figures over through ``fold_gate``, and both
+register their learner through ``presence``, below them)."""
 
 
 VERSION_FALLBACK = {("gradientmail.cli.parser", "gradientmail")}

@@ -21,7 +21,7 @@ from queue_nodes import named_units
 from gradientmail import DuplicateLearnerError, LocalMailbox
 from gradientmail.layout import learner_key
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.liveness import Presence
+from gradientmail.presence import Presence
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -180,10 +180,32 @@ def test_an_unchanged_record_from_another_machine_expires(memory_mailbox, caplog
     assert json.loads(memory_mailbox.get(learner_key("node-1")))["state"] == "stopped"
 
 
-def test_long_dead_stopped_or_unreadable_records_do_not_block(memory_mailbox):
+def test_a_live_learner_whose_clock_runs_an_hour_behind_is_refused_not_taken_over(memory_mailbox):
+    """Its record's date is an hour old by this machine's clock, but it renews: only watching
+    tells a live writer from a dead one, so the date alone never lets a second process in."""
+    beats = iter(range(2, 100))
+    fake = FakeTime()
+    fake.on_sleep = lambda: _elsewhere(memory_mailbox, fake, beat=next(beats), age=3600)
+    _elsewhere(memory_mailbox, fake, age=3600)
+    with pytest.raises(DuplicateLearnerError, match=r"already running .*host other-host pid 4242"):
+        _presence(memory_mailbox, fake).start()
+    assert json.loads(memory_mailbox.get(learner_key("node-1")))["incarnation"] == "theirs"
+
+
+def test_an_old_record_from_another_machine_is_watched_then_taken_over(memory_mailbox):
+    fake = FakeTime()
+    _elsewhere(memory_mailbox, fake, age=3600)  # its date is old: a dead writer, or a clock behind
+    began = fake.now
+    presence = _presence(memory_mailbox, fake)
+    presence.start()
+    assert fake.now - began >= 30, "watched for three of its renewal intervals first"
+    assert json.loads(memory_mailbox.get(learner_key("node-1")))["incarnation"] == "mine"
+    presence.close()
+
+
+def test_stopped_or_unreadable_records_do_not_block(memory_mailbox):
     fake = FakeTime()
     for arrange in (
-        lambda: _elsewhere(memory_mailbox, fake, age=3600),  # its own clock says so
         lambda: _elsewhere(memory_mailbox, fake, state="stopped"),
         lambda: memory_mailbox.put(learner_key("node-1"), b"[" * 100_000),
     ):

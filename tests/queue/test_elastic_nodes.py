@@ -162,7 +162,7 @@ def _drain_claimer(mailbox, order, learner) -> None:
 def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
     """Same requests as the seed's claim protocol plus start-up and one count of the nodes near
     the end, and claims stay permanent."""
-    monkeypatch.setattr("gradientmail.queue.liveness.RENEW_S", 3600.0)  # no renewal mid-test
+    monkeypatch.setattr("gradientmail.presence.RENEW_S", 3600.0)  # no renewal mid-test
     monkeypatch.setattr("gradientmail.queue.pacing.ALONE_GRACE_S", 3600.0)  # one count of the nodes
     units = named_units(40, steps=2)
     counted = CountingMailbox(memory_mailbox)
@@ -178,7 +178,8 @@ def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factor
     reference = CountingMailbox(mailbox_factory("memory", "reference"))
     _drain_claimer(reference, list(units), "node-0")
     startup = Counter(put_if_absent=3, get=1, delete=1)  # verify_mailbox (4) and run.json (1)
-    presence = Counter(get_versioned=2, put_if_absent=1, replace_if=1)  # learners/node-0.json
+    # learners/node-0.json: registered (and read back, ``mailbox.confirmed``), then marked stopped
+    presence = Counter(get_versioned=2, put_if_absent=1, get=1, replace_if=1)
     nodes = Counter(list=1)  # learners/: the endgame is near from the start (pacing.Endgame)
     assert counted.counts == reference.counts + startup + presence + nodes
     assert not [key for prefix in (WORK_PREFIX, DONE_PREFIX, LEASES_PREFIX) for key in memory_mailbox.list(prefix)]

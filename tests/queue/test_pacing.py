@@ -17,8 +17,8 @@ from gradientmail import LocalMailbox
 from gradientmail.errors import MailboxError
 from gradientmail.mailbox.wrappers import CountingMailbox, FaultyMailbox
 from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.presence import Presence
 from gradientmail.queue import pacing
-from gradientmail.queue.liveness import Presence
 from gradientmail.queue.pacing import ALONE_GRACE_S, ENDGAME_MARGIN, BufferGauge, Endgame, UnitPacer
 
 

@@ -20,14 +20,13 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 import gradientmail
-from gradientmail import MailboxError, MailRejectedError, MemoryMailbox, SessionError
+from gradientmail import DuplicateLearnerError, MailboxError, MailRejectedError, MemoryMailbox, SessionError
 from gradientmail.layout import member_key, state_key
 from gradientmail.mailbox.wrappers import CountingMailbox, DelayedMailbox, FaultyMailbox
 from gradientmail.session import DelayedNesterov, Session, consensus
 from gradientmail.session.chain import KEEP, TOMBSTONE, FragmentChain
 from gradientmail.session.fragments import FragmentPlan, float_state, spec_of, to_wire
 from gradientmail.session.mail import FORMAT, Contribution, StateHeader, decode, encode
-from gradientmail.session.members import Members, active_learners
 from gradientmail.session.outer import resolve_outer
 
 pytestmark = pytest.mark.timeout(60)
@@ -444,18 +443,6 @@ def test_a_restarted_learner_continues_its_totals_and_keeps_its_progress(memory_
     assert members == []  # each incarnation left cleanly
 
 
-def test_a_peer_that_stops_mailing_stops_counting_after_max_staleness():
-    now = 10_000.0
-    members = Members(joined={"me": now - 5, "quiet": now - 1000, "new": now - 30, "done": now - 100})
-    learners = {
-        "quiet": Contribution(seq=1, step=1, samples=1, time=now - 400),
-        "done": Contribution(seq=2, step=2, samples=2, time=now - 50, final=True),
-        "me": Contribution(seq=1, step=1, samples=1, time=now - 5),
-    }
-    assert active_learners(members, learners, "me", now, max_staleness=300) == {"me", "new"}
-    assert active_learners(members, learners, "me", now, max_staleness=500) == {"me", "new", "quiet"}
-
-
 def test_exchanging_less_often_than_max_staleness_does_not_make_peers_look_stale(memory_mailbox):
     # max_staleness far below the time between a learner's exchanges (as every=10 min with the
     # default 5 min would be): a peer that folded since this learner's previous exchange is alive.
@@ -693,13 +680,14 @@ def test_a_learner_counts_once_in_n_whatever_member_keys_earlier_incarnations_le
         assert value(model) == 2.0  # N = 2: "n" and "peer", not 3
 
 
-def test_a_second_process_under_a_live_learner_id_leaves_the_live_ones_membership_alone(memory_mailbox):
+def test_a_second_session_under_a_live_learner_id_is_refused_before_it_writes_anything(memory_mailbox):
     live_model, peer_model = scalar(), scalar()
     with session(live_model, memory_mailbox, "live") as live, session(peer_model, memory_mailbox, "peer") as peer:
-        with pytest.raises(RuntimeError, match="refused"):
-            with session(scalar(), memory_mailbox, "live"):  # a duplicate: its loop is refused
-                raise RuntimeError("refused, as shared_queue refuses a duplicate learner id")
-        assert len(list(memory_mailbox.list("session/members/live."))) == 1  # the live one's key stays
+        keys = set(memory_mailbox.list())
+        with pytest.raises(DuplicateLearnerError, match="'live' is already running in this process: a Session"):
+            with session(scalar(), memory_mailbox, "live"):
+                pytest.fail("a second Session of a live learner entered")
+        assert set(memory_mailbox.list()) == keys  # nothing written, nothing deleted
         exchange(peer, peer_model, 4.0)
         assert value(peer_model) == 2.0  # N is still 2: the live learner counts
         exchange(live, live_model)

@@ -370,9 +370,10 @@ def test_a_learner_far_from_the_store_lands_every_contribution_while_near_ones_f
     assert values(result) == pytest.approx([sum(steps) / 3] * 2, rel=1e-5)  # each progress once, / N=3
 
 
-def test_a_peer_whose_clock_is_ten_minutes_behind_counts_once_it_is_seen_contributing(memory_mailbox):
+def test_a_peer_whose_clock_is_ten_minutes_behind_counts_from_the_first_fold(memory_mailbox):
     # The peer's member key and contributions carry its own clock, ten minutes behind: by
-    # those times it looks stale; by what this learner watches in the store, it is alive.
+    # those times it looks stale; by what this learner watches in the store (a new member key,
+    # then its contributions advancing), it is alive from the first fold on.
     skewed = time.time() - 600
 
     def peer_contributes(seq: int) -> None:
@@ -383,11 +384,11 @@ def test_a_peer_whose_clock_is_ten_minutes_behind_counts_once_it_is_seen_contrib
     with session(model, memory_mailbox, "me", fragments=1) as s:
         memory_mailbox.put(member_key("late-clock", skewed), b"{}")
         peer_contributes(0)
-        exchange(s, model, 2.0)  # first sight of the peer: its clock says stale, N = 1
-        assert values(model) == [2.0] * 2
+        exchange(s, model, 2.0)  # the peer's key is new to this learner: N = 2
+        assert values(model) == [1.0] * 2
         peer_contributes(1)
         exchange(s, model, 2.0)  # it advanced since: N = 2 whatever its clock says
-        assert values(model) == [3.0] * 2
+        assert values(model) == [2.0] * 2
 
 
 # -- cadence -------------------------------------------------------------------------------------------

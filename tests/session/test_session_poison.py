@@ -15,11 +15,10 @@ import torch
 from test_session import scalar, value  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import MailRejectedError, MailSkippedWarning, SessionError
-from gradientmail.layout import member_key, state_key
+from gradientmail.layout import state_key
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
 from gradientmail.session.mail import Contribution, StateHeader, encode
-from gradientmail.session.members import MAX_CLOCK_SKEW_S, Members, active_learners
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,45 +150,6 @@ def test_forged_counts_do_not_weigh_in_the_merge(memory_mailbox):
     consensus(memory_mailbox, result)
     # Every contribution is progress / N, whatever a header claims: 2/2 + 2/2 + 2/2 (+ exits).
     assert value(result) == pytest.approx(3.0)
-
-
-def test_a_member_dated_in_the_future_does_not_count_forever():
-    now = time.time()
-    year_3000 = 32_503_680_000.0
-    members = Members(joined={"me": now, "ok": now - 1, "future": year_3000, "skewed": now + MAX_CLOCK_SKEW_S / 2})
-    learners = {"late-writer": Contribution(1, 1, 1, year_3000)}
-    members.joined["late-writer"] = now - 3600  # joined long ago; its fold claims the year 3000
-    with pytest.warns(MailSkippedWarning, match="in the future"):
-        active = active_learners(members, learners, "me", now, max_staleness=300)
-    assert active == {"me", "ok", "skewed"}
-
-
-def test_a_peer_seen_contributing_counts_in_n_whatever_its_clock_says():
-    now = 10_000.0
-    members = Members(joined={"me": now, "behind": now - 3600, "ahead": now + 3600})
-    learners = {  # dated an hour off either way, by those machines' clocks
-        "behind": Contribution(seq=7, step=7, samples=7, time=now - 3600),
-        "ahead": Contribution(seq=7, step=7, samples=7, time=now + 3600),
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MailSkippedWarning)
-        assert active_learners(members, learners, "me", now, max_staleness=300) == {"me"}
-        seen = {"behind": now - 10, "ahead": now - 20}  # this node saw both advance just now
-        assert active_learners(members, learners, "me", now, 300, seen=seen) == {"me", "behind", "ahead"}
-        seen = {"behind": now - 1000}  # but a peer seen still for longer than max_staleness stops
-        assert active_learners(members, learners, "me", now, 300, seen=seen) == {"me"}
-
-
-def test_a_forged_future_member_key_does_not_dilute_the_run(memory_mailbox):
-    model = scalar()
-    memory_mailbox.put(member_key("ghost", 32_503_680_000.0), b"{}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MailSkippedWarning)
-        with session(model, memory_mailbox, "a") as s:
-            exchange(s, model, 2.0)
-    result = scalar()
-    consensus(memory_mailbox, result)
-    assert value(result) == 2.0  # N = 1: the ghost does not count
 
 
 def test_a_reader_skips_a_bounded_number_of_bad_versions(memory_mailbox):
