@@ -178,7 +178,7 @@ def _same_machine(record: PresenceRecord) -> bool:
 def process_gone(record: PresenceRecord) -> bool:
     """Whether ``record`` names a process of this machine that no longer runs (a peer's own
     verdict at once; another machine's record is judged by its age instead)."""
-    return _same_machine(record) and not _alive(record.pid, record.fields.get("pid_start"))
+    return _same_machine(record) and not _alive(record.pid, record.pid_start)
 
 
 class Presence:

@@ -147,9 +147,9 @@ class LearnerStatus:
     orphaned: int | None = None
     lease: str | None = None
     """``"live"``, ``"expired"`` or ``"stopped"`` (elastic runs with leases), else None."""
-    unfinished: int = 0
+    unfinished: int | None = None
     """Units claimed under this learner id and not finished: being trained now, or left by a
-    run of it that stopped (``work/{learner}/`` records, in every mode)."""
+    run of it that stopped (its ``work/{learner}/`` records; None: none)."""
     presence: str | None = None
     """Its presence record (``learners/``, written by its Session and its queue) judged as the
     nodes judge it: ``"live"``, ``"expired"`` (not renewed for three of its renewal intervals)

@@ -41,7 +41,7 @@ from gradientmail.layout import (
     work_prefix,
 )
 from gradientmail.mailbox.base import Mailbox, describe, exists, require_replace_if, supports_replace_if
-from gradientmail.presence import process_gone
+from gradientmail.presence import RENEW_S, process_gone
 from gradientmail.queue.claimer import CROWD_LIMIT, ClaimAhead, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
 from gradientmail.queue.lease import UNREADABLE_LEASE, fence
@@ -81,15 +81,11 @@ log = logging.getLogger("gradientmail.queue")
 
 # -- unfinished ---------------------------------------------------------------------------------------
 
-UNTRACKED = "untracked"
-"""The ``work/`` record field that marks a unit claimed by the design note's queue: written at
-claim time, deleted once its batches were all loaded; it records no consumed batch."""
-
 
 def untracked_record(learner_id: str, incarnation: str) -> bytes:
     """The ``work/{learner}/{identifier}`` body the design note's queue writes while it loads a
     unit: what ``status`` and a restart of this learner read as claimed and not finished."""
-    return WorkRecord.new(learner_id, incarnation, incarnation, None).replace(**{UNTRACKED: True}).to_bytes()
+    return WorkRecord.new(learner_id, incarnation, incarnation, None, untracked=True).to_bytes()
 
 
 def warn_unfinished(mailbox: Mailbox, learner_id: str, incarnation: str) -> int:
@@ -775,8 +771,7 @@ def _not_live(mailbox: Mailbox, learner: str) -> str | None:
         return "left the run"
     if process_gone(record):
         return f"its process (pid {record.pid} on this machine) is gone"
-    renew = record.fields.get("renew_s")
-    renew_s = float(renew) if isinstance(renew, (int, float)) and renew > 0 else 10.0
+    renew_s = record.renew_s or RENEW_S
     age = time.time() - record.time if record.time is not None else None
     if age is not None and age > PRESENCE_MISSED * renew_s:
         return f"was last seen {age:.0f} s ago (it renews every {renew_s:g} s: it may be dead)"

@@ -306,8 +306,9 @@ def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], N
             else:
                 if dataset.elastic.automatic and dataset.lease_s is None:
                     why = (
-                        f"{run} is done or held by another learner (a unit left unfinished goes "
-                        "back only to its own learner_id; `gradientmail status` shows who holds what)"
+                        f"{run} is already taken or done (a unit left unfinished goes back only to "
+                        "its own learner_id; `gradientmail status` shows who holds what; to train "
+                        "these units again, use a fresh prefix)"
                     )
                     warnings.warn(f"shared_queue: 0 batches for learner {dataset.learner_id!r}: {why}", stacklevel=3)
                     return

@@ -122,7 +122,7 @@ def test_status_lists_units_claimed_and_not_finished_by_learner(tmp_path):
             list(b)
         run = read_run(box)
         assert run.unfinished == {"node-0": ["00000"]}, name
-        assert run.learner("node-0").unfinished == 1 and run.learner("node-1").unfinished == 0
+        assert run.learner("node-0").unfinished == 1 and run.learner("node-1").unfinished is None
         assert run.to_dict()["unfinished"] == {"node-0": ["00000"]}
         assert unfinished_notes(run) == ["claimed and not finished by node-0: 1 unit(s) (00000)"]
 
