@@ -148,3 +148,20 @@ def test_a_node_with_nothing_left_warns_about_a_dead_learner_s_units(tmp_path):
     assert len(messages) == 1, [str(w.message) for w in caught]
     assert f"learner 'old-host-0' holds {held} unfinished unit(s)" in messages[0]
     assert "lease=" in messages[0] and "restarts" in messages[0]
+
+
+def test_resume_false_warns_when_the_previous_run_did_not_leave_cleanly(tmp_path):
+    """The design note's queue records no unit, but the presence record tells a crash."""
+    box = LocalMailbox(tmp_path / "box")
+    units = named_units(8, steps=2)
+    run_elastic_nodes(
+        [ElasticSpec(box, "node-0", units, str(tmp_path), prefetch=1, resume=False, kill_after=3)], killed={"node-0"}
+    )
+    load = RecordingLoad(str(tmp_path), "node-0")
+    with pytest.warns(UnfinishedUnitsWarning, match="did not leave cleanly"):
+        with shared_queue(units, mailbox=box, learner_id="node-0", load=load, workers=0, resume=False) as batches:
+            list(batches)
+    with warnings.catch_warnings():  # a clean exit: nothing to say on the next start
+        warnings.simplefilter("error", UnfinishedUnitsWarning)
+        with shared_queue(units, mailbox=box, learner_id="node-0", load=load, workers=0, resume=False) as batches:
+            list(batches)
