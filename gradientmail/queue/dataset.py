@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from gradientmail.errors import RecordError, UnsafeStoreError
 from gradientmail.fold_gate import gate_for
-from gradientmail.layout import RUN_KEY, work_key
+from gradientmail.layout import RUN_KEY
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
 from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
@@ -51,6 +51,7 @@ from gradientmail.queue.claimer import (
     Claimer,
 )
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
+from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.reclaim import (
@@ -429,9 +430,11 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         if options is not None or self._restore:
             yield from self._claim_and_load_elastic(worker, options)
             return
-        marks = self.marks_loading
-        if marks and worker in (None, 0) and not self.wiring.prepared:  # shared_queue warns in its own process
-            warn_unfinished(self.mailbox, self.learner_id, self.incarnation)
+        marks = None
+        if self.marks_loading:
+            if worker in (None, 0) and not self.wiring.prepared:  # shared_queue warns in its own process
+                warn_unfinished(self.mailbox, self.learner_id, self.incarnation)
+            marks = LoadingMarks(self.mailbox, self.learner_id, untracked_record(self.learner_id, self.incarnation))
         if self._claim_index is None:
             self._claim_index = ClaimIndex(self.units)
         claimer = Claimer(
@@ -465,10 +468,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     raise
                 if identifier is None:
                     return
-                if marks:  # claimed and not yet loaded: what ``status`` and a restart of this learner see
-                    self.mailbox.put(
-                        work_key(self.learner_id, identifier), untracked_record(self.learner_id, self.incarnation)
-                    )
+                if marks is not None:  # claimed and not yet loaded: what ``status`` and a restart see
+                    marks.loading(identifier)
                 for position, (step, tensor) in enumerate(self._load_unit(identifier)):
                     self._positions[identifier] = {"token": None, "step": step, "position": position}
                     if pacer is not None:
@@ -476,8 +477,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     yield Item(step, tensor, UnitTag(identifier)) if self.wiring.timed else (step, tensor)
                 if pacer is not None:
                     pacer.ended()  # a unit without batches
-                if marks:
-                    self.mailbox.delete(work_key(self.learner_id, identifier))
+                if marks is not None:
+                    marks.loaded(identifier)
                 loaded = self._positions.pop(identifier, None)
                 if log.isEnabledFor(logging.DEBUG):
                     batches = 0 if loaded is None else loaded["position"] + 1
@@ -486,6 +487,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             if pacer is not None:
                 pacer.ended()
             claims.close()
+            if marks is not None:
+                marks.close()
             self._claim_stats.update(claimer.stats)
             _log_claims(self.learner_id, worker, claimer.stats)
 

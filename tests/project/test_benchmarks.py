@@ -115,7 +115,17 @@ FAULTS = [
     "faults_stopped",
     *(
         f"faults_{figure}_{kind}"
-        for kind in ("kill", "freeze", "clock", "hour_ahead", "hour_behind", "slow", "transient", "duplicate", "restart")
+        for kind in (
+            "kill",
+            "freeze",
+            "clock",
+            "hour_ahead",
+            "hour_behind",
+            "slow",
+            "transient",
+            "duplicate",
+            "restart",
+        )
         for figure in ("lost", "doubled")
     ),
 ]
