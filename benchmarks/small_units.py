@@ -17,8 +17,8 @@ unit of work: the ideal makespan is 12 of them (A 11 units, B and C 5, D 3), a f
 - ``epochs_makespan``: the 24 one-batch units over 2 epochs as one run
   (``gradientmail.data.epochs``), the defaults: ideal 22 time units (A 21 units, B and C 11,
   D 5: nobody idles at the epoch's end), where two runs of one epoch each end at 24 at best.
-  The same 48 units as one epoch end where these do (25.6-27.6 against 26.3-27.9, 3 runs
-  each, 2026-12-05): the gap to 22 is the queue's prefetch before its endgame, not the epochs.
+  The same 48 units as one epoch end as late or later (docs/benchmarks.md): the gap to 22 is
+  the queue's at 48 units, not the epochs'.
 
 Every run checks that each unit was trained exactly once (its batches name their unit).
 

@@ -140,12 +140,12 @@ def test_two_epochs_are_one_run_of_the_queue():
     assert seen[:6] == [(0, item.unit) for item in list(run.values())[:6]], "one node claims in the mapping's order"
 
 
-def test_a_run_stopped_mid_epoch_resumes_with_the_same_seed_and_refuses_another():
+def test_a_run_stopped_mid_epoch_continues_with_the_same_seed_and_refuses_another():
     box = MemoryMailbox("epochs-resume")
     box.clear()
     run = epochs({f"{i:02d}": i for i in range(6)}, 2, seed=0)
     seen = []
-    with shared_queue(run, mailbox=box, learner_id="n0", load=load, workers=0, resume=True) as batches:
+    with shared_queue(run, mailbox=box, learner_id="n0", load=load, workers=0) as batches:
         for _, batch in batches:
             seen.append(tuple(batch.tolist()))
             if len(seen) == 8:  # two units into the second epoch
@@ -153,6 +153,6 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_same_seed_and_refuses_another(
     with pytest.raises(RunMismatchError):
         with shared_queue(epochs({f"{i:02d}": i for i in range(6)}, 2, seed=1), mailbox=box, load=load, workers=0):
             pass
-    with shared_queue(run, mailbox=box, learner_id="n0", load=load, workers=0, resume=True) as batches:
+    with shared_queue(run, mailbox=box, learner_id="n0", load=load, workers=0) as batches:
         seen += [tuple(batch.tolist()) for _, batch in batches]
     assert sorted(seen) == sorted((e, i) for e in range(2) for i in range(6))

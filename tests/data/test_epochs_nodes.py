@@ -1,9 +1,9 @@
 """Two epochs as one run of real node processes: a node SIGKILLed in the second epoch and
 restarted under its learner id, and every ``(epoch, unit, step)`` reaches the run's state once.
 
-The nodes run the documented loop with ``resume=True`` (the queue's default keeps a dead node's
-units claimed for good; ``resume=True`` lets its restart take them back). A batch the dead node
-trained after its last fold is trained again by its restart and counted once.
+The nodes run the documented loop with the queue's defaults, under which a learner restarted
+under its learner id takes its unfinished units back. A batch the dead node trained after its
+last fold is trained again by its restart and counted once.
 """
 
 from __future__ import annotations

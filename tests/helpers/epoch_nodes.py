@@ -1,6 +1,6 @@
 """Node processes that train several epochs as one run (module-level, so that they pickle).
 
-A node runs the documented loop (a ``Session`` and ``shared_queue`` with ``resume=True``) over
+A node runs the documented loop (a ``Session`` and ``shared_queue``, the defaults) over
 ``epochs(units, n)`` and appends ``identifier step`` per batch its loop received to
 ``consumed-{learner}-{run}.txt`` before anything else happens, so a SIGKILL loses nothing; its
 progress records' writes go to ``written-{learner}.txt`` (``elastic_nodes.ProgressLog``).
@@ -88,7 +88,7 @@ def run_epoch_node(spec: EpochNode) -> None:
             model, mailbox=box, learner_id=spec.learner, every=timedelta(seconds=0.3), fragments=1, outer="average"
         ) as session,
         shared_queue(
-            spec.units, mailbox=box, learner_id=spec.learner, load=load_epoch_unit, workers=0, prefetch=2, resume=True
+            spec.units, mailbox=box, learner_id=spec.learner, load=load_epoch_unit, workers=0, prefetch=2
         ) as batches,
     ):
         for step, batch in batches:
