@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from gradientmail.data.cache import CacheStats
 from gradientmail.data.corpus import Corpus, build_stdlib_corpus, stdlib_files
-from gradientmail.data.errors import SequenceRangeError, TokenFileError
-from gradientmail.data.reader import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, TokenReader
+from gradientmail.data.errors import FileChangedError, SequenceRangeError, ShardError, TokenFileError
+from gradientmail.data.reader import TokenReader
+from gradientmail.data.shard_cache import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_CACHE_DIR_BYTES,
+    CachedFile,
+    Pin,
+    ShardCache,
+)
 from gradientmail.data.writer import TokenFileInfo, Tokenizer, text_files, write_tokens
 
 __all__ = [
@@ -18,8 +26,13 @@ __all__ = [
     "DEFAULT_CACHE_BYTES",
     "DEFAULT_CACHE_DIR_BYTES",
     "CacheStats",
+    "CachedFile",
     "Corpus",
+    "FileChangedError",
+    "Pin",
     "SequenceRangeError",
+    "ShardCache",
+    "ShardError",
     "TokenFileError",
     "TokenFileInfo",
     "TokenReader",
