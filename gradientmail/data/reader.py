@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,10 @@ from gradientmail.data.shard_cache import (
     DEFAULT_CACHE_DIR_BYTES,
     CachedFile,
     Pin,
+    ShardCache,
 )
+from gradientmail.data.shard_reader import ShardLike, ShardReader
+from gradientmail.data.shard_units import Shard
 
 _SIGNED = {"uint16": (torch.int16, 0xFFFF), "uint32": (torch.int32, 0xFFFFFFFF)}
 
@@ -202,3 +205,61 @@ class TokenReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class TokenShardReader(ShardReader):
+    """A token file shard (``.bin``, ``.npy``) as batches of ``batch_size`` sequences, in file order:
+    ``{"input_ids": rows[:, :-1], "labels": rows[:, 1:]}`` (the last batch may hold fewer).
+
+    Args:
+        seq_len, dtype, vocab_size: as ``TokenReader``'s.
+        batch_size: sequences per batch.
+        cache, storage_options: as ``ShardReader``'s.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from gradientmail.data import TokenShardReader, write_tokens
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     _ = Path(tmp, "t.txt").write_text("hello world")
+        ...     info = write_tokens(Path(tmp, "train.bin"), [Path(tmp, "t.txt")])
+        ...     pairs = list(TokenShardReader(seq_len=4, batch_size=1)(info.path))
+        >>> [(index, batch["input_ids"].shape) for index, batch in pairs]
+        [(0, torch.Size([1, 4])), (1, torch.Size([1, 4]))]
+    """
+
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        batch_size: int,
+        dtype: str | torch.dtype | None = None,
+        vocab_size: int | None = None,
+        cache: ShardCache | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(cache=cache, storage_options=storage_options)
+        self.seq_len = _int_at_least("seq_len", seq_len, 1)
+        self.batch_size = _int_at_least("batch_size", batch_size, 1)
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+
+    def batches(self, shard: ShardLike) -> Iterator[dict[str, torch.Tensor]]:
+        pin = shard.pin if isinstance(shard, Shard) else None
+        url = shard.url if isinstance(shard, Shard) else shard
+        reader = TokenReader(
+            url,
+            seq_len=self.seq_len,
+            dtype=self.dtype,
+            vocab_size=self.vocab_size,
+            block_size=self.cache.block_size,
+            cache_bytes=self.cache.memory_bytes,
+            cache_dir=self.cache.directory,
+            cache_dir_bytes=self.cache.max_bytes,
+            storage_options=self.storage_options or None,
+            pin=pin,
+        )
+        with reader:
+            for start in range(0, len(reader), self.batch_size):
+                rows = reader.sequences(start, min(self.batch_size, len(reader) - start))
+                yield {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}
