@@ -58,13 +58,17 @@ class Shard:
     size: int
     version: str | None
     part: Part | None = None
+    width: int = 0
+    """Digits of the part's numbers in ``id``, so that identifiers sort in row order."""
 
     @property
     def id(self) -> str:
-        """The unit's identifier: ``path``, and ``@rows=a-b`` or ``@bytes=a-b`` for a part."""
+        """The unit's identifier: ``path``, and ``@rows=a-b`` or ``@bytes=a-b`` for a part (numbers
+        zero-padded to one width per file: every listing sorts the parts in file order)."""
         if self.part is None:
             return self.path
-        return f"{self.path}@{self.part.kind}={self.part.start}-{self.part.stop}"
+        part, width = self.part, self.width
+        return f"{self.path}@{part.kind}={part.start:0{width}d}-{part.stop:0{width}d}"
 
     @property
     def pin(self) -> Pin:
@@ -129,7 +133,7 @@ def shards(
         ...         _ = Path(tmp, name).write_text('{"x": 1}\\n' * 10)
         ...     units = shards(tmp, split_bytes=64)
         >>> list(units)
-        ['a.jsonl@bytes=0-64', 'a.jsonl@bytes=64-90', 'b.jsonl@bytes=0-64', 'b.jsonl@bytes=64-90', 'sub/c.jsonl@bytes=0-64', 'sub/c.jsonl@bytes=64-90']
+        ['a.jsonl@bytes=00-64', 'a.jsonl@bytes=64-90', 'b.jsonl@bytes=00-64', 'b.jsonl@bytes=64-90', 'sub/c.jsonl@bytes=00-64', 'sub/c.jsonl@bytes=64-90']
     """
     for name, value in (("split", split), ("split_bytes", split_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -198,7 +202,8 @@ def _parts(fs: Any, name: str, whole: Shard, split: int | None, split_bytes: int
         parts = []
     if len(parts) <= 1:
         return [whole]
-    return [Shard(whole.url, whole.path, whole.size, whole.version, part) for part in parts]
+    width = len(str(parts[-1].stop))
+    return [Shard(whole.url, whole.path, whole.size, whole.version, part, width) for part in parts]
 
 
 def _row_groups(fs: Any, name: str) -> list[int]:
