@@ -1,5 +1,8 @@
-"""What every shard reader shares: a shard opened through the cache with its pin checked, batches
-handed to the queue as ``(index, batch)`` pairs."""
+"""What every shard reader shares: the shard opened through the cache, its batches as queue pairs.
+
+A ``Shard``'s pin is checked when it is opened, and ``reader(shard)`` yields ``(index, batch)``
+pairs, so a reader is a ``load`` for ``shared_queue`` as it is.
+"""
 
 from __future__ import annotations
 
