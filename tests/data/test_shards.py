@@ -200,6 +200,17 @@ def bucket_shards(s3_client, s3_bucket, s3_endpoint):
     return f"s3://{s3_bucket}/shards", s3_endpoint, rows
 
 
+def read_all(units: dict, readers: dict) -> dict[str, list[int]]:
+    """Every shard read by the reader of its format: the ids (``cls`` for tar) by format."""
+    got: dict[str, list[int]] = {}
+    for shard in units.values():
+        key = "cls" if shard.format == "tar" else "id"
+        got.setdefault(shard.format, []).extend(
+            n for _, batch in readers[shard.format](shard) for n in batch[key].tolist()
+        )
+    return got
+
+
 @pytest.fixture
 def store_gets(bucket_shards) -> Iterator[list[int]]:
     """The bytes of every GET this process's s3fs client gets from the store while the test runs."""
@@ -242,21 +253,16 @@ def test_remote_shards_are_listed_read_and_cached_so_a_second_pass_fetches_nothi
         "tar": TarReader(batch_size=7, cache=cache, storage_options=options),
     }
 
-    def one_pass() -> dict[str, list[int]]:
-        got: dict[str, list[int]] = {}
-        for shard in units.values():
-            pairs = list(readers[shard.format](shard))
-            key = "cls" if shard.format == "tar" else "id"
-            got.setdefault(shard.format, []).extend(n for _, batch in pairs for n in batch[key].tolist())
-        return got
-
-    gets = store_gets
-    first = one_pass()
+    assert len(store_gets) == 2  # listing: the two Parquet footers, for split=
+    store_gets.clear()
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # the first pass: another process
+        first = pool.apply(read_all, (units, readers))  # units and readers pickled there
     assert first == {"parquet": list(range(60)), "jsonl": list(range(60)), "tar": list(range(60))}
-    assert sum(gets) > 0
-    gets.clear()
-    assert one_pass() == first
-    assert gets == []  # every block from the disk cache: 0 bytes from the store
+    assert store_gets == []
+    assert read_all(units, readers) == first  # here: every block from the disk cache the other process filled
+    assert store_gets == []  # 0 bytes from the store
+    uncached = ParquetReader(storage_options=options)
+    assert ids_of(uncached(units["0.parquet@rows=00-20"])) == list(range(20)) and sum(store_gets) > 0
 
 
 def test_a_remote_shard_overwritten_after_listing_is_refused(bucket_shards, s3_client, s3_bucket):
@@ -279,6 +285,16 @@ def test_aws_endpoint_url_from_the_environment_reaches_the_store(bucket_shards):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["['a.jsonl']", "60"]
+
+
+def test_the_cache_names_the_endpoint_from_the_environment(monkeypatch):
+    from gradientmail.data.disk_cache import remote_identity
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    assert remote_identity("s3://b/k", {}) == "s3://b/k @ http://127.0.0.1:9000"  # two stores, two entries
+    assert remote_identity("s3://b/k", {"endpoint_url": "http://other"}) == "s3://b/k @ http://other"
+    assert remote_identity("gs://b/k", {}) == "gs://b/k"
 
 
 def test_a_tar_read_through_the_cache_matches_tarfile(bucket_shards, tmp_path):
