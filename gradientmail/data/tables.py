@@ -6,7 +6,9 @@ the end of a unit); the default, ``to_tensors``, gives a dict of one tensor per 
 
 from __future__ import annotations
 
+import importlib
 import io
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,8 +25,9 @@ DEFAULT_BATCH_ROWS = 1024
 
 def pyarrow_module(name: str = "pyarrow") -> Any:
     """``pyarrow`` (or one of its modules), or ``MissingExtraError`` naming the install."""
-    import importlib
-
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
     try:
         return importlib.import_module(name)
     except ImportError as exc:
@@ -49,21 +52,24 @@ def to_tensors(batch: Any) -> dict[str, torch.Tensor | list[torch.Tensor]]:
 
 def column_tensor(name: str, column: Any) -> torch.Tensor | list[torch.Tensor]:
     """One Arrow column as a tensor (see ``to_tensors``)."""
-    pa = pyarrow_module()
+    types = pyarrow_module().types
     kind = column.type
     if column.null_count:
         raise ShardError(f"column {name!r} holds {column.null_count} nulls, which no tensor holds: {_fix(name)}")
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+    if types.is_integer(kind) or types.is_floating(kind) or types.is_boolean(kind):
         return torch.from_numpy(column.to_numpy(zero_copy_only=False, writable=True))
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+    if types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind):
         flat = column.flatten()
-        if flat.null_count or not (pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type)):
+        if flat.null_count or not (types.is_integer(flat.type) or types.is_floating(flat.type)):
             raise ShardError(f"column {name!r} is a list of {flat.type}, not of numbers: {_fix(name)}")
         values = torch.from_numpy(flat.to_numpy(zero_copy_only=False, writable=True))
-        lengths = column.value_lengths().to_numpy(zero_copy_only=False).tolist()
-        if len(set(lengths)) <= 1 and len(column):
-            return values.reshape(len(column), lengths[0] if lengths else 0)
-        return list(torch.split(values, lengths))
+        if types.is_fixed_size_list(kind):
+            return values.reshape(len(column), kind.list_size)
+        offsets = column.offsets.to_numpy()
+        lengths = offsets[1:] - offsets[:-1]
+        if len(column) and (lengths == lengths[0]).all():
+            return values.reshape(len(column), int(lengths[0]))
+        return list(torch.split(values, lengths.tolist()))
     raise ShardError(f"column {name!r} holds {kind} values, which no tensor holds: {_fix(name)}")
 
 

@@ -1,0 +1,157 @@
+"""Reading throughput of the shard readers against pyarrow reading the same files directly.
+
+    python -m benchmarks.shards [--quick] [--repeats N]
+
+Parquet and JSON Lines shards of the standard library's bytes (rows of 65 byte values and an id)
+are read whole, batch by batch, into tensors: by ``ParquetReader`` / ``JsonLinesReader`` over
+``shards()`` units, and by pyarrow directly (``ParquetFile.iter_batches`` / ``json.read_json``,
+each batch's columns turned into tensors the same way, ``torch.from_numpy``). Runs alternate, so
+both sides share the machine's moods; the ratio is ours / direct in rows per second (target
+>= 0.9), printed with its spread over the repeats. A second row set reads Parquet files split by
+rows (``split=``), each unit reading only its row groups.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+import torch
+
+from benchmarks._common import emit, parser, table
+from gradientmail.data import JsonLinesReader, ParquetReader, shards, stdlib_files
+
+ROW_BYTES = 65
+BATCH_ROWS = 1024
+
+
+def corpus(rows: int) -> np.ndarray:
+    """``rows`` x ``ROW_BYTES`` bytes of the standard library's ``.py`` files (repeated if short)."""
+    data = bytearray()
+    for path in stdlib_files():
+        data += path.read_bytes()
+        if len(data) >= rows * ROW_BYTES:
+            break
+    while len(data) < rows * ROW_BYTES:
+        data += data
+    return np.frombuffer(bytes(data[: rows * ROW_BYTES]), dtype=np.uint8).reshape(rows, ROW_BYTES).astype(np.int64)
+
+
+def write_files(directory: Path, files: int, rows_per_file: int, row_group_rows: int) -> None:
+    tokens = corpus(files * rows_per_file)
+    for index in range(files):
+        chunk = tokens[index * rows_per_file : (index + 1) * rows_per_file]
+        offsets = pa.array(np.arange(0, chunk.size + 1, ROW_BYTES, dtype=np.int32))
+        table_ = pa.table(
+            {
+                "id": pa.array(np.arange(index * rows_per_file, (index + 1) * rows_per_file)),
+                "tokens": pa.ListArray.from_arrays(offsets, pa.array(chunk.ravel())),
+            }
+        )
+        pq.write_table(table_, directory / f"part-{index:05d}.parquet", row_group_size=row_group_rows)
+        with open(directory / f"part-{index:05d}.jsonl", "w") as stream:
+            for n, row in zip(table_.column("id").to_pylist(), chunk.tolist()):
+                stream.write(f'{{"id": {n}, "tokens": {row}}}\n')
+
+
+def direct_tensors(batch: pa.RecordBatch) -> dict[str, torch.Tensor]:
+    """What the baseline does with each batch: the same tensors as ``to_tensors``."""
+    ids = torch.from_numpy(batch.column("id").to_numpy(zero_copy_only=False, writable=True))
+    tokens = batch.column("tokens")
+    values = torch.from_numpy(tokens.flatten().to_numpy(zero_copy_only=False, writable=True))
+    return {"id": ids, "tokens": values.reshape(len(batch), -1)}
+
+
+def parquet_direct(paths: list[Path]) -> int:
+    rows = 0
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+            rows += len(direct_tensors(batch)["id"])
+    return rows
+
+
+def jsonl_direct(paths: list[Path]) -> int:
+    rows = 0
+    for path in paths:
+        for batch in pa_json.read_json(path).to_batches(max_chunksize=BATCH_ROWS):
+            rows += len(direct_tensors(batch)["id"])
+    return rows
+
+
+def ours(reader: ParquetReader | JsonLinesReader, units: dict) -> int:
+    return sum(len(batch["id"]) for shard in units.values() for _, batch in reader(shard))
+
+
+def timed(read: Callable[[], int]) -> float:
+    began = time.perf_counter()
+    rows = read()
+    return rows / (time.perf_counter() - began)
+
+
+def main() -> None:
+    arguments = parser(__doc__)
+    arguments.add_argument("--repeats", type=int, default=None, help="alternating runs per pair (default 7, quick 2)")
+    options = arguments.parse_args()
+    repeats = options.repeats or (2 if options.quick else 7)
+    files, rows_per_file = (4, 5_000) if options.quick else (8, 50_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        write_files(directory, files, rows_per_file, row_group_rows=rows_per_file // 5)
+        parquet_paths = sorted(directory.glob("*.parquet"))
+        jsonl_paths = sorted(directory.glob("*.jsonl"))
+        cases = {
+            "parquet": (
+                lambda: ours(ParquetReader(batch_rows=BATCH_ROWS), shards(directory, suffixes=[".parquet"])),
+                lambda: parquet_direct(parquet_paths),
+            ),
+            "parquet_split": (
+                lambda: ours(
+                    ParquetReader(batch_rows=BATCH_ROWS),
+                    shards(directory, suffixes=[".parquet"], split=rows_per_file // 5),
+                ),
+                lambda: parquet_direct(parquet_paths),
+            ),
+            "jsonl": (
+                lambda: ours(JsonLinesReader(batch_rows=BATCH_ROWS), shards(directory, suffixes=[".jsonl"])),
+                lambda: jsonl_direct(jsonl_paths),
+            ),
+        }
+        figures: dict[str, float] = {}
+        rows = []
+        for name, (our_read, direct_read) in cases.items():
+            assert our_read() == direct_read() == files * rows_per_file  # warm the page cache, check the count
+            ratios, ours_rates, direct_rates = [], [], []
+            for _ in range(repeats):
+                ours_rates.append(timed(our_read))
+                direct_rates.append(timed(direct_read))
+                ratios.append(ours_rates[-1] / direct_rates[-1])
+            ratio = statistics.median(ratios)
+            figures[f"shards_read_ratio_{name}"] = round(ratio, 3)
+            figures[f"shards_read_ratio_{name}_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
+            rows.append(
+                (
+                    name,
+                    f"{statistics.median(ours_rates):,.0f}",
+                    f"{statistics.median(direct_rates):,.0f}",
+                    f"{ratio:.3f}",
+                    f"{min(ratios):.3f}-{max(ratios):.3f}",
+                )
+            )
+    print(
+        f"{files} files x {rows_per_file:,} rows of {ROW_BYTES} byte values, batches of {BATCH_ROWS}, {repeats} pairs"
+    )
+    print(table(("shards", "ours rows/s", "pyarrow rows/s", "ratio (median)", "spread"), rows))
+    figures["shards_read_cores"] = os.cpu_count() or 0
+    emit(figures)
+
+
+if __name__ == "__main__":
+    main()
