@@ -228,14 +228,19 @@ class JsonLinesReader(ShardReader):
         file = self.open(shard)
         try:
             part = shard.part if isinstance(shard, Shard) else None
-            data = _lines(file, 0 if part is None else part.start, file.size if part is None else part.stop)
+            if file.size == 0:
+                return
+            if part is None and file.local_path:
+                source: Any = file.local_path  # pyarrow reads (and parses, in parallel blocks) the file itself
+            else:
+                data = _lines(file, 0 if part is None else part.start, file.size if part is None else part.stop)
+                if not data.strip():
+                    return
+                source = pa.BufferReader(data)
         finally:
             file.close()
-        if not data.strip():
-            return
         options = json.ParseOptions(explicit_schema=self.schema) if self.schema is not None else None
-        read = json.ReadOptions(block_size=min(len(data) + 1, 64 << 20))
-        table = json.read_json(pa.BufferReader(data), read_options=read, parse_options=options)
+        table = json.read_json(source, parse_options=options)
         yield from rebatched(table.to_batches(max_chunksize=self.batch_rows), self.batch_rows)
 
 

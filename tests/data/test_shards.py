@@ -113,6 +113,17 @@ def test_json_lines_split_by_bytes_read_every_line_once(tmp_path, split_bytes):
         assert first[1]["tokens"].shape[1] == 32
 
 
+def test_a_json_line_longer_than_a_parse_block_is_read(tmp_path):
+    rows = [{"id": 0, "tokens": [7] * 400_000}, *({"id": n, "tokens": [n]} for n in range(1, 5))]  # 1.2 MB line
+    (tmp_path / "long.jsonl").write_bytes(jsonl_bytes(rows))
+    (shard,) = shards(tmp_path).values()
+    (_, batch), *_ = JsonLinesReader(batch_rows=5)(shard)
+    assert batch["id"].tolist() == [0, 1, 2, 3, 4]
+    assert [len(tokens) for tokens in batch["tokens"]] == [400_000, 1, 1, 1, 1]  # rows of other lengths: a list
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert list(JsonLinesReader()(tmp_path / "empty.jsonl")) == []
+
+
 # -- WebDataset tar, token files --------------------------------------------------------------------
 def test_a_tar_shard_yields_samples_grouped_by_key(tmp_path):
     rows = corpus_rows(7)
