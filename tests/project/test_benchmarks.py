@@ -160,6 +160,16 @@ def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
 
 
 @pytest.mark.slow
+def test_shards_quick_mode_reports_read_ratios_with_their_spread() -> None:
+    pytest.importorskip("pyarrow", reason="benchmarks.shards reads Parquet and JSON Lines (the parquet extra)")
+    lines, figures = quick_run("shards")
+    assert len(lines) >= 3, lines
+    for case in ("parquet", "parquet_split", "jsonl"):
+        ratio, spread = figures[f"shards_read_ratio_{case}"], figures[f"shards_read_ratio_{case}_spread"]
+        assert finite(ratio) and finite(spread) and spread[0] <= ratio <= spread[1], (case, figures)
+
+
+@pytest.mark.slow
 def test_scale_quick_mode_measures_every_figure_directly() -> None:
     lines, figures = quick_run("scale")
     assert len(lines) >= 3, lines
