@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradientmail.data.cache import CacheStats
-from gradientmail.data.errors import SequenceRangeError, TokenFileError
+from gradientmail.data.errors import SequenceRangeError, ShardError, TokenFileError
 from gradientmail.data.formats import FileFormat, TokenLayout, read_layout
 from gradientmail.data.shard_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -25,7 +25,7 @@ from gradientmail.data.shard_cache import (
     Pin,
     ShardCache,
 )
-from gradientmail.data.shard_reader import ShardLike, ShardReader
+from gradientmail.data.shard_reader import Permutation, ShardLike, ShardReader
 from gradientmail.data.shard_units import Shard
 
 _SIGNED = {"uint16": (torch.int16, 0xFFFF), "uint32": (torch.int32, 0xFFFFFFFF)}
@@ -214,7 +214,8 @@ class TokenShardReader(ShardReader):
     Args:
         seq_len, dtype, vocab_size: as ``TokenReader``'s.
         batch_size: sequences per batch.
-        cache, storage_options: as ``ShardReader``'s.
+        cache, storage_options, shuffle: as ``ShardReader``'s (shuffled, the sequences are read
+            one by one, in the order drawn).
 
     Example:
         >>> import tempfile
@@ -237,14 +238,15 @@ class TokenShardReader(ShardReader):
         vocab_size: int | None = None,
         cache: ShardCache | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
     ) -> None:
-        super().__init__(cache=cache, storage_options=storage_options)
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
         self.seq_len = _int_at_least("seq_len", seq_len, 1)
         self.batch_size = _int_at_least("batch_size", batch_size, 1)
         self.dtype = dtype
         self.vocab_size = vocab_size
 
-    def batches(self, shard: ShardLike) -> Iterator[dict[str, torch.Tensor]]:
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[dict[str, torch.Tensor]]:
         pin = shard.pin if isinstance(shard, Shard) else None
         url = shard.url if isinstance(shard, Shard) else shard
         reader = TokenReader(
@@ -260,6 +262,12 @@ class TokenShardReader(ShardReader):
             pin=pin,
         )
         with reader:
+            order = None if permutation is None else permutation(len(reader))
+            if order is not None and sorted(order) != list(range(len(reader))):
+                raise ShardError(f"permutation({len(reader)}) returned no permutation of the file's sequences")
             for start in range(0, len(reader), self.batch_size):
-                rows = reader.sequences(start, min(self.batch_size, len(reader) - start))
+                if order is None:
+                    rows = reader.sequences(start, min(self.batch_size, len(reader) - start))
+                else:
+                    rows = torch.cat([reader.sequences(index, 1) for index in order[start : start + self.batch_size]])
                 yield {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}

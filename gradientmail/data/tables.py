@@ -16,7 +16,7 @@ import torch
 
 from gradientmail.data.errors import ShardError
 from gradientmail.data.shard_cache import CachedFile, ShardCache
-from gradientmail.data.shard_reader import ShardLike, ShardReader
+from gradientmail.data.shard_reader import Permutation, ShardLike, ShardReader
 from gradientmail.data.shard_units import Shard
 from gradientmail.errors import MissingExtraError
 
@@ -100,6 +100,23 @@ def rebatched(batches: Iterable[Any], rows: int) -> Iterator[Any]:
         yield _one_batch(pa.Table.from_batches(pending))
 
 
+def shuffled(batches: Iterable[Any], permutation: Permutation, rows: int) -> Iterator[Any]:
+    """All of ``batches``' rows, in the order ``permutation(count)`` gives, ``rows`` at a time.
+
+    Raises:
+        ShardError: the order is not a permutation of the rows.
+    """
+    pa = pyarrow_module()
+    collected = list(batches)
+    if not collected:
+        return
+    table = pa.Table.from_batches(collected)
+    order = permutation(table.num_rows)
+    if sorted(order) != list(range(table.num_rows)):
+        raise ShardError(f"permutation({table.num_rows}) returned no permutation of the unit's rows")
+    yield from rebatched(table.take(pa.array(order, type=pa.int64())).to_batches(max_chunksize=rows), rows)
+
+
 def _one_batch(table: Any) -> Any:
     combined = table.combine_chunks().to_batches()
     return combined[0] if combined else table.schema.empty_table().to_batches()
@@ -118,7 +135,7 @@ class ParquetReader(ShardReader):
         batch_rows: rows per batch (the last batch of a unit may hold fewer).
         columns: the columns to read (None: all).
         collate: turns each ``pyarrow.RecordBatch`` into the batch (``to_tensors``; module level).
-        cache, storage_options: as ``ShardReader``'s.
+        cache, storage_options, shuffle: as ``ShardReader``'s.
 
     Example:
         >>> import tempfile
@@ -139,14 +156,16 @@ class ParquetReader(ShardReader):
         collate: Callable[[Any], Any] = to_tensors,
         cache: ShardCache | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
     ) -> None:
-        super().__init__(cache=cache, storage_options=storage_options)
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
         self.batch_rows = _check_rows(batch_rows)
         self.columns = None if columns is None else list(columns)
         self.collate = collate
 
-    def batches(self, shard: ShardLike) -> Iterator[Any]:
-        for batch in self.record_batches(shard):
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
+        found = self.record_batches(shard)
+        for batch in found if permutation is None else shuffled(found, permutation, self.batch_rows):
             yield self.collate(batch)
 
     def record_batches(self, shard: ShardLike) -> Iterator[Any]:
@@ -200,7 +219,7 @@ class JsonLinesReader(ShardReader):
         batch_rows: rows per batch (the last batch of a unit may hold fewer).
         schema: a ``pyarrow.Schema`` for the columns (None: inferred per unit, so give one when
             a column could read as integers in one unit and floats in another).
-        collate, cache, storage_options: as ``ParquetReader``'s.
+        collate, cache, storage_options, shuffle: as ``ParquetReader``'s.
     """
 
     def __init__(
@@ -211,14 +230,16 @@ class JsonLinesReader(ShardReader):
         collate: Callable[[Any], Any] = to_tensors,
         cache: ShardCache | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
     ) -> None:
-        super().__init__(cache=cache, storage_options=storage_options)
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
         self.batch_rows = _check_rows(batch_rows)
         self.schema = schema
         self.collate = collate
 
-    def batches(self, shard: ShardLike) -> Iterator[Any]:
-        for batch in self.record_batches(shard):
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
+        found = self.record_batches(shard)
+        for batch in found if permutation is None else shuffled(found, permutation, self.batch_rows):
             yield self.collate(batch)
 
     def record_batches(self, shard: ShardLike) -> Iterator[Any]:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from gradientmail.data.errors import ShardError
 from gradientmail.data.shard_cache import ShardCache
-from gradientmail.data.shard_reader import ShardLike, ShardReader
+from gradientmail.data.shard_reader import Permutation, ShardLike, ShardReader
 
 INTEGER_FIELDS = frozenset({"cls", "cls2", "class", "count", "index", "inx", "id"})
 """Fields WebDataset writes as a decimal integer in text: decoded to an ``int64`` scalar."""
@@ -82,7 +82,7 @@ class TarReader(ShardReader):
         decode: turns a sample's ``{field: bytes}`` into ``{field: tensor}`` (``decode_fields``;
             module level, so DataLoader workers pickle it).
         collate: turns a list of decoded samples into the batch (``stack_samples``).
-        cache, storage_options: as ``ShardReader``'s.
+        cache, storage_options, shuffle: as ``ShardReader``'s.
 
     A remote tar is read front to back through the cache (one pass, no seeks), so its blocks are
     fetched once and kept for the next epoch like any reader's.
@@ -96,17 +96,25 @@ class TarReader(ShardReader):
         collate: Callable[[list[Any]], Any] = stack_samples,
         cache: ShardCache | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
     ) -> None:
-        super().__init__(cache=cache, storage_options=storage_options)
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive number of samples, not {batch_size!r}")
         self.batch_size = batch_size
         self.decode = decode
         self.collate = collate
 
-    def batches(self, shard: ShardLike) -> Iterator[Any]:
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
         pending: list[Any] = []
-        for sample in self.samples(shard):
+        samples: Iterable[dict[str, bytes]] = self.samples(shard)
+        if permutation is not None:
+            held = list(samples)
+            order = permutation(len(held))
+            if sorted(order) != list(range(len(held))):
+                raise ShardError(f"permutation({len(held)}) returned no permutation of the shard's samples")
+            samples = [held[index] for index in order]
+        for sample in samples:
             pending.append(self.decode(sample))
             if len(pending) == self.batch_size:
                 yield self.collate(pending)

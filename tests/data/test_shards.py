@@ -15,6 +15,7 @@ import sys
 import tarfile
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -146,6 +147,61 @@ def test_a_token_file_shard_is_its_sequences_in_batches(tmp_path):
     whole = TokenReader(info.path, seq_len=16).sequences(0, (768 - 1) // 16)
     assert torch.equal(torch.cat([batch["input_ids"] for _, batch in pairs]), whole[:, :-1])
     assert torch.equal(torch.cat([batch["labels"] for _, batch in pairs]), whole[:, 1:])
+
+
+# -- units of epochs() and mix(): a shard in .unit, rows shuffled by the pass -------------------------
+@dataclass(frozen=True)
+class Pass:
+    """Like an ``EpochUnit`` of ``epochs()``: the unit in ``.unit``, the pass's row order drawn."""
+
+    unit: object
+    seed: int
+
+    def permutation(self, n: int) -> list[int]:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist()
+
+
+@dataclass(frozen=True)
+class FromSource:
+    """Like a ``SourceUnit`` of ``mix()``: the unit in ``.unit``, no order of its own."""
+
+    source: str
+    unit: object
+
+
+def test_units_wrapping_a_shard_are_read_and_shuffled_by_their_pass(tmp_path):
+    rows = corpus_rows(23)
+    write_parquet(tmp_path / "a.parquet", rows, row_group_rows=5)
+    (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(rows))
+    (tmp_path / "a.tar").write_bytes(tar_bytes(rows))
+    units = shards(tmp_path)
+    readers = {"parquet": ParquetReader, "jsonl": JsonLinesReader, "tar": TarReader}
+    for name, make in readers.items():
+        key = "cls" if name == "tar" else "id"
+        shard = units[f"a.{name}"]
+        plain = make(**({"batch_size": 4} if name == "tar" else {"batch_rows": 4}))
+        shuffling = make(shuffle=True, **({"batch_size": 4} if name == "tar" else {"batch_rows": 4}))
+        assert [n for _, b in plain(FromSource("web", shard)) for n in b[key].tolist()] == list(range(23))
+        for seed in (1, 2):
+            value = Pass(FromSource("web", shard), seed)  # epochs(mix(...)): the pass's order wins
+            got = [n for _, b in shuffling(value) for n in b[key].tolist()]
+            assert got == value.permutation(23), name
+            assert [len(b[key]) for _, b in shuffling(value)] == [4, 4, 4, 4, 4, 3]
+        with pytest.raises(ShardError, match="shuffle=True.*epochs"):
+            list(shuffling(FromSource("web", shard)))
+    with pytest.raises(TypeError, match="reads a Shard"):
+        list(ParquetReader()(FromSource("web", 7)))
+
+
+def test_a_token_shard_is_shuffled_by_sequence(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)))
+    write_tokens(tmp_path / "tokens/a.bin", [text])
+    (shard,) = shards(tmp_path / "tokens").values()
+    value = Pass(shard, seed=3)
+    pairs = list(TokenShardReader(seq_len=16, batch_size=4, shuffle=True)(value))
+    firsts = [int(row[0]) // 16 for _, batch in pairs for row in batch["input_ids"]]
+    assert firsts == value.permutation((256 - 1) // 16)
 
 
 # -- a replaced file, pickling ----------------------------------------------------------------------
