@@ -215,7 +215,10 @@ def _row_groups(fs: Any, name: str) -> list[int]:
             f"splitting Parquet files needs pyarrow: pip install 'gradientmail[parquet]' ({exc})"
         ) from exc
     with fs.open(name, "rb") as stream:
-        metadata = pq.ParquetFile(stream).metadata
+        try:
+            metadata = pq.ParquetFile(stream).metadata
+        except (OSError, ValueError) as exc:  # pyarrow.ArrowInvalid is a ValueError
+            raise ShardError(f"{name}: not a readable Parquet file, so it cannot be split by rows ({exc})") from exc
         return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
 

@@ -85,6 +85,13 @@ def test_a_parquet_file_split_by_rows_reads_every_row_once_in_order(tmp_path):
     assert [n for shard in cut.values() for n in ids_of(reader(shard))] == [row["id"] for row in rows]
 
 
+def test_a_damaged_parquet_file_cannot_be_split_and_says_which(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"\0" * 100)
+    with pytest.raises(ShardError, match=r"bad.parquet: not a readable Parquet file"):
+        shards(tmp_path, split=10)
+    assert list(shards(tmp_path)) == ["bad.parquet"]  # listed whole, nothing read
+
+
 def test_batches_hold_exactly_batch_rows_across_row_groups(tmp_path):
     write_parquet(tmp_path / "a.parquet", corpus_rows(23), row_group_rows=4)
     sizes = [len(batch["id"]) for _index, batch in ParquetReader(batch_rows=10)(tmp_path / "a.parquet")]
