@@ -10,11 +10,16 @@ both sides share the machine's moods; the ratio is ours / direct in rows per sec
 (target >= 0.9), printed with its spread over the repeats, and the same in rows per second of CPU
 time (every thread's), steadier on a busy machine. Units are listed once, outside the timing. A second row set reads Parquet files split by
 rows (``split=``), each unit reading only its row groups.
+
+Then the Parquet files are put in a bucket on moto's S3 server and read for two epochs, with a
+``ShardCache`` directory and without: the bytes each epoch fetches from the store, counted by the
+S3 client itself (target for the second epoch with the cache: 0).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -28,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from benchmarks._common import emit, parser, table
-from gradientmail.data import JsonLinesReader, ParquetReader, shards, stdlib_files
+from gradientmail.data import JsonLinesReader, ParquetReader, ShardCache, shards, stdlib_files
 
 ROW_BYTES = 65
 BATCH_ROWS = 1024
@@ -98,6 +103,52 @@ def timed(read: Callable[[], int]) -> tuple[float, float]:
     return rows / (time.perf_counter() - began), rows / max(time.process_time() - began_cpu, 1e-9)
 
 
+def epoch_fetches(directory: Path) -> dict[str, float]:
+    """Bytes fetched from a bucket (moto's server) by each of two epochs over the Parquet shards."""
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    import boto3
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="shards")
+        paths = sorted(directory.glob("*.parquet"))
+        for path in paths:
+            client.put_object(Bucket="shards", Key=f"train/{path.name}", Body=path.read_bytes())
+        options = {"endpoint_url": endpoint}
+        units = shards("s3://shards/train/*.parquet", storage_options=options)
+        fs = fsspec.filesystem("s3", **options)
+        fs.ls("shards")  # the client the readers share (same options)
+        fetched: list[int] = []
+
+        def count(parsed: dict, **_: object) -> None:
+            fetched.append(parsed.get("ContentLength", 0))
+
+        fs.s3.meta.events.register("after-call.s3.GetObject", count)
+        figures = {"shards_dataset_mib": sum(path.stat().st_size for path in paths) / 2**20}
+        with tempfile.TemporaryDirectory() as cache:
+            for label, reader in (
+                ("cached", ParquetReader(batch_rows=BATCH_ROWS, cache=ShardCache(cache), storage_options=options)),
+                ("uncached", ParquetReader(batch_rows=BATCH_ROWS, storage_options=options)),
+            ):
+                for epoch in (1, 2):
+                    fetched.clear()
+                    ours(reader, units)
+                    figures[f"shards_epoch{epoch}_mib_fetched_{label}"] = sum(fetched) / 2**20
+        return figures
+    finally:
+        server.stop()
+
+
 def main() -> None:
     arguments = parser(__doc__)
     arguments.add_argument("--repeats", type=int, default=None, help="alternating runs per pair (default 7, quick 2)")
@@ -151,12 +202,28 @@ def main() -> None:
                     f"{cpu_ratio:.3f}",
                 )
             )
+        fetches = epoch_fetches(directory)
     print(
         f"{files} files x {rows_per_file:,} rows of {ROW_BYTES} byte values, batches of {BATCH_ROWS}, {repeats} pairs"
     )
     headers = ("shards", "ours rows/s", "pyarrow rows/s", "ratio (median)", "spread", "CPU-time ratio")
     print(table(headers, rows))
     figures["shards_read_cores"] = os.cpu_count() or 0
+    print()
+    print(
+        f"two epochs over the {files} Parquet files in a bucket ({fetches['shards_dataset_mib']:.1f} MiB), moto's S3 server:"
+    )
+    print(
+        table(
+            ("MiB fetched from the store", "epoch 1", "epoch 2"),
+            [
+                (label, *(f"{fetches[f'shards_epoch{epoch}_mib_fetched_{key}']:.2f}" for epoch in (1, 2)))
+                for label, key in (("ShardCache(directory)", "cached"), ("no cache directory", "uncached"))
+            ],
+        )
+    )
+    figures.update(fetches)
+    figures["shards_epoch2_bytes_fetched"] = round(fetches["shards_epoch2_mib_fetched_cached"] * 2**20)
     emit(figures)
 
 
