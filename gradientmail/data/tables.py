@@ -118,8 +118,8 @@ def shuffled(batches: Iterable[Any], permutation: Permutation, rows: int) -> Ite
 
 
 def _one_batch(table: Any) -> Any:
-    combined = table.combine_chunks().to_batches()
-    return combined[0] if combined else table.schema.empty_table().to_batches()
+    """A table of at least one row as one record batch (its columns joined into one chunk each)."""
+    return table.combine_chunks().to_batches()[0]
 
 
 def _check_rows(batch_rows: int) -> int:
