@@ -226,6 +226,19 @@ def test_a_file_replaced_after_listing_is_refused_when_read(tmp_path):
         list(JsonLinesReader()(units["b.jsonl"]))
 
 
+def test_a_replaced_tar_or_token_file_is_refused_too(tmp_path):
+    (tmp_path / "a.tar").write_bytes(tar_bytes(corpus_rows(3)))
+    (tmp_path / "t.txt").write_bytes(bytes(range(200)))
+    write_tokens(tmp_path / "a.bin", [tmp_path / "t.txt"])
+    units = shards(tmp_path, suffixes=[".tar", ".bin"])
+    for name in ("a.tar", "a.bin"):
+        os.utime(tmp_path / name, ns=(1, 1))  # rewritten in place: same size, another mtime
+    with pytest.raises(FileChangedError, match="replaced since it was listed"):
+        list(TarReader()(units["a.tar"]))
+    with pytest.raises(FileChangedError, match="replaced since it was listed"):
+        list(TokenShardReader(seq_len=4, batch_size=2)(units["a.bin"]))
+
+
 def test_units_and_readers_pickle_for_dataloader_workers(tmp_path):
     write_parquet(tmp_path / "a.parquet", corpus_rows(10), row_group_rows=3)
     units = shards(tmp_path, split=4)
