@@ -55,7 +55,9 @@ LOW_WATER = 0.9
 def remote_identity(url: str, storage_options: Mapping[str, Any]) -> str:
     """The URL and the endpoint it is read from: the same ``s3://`` path on two stores is two objects.
 
-    Credentials are left out, so that rotated keys keep the cache.
+    The endpoint is ``storage_options``'s, else (for ``s3://``) ``AWS_ENDPOINT_URL_S3`` or
+    ``AWS_ENDPOINT_URL``, as botocore reads them. Credentials are left out, so that rotated keys
+    keep the cache.
 
     Example:
         >>> remote_identity("s3://b/train.bin", {"endpoint_url": "http://127.0.0.1:9000", "key": "k"})
@@ -63,6 +65,8 @@ def remote_identity(url: str, storage_options: Mapping[str, Any]) -> str:
     """
     client = storage_options.get("client_kwargs") or {}
     endpoint = storage_options.get("endpoint_url") or client.get("endpoint_url")
+    if not endpoint and url.startswith(("s3://", "s3a://")):  # botocore reads these when not told
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     return f"{url} @ {endpoint}" if endpoint else url
 
 

@@ -1,4 +1,4 @@
-"""The errors of ``gradientmail.data``: a file that is not a usable token file, a range outside it."""
+"""The errors of ``gradientmail.data``: an unusable token file or shard, a range outside a file."""
 
 from __future__ import annotations
 
@@ -14,3 +14,16 @@ class TokenFileError(GradientMailError, ValueError):
 
 class SequenceRangeError(GradientMailError, IndexError):
     """``sequences(start, count)`` asked for sequences the file does not hold."""
+
+
+class ShardError(GradientMailError, ValueError):
+    """A shard cannot be listed or read as asked: no file matched, a column that is no tensor,
+    a format that cannot be split. The message names the shard and the fix."""
+
+
+class FileChangedError(TokenFileError, ShardError):
+    """A file is not the one pinned: replaced since ``shards()`` listed it, or while it was read.
+
+    Reading on would mix two versions of the data (or silently train on other data than the run
+    listed), so the reader stops; list the shards again for a new run.
+    """

@@ -9,26 +9,24 @@ from __future__ import annotations
 import operator
 import os
 import sys
-import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from gradientmail.data.cache import BlockCache, CacheStats
-from gradientmail.data.disk_cache import DiskCache, remote_identity
-from gradientmail.data.errors import SequenceRangeError, TokenFileError
+from gradientmail.data.cache import CacheStats
+from gradientmail.data.errors import SequenceRangeError, ShardError, TokenFileError
 from gradientmail.data.formats import FileFormat, TokenLayout, read_layout
-from gradientmail.data.sources import ByteSource, FsspecFile, open_source
-
-DEFAULT_BLOCK_SIZE = 1 << 20
-"""1 MiB: a few ranged requests per batch on S3, and finer than one lane's share of a step."""
-
-DEFAULT_CACHE_BYTES = 64 << 20
-"""Per process: each DataLoader worker holds a cache of its own."""
-
-DEFAULT_CACHE_DIR_BYTES = 16 << 30
-"""A ``cache_dir``'s bound, for every process and file sharing it: a few datasets of a few GB."""
+from gradientmail.data.shard_cache import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_CACHE_DIR_BYTES,
+    CachedFile,
+    Pin,
+    ShardCache,
+)
+from gradientmail.data.shard_reader import Permutation, ShardLike, ShardReader
+from gradientmail.data.shard_units import Shard
 
 _SIGNED = {"uint16": (torch.int16, 0xFFFF), "uint32": (torch.int32, 0xFFFFFFFF)}
 
@@ -63,6 +61,7 @@ class TokenReader:
         cache_dir_bytes: the bound of ``cache_dir``, for all processes and files sharing it
             (least recently used blocks are evicted first).
         storage_options: passed to fsspec, e.g. ``{"endpoint_url": ...}`` for s3fs.
+        pin: the size and version the file must have (``Shard.pin``), or None.
 
     The file is opened and checked here; a pickled copy (a DataLoader worker) reopens it on
     first use, with an empty cache, and refuses a file whose size changed meanwhile.
@@ -70,6 +69,7 @@ class TokenReader:
     Raises:
         TokenFileError: the file is not a usable token file, or holds less than one sequence.
         FileNotFoundError: there is no file at ``url``.
+        FileChangedError: the file is not the pinned one.
         ValueError: ``cache_dir_bytes`` cannot hold one block.
 
     Example:
@@ -101,56 +101,29 @@ class TokenReader:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
         storage_options: Mapping[str, Any] | None = None,
+        pin: Pin | None = None,
     ) -> None:
         if sys.byteorder != "little":  # pragma: no cover
             raise TokenFileError("token files are little-endian; this machine is big-endian")
         self.seq_len = _int_at_least("seq_len", seq_len, 1)
         self.vocab_size = None if vocab_size is None else _int_at_least("vocab_size", vocab_size, 1)
-        self._source: ByteSource = open_source(url, storage_options)
-        self.url = self._source.name
-        self._size = self._source.size()
-        self._disk = self._disk_cache(cache_dir, cache_dir_bytes, block_size)
-        fetch = self._source.read if self._disk is None else self._disk.read
-        self.layout: TokenLayout = read_layout(self.url, self._size, fetch, format=format, dtype=dtype)
-        self._cache = BlockCache(fetch, self._size, block_size, cache_bytes)
-        self._pid = os.getpid()
+        self._file = CachedFile(
+            url,
+            storage_options=storage_options,
+            block_size=block_size,
+            cache_bytes=cache_bytes,
+            cache_dir=cache_dir,
+            cache_dir_bytes=cache_dir_bytes,
+            pin=pin,
+        )
+        self.url = self._file.url
+        self.layout: TokenLayout = read_layout(
+            self.url, self._file.size, self._file.read_past_memory, format=format, dtype=dtype
+        )
         if self.layout.tokens < seq_len + 1:
             raise TokenFileError(
                 f"{self.url}: {self.layout.tokens:,} tokens, fewer than one sequence of seq_len + 1 = {seq_len + 1:,}"
             )
-
-    def _disk_cache(self, cache_dir: str | os.PathLike[str] | None, capacity: int, block_size: int) -> DiskCache | None:
-        """The ``cache_dir`` layer of a remote file (None for a local one, or a store without versions)."""
-        if cache_dir is None or not isinstance(self._source, FsspecFile):
-            return None
-        if self._source.pinned is None:
-            warnings.warn(
-                f"{self.url}: the store reports no version (ETag, generation or mtime), so blocks on "
-                f"disk could not be told from a rewritten object's: cache_dir={os.fspath(cache_dir)!r} is not used",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None
-        disk = DiskCache(
-            self._source.read,
-            cache_dir,
-            identity=remote_identity(self.url, self._source.storage_options),
-            version=self._source.pinned,
-            size=self._size,
-            block_size=block_size,
-            capacity=capacity,
-        )
-        try:
-            disk.reconcile()
-        except OSError as exc:  # not a directory, not writable, a full or read-only disk
-            warnings.warn(
-                f"{self.url}: cache_dir={os.fspath(cache_dir)!r} cannot be used ({type(exc).__name__}: {exc}); "
-                "reading on from the store without it",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None
-        return disk
 
     # -- what the file holds ----------------------------------------------------------------
     @property
@@ -168,8 +141,7 @@ class TokenReader:
     def cache_stats(self) -> CacheStats:
         """This process's cache counters (hits, ranged reads, bytes held and its bound; the
         ``cache_dir``'s hits and bytes too)."""
-        memory = self._cache.stats()
-        return memory if self._disk is None else self._disk.stats(memory)
+        return self._file.stats()
 
     def __repr__(self) -> str:
         return f"TokenReader({self.url!r}, seq_len={self.seq_len}, dtype={self.dtype!r}, tokens={self.num_tokens:,})"
@@ -209,10 +181,9 @@ class TokenReader:
                 f"tokens(start={start:,}, count={count:,}) reads past the end of {self.url} "
                 f"({self.num_tokens:,} tokens)"
             )
-        self._check_process()
         itemsize = self.layout.itemsize
         offset = self.layout.offset + start * itemsize
-        data = bytearray(self._cache.read(offset, offset + count * itemsize))
+        data = bytearray(self._file.read(offset, offset + count * itemsize))
         signed, mask = _SIGNED[self.dtype]
         values = (
             torch.frombuffer(data, dtype=signed).to(torch.int64) & mask if data else (torch.empty(0, dtype=torch.int64))
@@ -225,24 +196,9 @@ class TokenReader:
             )
         return values
 
-    def _check_process(self) -> None:
-        """In a new process (a worker), check that the file is still the one opened."""
-        if self._pid == os.getpid():
-            return
-        size = self._source.size()
-        if size != self._size:
-            raise TokenFileError(
-                f"{self.url}: {size:,} bytes now, {self._size:,} when the reader was created: "
-                "the file changed; create the reader again"
-            )
-        self._pid = os.getpid()
-
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
-        self._source.close()
-        self._cache.clear()
-        if self._disk is not None:
-            self._disk.close()
+        self._file.close()
 
     def __enter__(self) -> TokenReader:
         return self
@@ -250,15 +206,68 @@ class TokenReader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        cache = state.pop("_cache")
-        state["_cache_args"] = (cache.block_size, cache.capacity)
-        state["_pid"] = -1  # checked and reopened on first use in the receiving process
-        return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        block_size, capacity = state.pop("_cache_args")
-        self.__dict__.update(state)  # the disk cache, if any, pickled itself (blocks stay on disk)
-        fetch = self._source.read if self._disk is None else self._disk.read
-        self._cache = BlockCache(fetch, self._size, block_size, capacity)
+class TokenShardReader(ShardReader):
+    """A token file shard (``.bin``, ``.npy``) as batches of ``batch_size`` sequences, in file order:
+    ``{"input_ids": rows[:, :-1], "labels": rows[:, 1:]}`` (the last batch may hold fewer).
+
+    Args:
+        seq_len, dtype, vocab_size: as ``TokenReader``'s.
+        batch_size: sequences per batch.
+        cache, storage_options, shuffle: as ``ShardReader``'s (shuffled, the sequences are read
+            one by one, in the order drawn).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from gradientmail.data import TokenShardReader, write_tokens
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     _ = Path(tmp, "t.txt").write_text("hello world")
+        ...     info = write_tokens(Path(tmp, "train.bin"), [Path(tmp, "t.txt")])
+        ...     pairs = list(TokenShardReader(seq_len=4, batch_size=1)(info.path))
+        >>> [(index, batch["input_ids"].shape) for index, batch in pairs]
+        [(0, torch.Size([1, 4])), (1, torch.Size([1, 4]))]
+    """
+
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        batch_size: int,
+        dtype: str | torch.dtype | None = None,
+        vocab_size: int | None = None,
+        cache: ShardCache | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
+    ) -> None:
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
+        self.seq_len = _int_at_least("seq_len", seq_len, 1)
+        self.batch_size = _int_at_least("batch_size", batch_size, 1)
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        pin = shard.pin if isinstance(shard, Shard) else None
+        url = shard.url if isinstance(shard, Shard) else shard
+        reader = TokenReader(
+            url,
+            seq_len=self.seq_len,
+            dtype=self.dtype,
+            vocab_size=self.vocab_size,
+            block_size=self.cache.block_size,
+            cache_bytes=self.cache.memory_bytes,
+            cache_dir=self.cache.directory,
+            cache_dir_bytes=self.cache.max_bytes,
+            storage_options=self.storage_options or None,
+            pin=pin,
+        )
+        with reader:
+            order = None if permutation is None else permutation(len(reader))
+            if order is not None and sorted(order) != list(range(len(reader))):
+                raise ShardError(f"permutation({len(reader)}) returned no permutation of the file's sequences")
+            for start in range(0, len(reader), self.batch_size):
+                if order is None:
+                    rows = reader.sequences(start, min(self.batch_size, len(reader) - start))
+                else:
+                    rows = torch.cat([reader.sequences(index, 1) for index in order[start : start + self.batch_size]])
+                yield {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}

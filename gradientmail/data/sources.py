@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from gradientmail.data.errors import TokenFileError
+from gradientmail.data.errors import FileChangedError, TokenFileError
 from gradientmail.errors import MissingExtraError
 
 
@@ -158,7 +158,7 @@ class FsspecFile:
         size = info.get("size")
         if not isinstance(size, int) or size < 0:
             raise TokenFileError(f"{self.name}: the store reports no size ({size!r})")
-        version = _version(info)
+        version = object_version(info)
         if self.pinned is None:
             self.pinned = version
         elif version != self.pinned:
@@ -169,16 +169,16 @@ class FsspecFile:
         fs, path = self._filesystem()
         data = fs.cat_file(path, start=start, end=stop)
         if self.pinned is not None:
-            version = _version(self._info())
+            version = object_version(self._info())
             if version != self.pinned:
                 raise self._changed(version)
         return _whole_range(self.name, data, start, stop)
 
-    def _changed(self, version: str | None) -> TokenFileError:
-        return TokenFileError(
+    def _changed(self, version: str | None) -> FileChangedError:
+        return FileChangedError(
             f"{self.name} changed while it was being read (version {self.pinned!r} when opened, "
-            f"now {version!r}): blocks of two versions would be mixed; open a new TokenReader "
-            "(and do not overwrite a token file during a run: write a new one)"
+            f"now {version!r}): blocks of two versions would be mixed; open a new reader "
+            "(and do not overwrite a file during a run: write a new one)"
         )
 
     def close(self) -> None:
@@ -191,7 +191,13 @@ class FsspecFile:
         self.__init__(state["name"], state["storage_options"], state.get("pinned"))  # type: ignore[misc]
 
 
-def _version(info: dict[str, Any]) -> str | None:
+def object_version(info: Mapping[str, Any]) -> str | None:
+    """The first of ``VERSION_FIELDS`` an fsspec ``info()`` holds, as ``"name=value"`` (None: none).
+
+    Example:
+        >>> object_version({"size": 3, "ETag": '"abc"'})
+        'ETag="abc"'
+    """
     for name in VERSION_FIELDS:
         value = info.get(name)
         if value not in (None, ""):

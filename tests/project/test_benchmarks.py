@@ -178,6 +178,22 @@ def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
 
 
 @pytest.mark.slow
+def test_shards_quick_mode_reports_read_ratios_and_a_second_epoch_fetching_nothing() -> None:
+    pytest.importorskip("pyarrow", reason="benchmarks.shards reads Parquet and JSON Lines (the parquet extra)")
+    pytest.importorskip("s3fs", reason="benchmarks.shards reads shards from moto's S3 server (the fsspec extra)")
+    pytest.importorskip("moto.server", reason="benchmarks.shards reads shards from moto's S3 server")
+    lines, figures = quick_run("shards")
+    assert len(lines) >= 3, lines
+    for case in ("parquet", "parquet_split", "jsonl"):
+        ratio, spread = figures[f"shards_read_ratio_{case}"], figures[f"shards_read_ratio_{case}_spread"]
+        assert finite(ratio) and finite(spread) and spread[0] <= ratio <= spread[1], (case, figures)
+        assert finite(figures[f"shards_read_cpu_ratio_{case}"]), figures
+    # Counted bytes, not speed: the second epoch through the cache fetches nothing, without it all again.
+    assert figures["shards_epoch2_bytes_fetched"] == 0, figures
+    assert figures["shards_epoch2_mib_fetched_uncached"] == figures["shards_epoch1_mib_fetched_cached"] > 0, figures
+
+
+@pytest.mark.slow
 def test_scale_quick_mode_measures_every_figure_directly() -> None:
     lines, figures = quick_run("scale")
     assert len(lines) >= 3, lines

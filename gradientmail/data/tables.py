@@ -1,0 +1,281 @@
+"""Parquet and JSON Lines shards as batches of rows, read with pyarrow (the ``parquet`` extra).
+
+A batch is what ``collate`` makes of a ``pyarrow.RecordBatch`` of ``batch_rows`` rows (fewer at
+the end of a unit); the default, ``to_tensors``, gives a dict of one tensor per column.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradientmail.data.errors import ShardError
+from gradientmail.data.shard_cache import CachedFile, ShardCache
+from gradientmail.data.shard_reader import Permutation, ShardLike, ShardReader
+from gradientmail.data.shard_units import Shard
+from gradientmail.errors import MissingExtraError
+
+DEFAULT_BATCH_ROWS = 1024
+
+
+def pyarrow_module(name: str = "pyarrow") -> Any:
+    """``pyarrow`` (or one of its modules), or ``MissingExtraError`` naming the install."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"reading Parquet and JSON Lines needs pyarrow: pip install 'gradientmail[parquet]' ({exc})"
+        ) from exc
+
+
+def to_tensors(batch: Any) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """A ``pyarrow.RecordBatch`` as ``{column: tensor}``: the default ``collate`` (module level, so
+    DataLoader workers pickle it).
+
+    Numbers and booleans become 1-D tensors; lists of numbers a 2-D tensor when every row has the
+    same length (token ids of packed sequences), else a list of 1-D tensors.
+
+    Raises:
+        ShardError: a column holds strings, bytes or nulls (no tensor holds them): leave it out
+            with ``columns=``, or pass a ``collate`` that converts it (a tokenizer).
+    """
+    return {name: column_tensor(name, column) for name, column in zip(batch.schema.names, batch.columns)}
+
+
+def column_tensor(name: str, column: Any) -> torch.Tensor | list[torch.Tensor]:
+    """One Arrow column as a tensor (see ``to_tensors``)."""
+    types = pyarrow_module().types
+    kind = column.type
+    if column.null_count:
+        raise ShardError(f"column {name!r} holds {column.null_count} nulls, which no tensor holds: {_fix(name)}")
+    if types.is_integer(kind) or types.is_floating(kind) or types.is_boolean(kind):
+        return torch.from_numpy(column.to_numpy(zero_copy_only=False, writable=True))
+    if types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind):
+        flat = column.flatten()
+        if flat.null_count or not (types.is_integer(flat.type) or types.is_floating(flat.type)):
+            raise ShardError(f"column {name!r} is a list of {flat.type}, not of numbers: {_fix(name)}")
+        values = torch.from_numpy(flat.to_numpy(zero_copy_only=False, writable=True))
+        if types.is_fixed_size_list(kind):
+            return values.reshape(len(column), kind.list_size)
+        offsets = column.offsets.to_numpy()
+        lengths = offsets[1:] - offsets[:-1]
+        if len(column) and (lengths == lengths[0]).all():
+            return values.reshape(len(column), int(lengths[0]))
+        return list(torch.split(values, lengths.tolist()))
+    raise ShardError(f"column {name!r} holds {kind} values, which no tensor holds: {_fix(name)}")
+
+
+def _fix(name: str) -> str:
+    return (
+        f"leave it out (columns=[...] without {name!r}) or pass collate=, a module-level function "
+        "from a pyarrow.RecordBatch to tensors (one that tokenizes text, for example)"
+    )
+
+
+def rebatched(batches: Iterable[Any], rows: int) -> Iterator[Any]:
+    """Record batches cut and joined into batches of exactly ``rows`` rows (the last one fewer)."""
+    pa = pyarrow_module()
+    pending: list[Any] = []
+    held = 0
+    for batch in batches:
+        if not pending and len(batch) == rows:
+            yield batch  # the common case: passed on as it is, no copy
+            continue
+        pending.append(batch)
+        held += len(batch)
+        while held >= rows:
+            table = pa.Table.from_batches(pending)
+            yield _one_batch(table.slice(0, rows))
+            rest = table.slice(rows)
+            pending, held = rest.to_batches(), len(rest)
+    if held:
+        yield _one_batch(pa.Table.from_batches(pending))
+
+
+def shuffled(batches: Iterable[Any], permutation: Permutation, rows: int) -> Iterator[Any]:
+    """All of ``batches``' rows, in the order ``permutation(count)`` gives, ``rows`` at a time.
+
+    Raises:
+        ShardError: the order is not a permutation of the rows.
+    """
+    pa = pyarrow_module()
+    collected = list(batches)
+    if not collected:
+        return
+    table = pa.Table.from_batches(collected)
+    order = permutation(table.num_rows)
+    if sorted(order) != list(range(table.num_rows)):
+        raise ShardError(f"permutation({table.num_rows}) returned no permutation of the unit's rows")
+    yield from rebatched(table.take(pa.array(order, type=pa.int64())).to_batches(max_chunksize=rows), rows)
+
+
+def _one_batch(table: Any) -> Any:
+    """A table of at least one row as one record batch (its columns joined into one chunk each)."""
+    return table.combine_chunks().to_batches()[0]
+
+
+def _check_rows(batch_rows: int) -> int:
+    if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
+        raise ValueError(f"batch_rows must be a positive number of rows, not {batch_rows!r}")
+    return batch_rows
+
+
+class ParquetReader(ShardReader):
+    """A Parquet shard's rows as batches; a ``Shard`` split by rows reads only its row groups.
+
+    Args:
+        batch_rows: rows per batch (the last batch of a unit may hold fewer).
+        columns: the columns to read (None: all).
+        collate: turns each ``pyarrow.RecordBatch`` into the batch (``to_tensors``; module level).
+        cache, storage_options, shuffle: as ``ShardReader``'s.
+
+    Example:
+        >>> import tempfile
+        >>> import pyarrow as pa, pyarrow.parquet as pq
+        >>> from gradientmail.data import ParquetReader
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     pq.write_table(pa.table({"x": list(range(5))}), f"{tmp}/a.parquet")
+        ...     batches = list(ParquetReader(batch_rows=2)(f"{tmp}/a.parquet"))
+        >>> [(index, batch["x"].tolist()) for index, batch in batches]
+        [(0, [0, 1]), (1, [2, 3]), (2, [4])]
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+        columns: Sequence[str] | None = None,
+        collate: Callable[[Any], Any] = to_tensors,
+        cache: ShardCache | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
+    ) -> None:
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
+        self.batch_rows = _check_rows(batch_rows)
+        self.columns = None if columns is None else list(columns)
+        self.collate = collate
+
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
+        found = self.record_batches(shard)
+        for batch in found if permutation is None else shuffled(found, permutation, self.batch_rows):
+            yield self.collate(batch)
+
+    def record_batches(self, shard: ShardLike) -> Iterator[Any]:
+        """The shard's rows as ``pyarrow.RecordBatch``es of ``batch_rows`` rows, before ``collate``."""
+        pq = pyarrow_module("pyarrow.parquet")
+        file = self.open(shard)
+        try:
+            parquet = pq.ParquetFile(file.local_path or file.raw())
+            part = shard.part if isinstance(shard, Shard) else None
+            if part is None:
+                yield from rebatched(
+                    parquet.iter_batches(batch_size=self.batch_rows, columns=self.columns), self.batch_rows
+                )
+                return
+            groups, offset = [], None
+            first = 0
+            for index in range(parquet.metadata.num_row_groups):
+                rows = parquet.metadata.row_group(index).num_rows
+                if first < part.stop and first + rows > part.start:
+                    groups.append(index)
+                    offset = first if offset is None else offset
+                first += rows
+            if part.stop > first:
+                raise ShardError(f"{file.url} holds {first:,} rows, fewer than its part {part} (rewritten?)")
+            if groups:
+                found = parquet.iter_batches(batch_size=self.batch_rows, row_groups=groups, columns=self.columns)
+                yield from rebatched(_rows_between(found, part.start - offset, part.stop - offset), self.batch_rows)
+        finally:
+            file.close()
+
+
+def _rows_between(batches: Iterable[Any], start: int, stop: int) -> Iterator[Any]:
+    """The rows ``[start, stop)`` of a stream of record batches."""
+    at = 0
+    for batch in batches:
+        low, high = max(start - at, 0), min(stop - at, len(batch))
+        if high > low:
+            yield batch if (low, high) == (0, len(batch)) else batch.slice(low, high - low)
+        at += len(batch)
+        if at >= stop:
+            return
+
+
+class JsonLinesReader(ShardReader):
+    """A JSON Lines shard's rows as batches (one JSON object a line, parsed by pyarrow).
+
+    A ``Shard`` split by bytes reads the lines that start in its byte range: every line of the
+    file once across its units, whatever their boundaries.
+
+    Args:
+        batch_rows: rows per batch (the last batch of a unit may hold fewer).
+        schema: a ``pyarrow.Schema`` for the columns (None: inferred per unit, so give one when
+            a column could read as integers in one unit and floats in another).
+        collate, cache, storage_options, shuffle: as ``ParquetReader``'s.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+        schema: Any = None,
+        collate: Callable[[Any], Any] = to_tensors,
+        cache: ShardCache | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
+    ) -> None:
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
+        self.batch_rows = _check_rows(batch_rows)
+        self.schema = schema
+        self.collate = collate
+
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
+        found = self.record_batches(shard)
+        for batch in found if permutation is None else shuffled(found, permutation, self.batch_rows):
+            yield self.collate(batch)
+
+    def record_batches(self, shard: ShardLike) -> Iterator[Any]:
+        """The shard's rows as ``pyarrow.RecordBatch``es of ``batch_rows`` rows, before ``collate``."""
+        json = pyarrow_module("pyarrow.json")
+        pa = pyarrow_module()
+        file = self.open(shard)
+        try:
+            part = shard.part if isinstance(shard, Shard) else None
+            if file.size == 0:
+                return
+            if part is None and file.local_path:
+                source: Any = file.local_path  # pyarrow reads (and parses, in parallel blocks) the file itself
+            else:
+                data = _lines(file, 0 if part is None else part.start, file.size if part is None else part.stop)
+                if not data.strip():
+                    return
+                source = pa.BufferReader(data)
+        finally:
+            file.close()
+        options = json.ParseOptions(explicit_schema=self.schema) if self.schema is not None else None
+        table = json.read_json(source, parse_options=options)
+        yield from rebatched(table.to_batches(max_chunksize=self.batch_rows), self.batch_rows)
+
+
+def _lines(file: CachedFile, start: int, stop: int) -> bytes:
+    """The bytes of the lines that start in ``[start, stop)`` (a line starts at 0 or after a newline)."""
+    raw: Any = open(file.local_path, "rb") if file.local_path else io.BufferedReader(file.raw(), 1 << 20)
+    with raw as stream:
+        if start > 0:
+            stream.seek(start - 1)
+            stream.readline()  # the end of the line that started before this part: the previous part's
+        begin = stream.tell()
+        if begin >= stop:
+            return b""
+        data = stream.read(stop - begin)
+        if data and not data.endswith(b"\n"):
+            data += stream.readline()  # the line started here, ends in the next part
+        return data
