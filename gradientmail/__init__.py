@@ -14,6 +14,7 @@ from typing import Any
 from gradientmail.errors import (
     DuplicateLearnerError,
     GradientMailError,
+    GroupError,
     InvalidKeyError,
     KeyConflictError,
     LeaseLostError,
@@ -61,6 +62,7 @@ _LAZY = {
 __all__ = [
     "DuplicateLearnerError",
     "GradientMailError",
+    "GroupError",
     "InvalidKeyError",
     "KeyConflictError",
     "LeaseLostError",

@@ -10,13 +10,14 @@ same step, so DDP never waits for a rank that ran out.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from gradientmail.errors import LoaderError
+from gradientmail.errors import GroupError, LoaderError
 from gradientmail.queue.batches import Batch, TensorTree, loaded_batches, map_tensors
 from gradientmail.queue.pumps import HandOff
 from gradientmail.session.group import GroupSync
@@ -100,7 +101,8 @@ class LeaderBatches(Iterator[Batch]):
             self._say(END)
             raise
         except BaseException:
-            self._say(FAILED)
+            with contextlib.suppress(GroupError):  # the group already failed: the others know
+                self._say(FAILED)
             raise
         index, position = (int(value) for value in tag.tolist())
         self._sync.announce([BATCH, index, position, step])
