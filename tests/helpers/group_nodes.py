@@ -13,6 +13,8 @@ step) and a fingerprint of its parameters after every step to ``out``; an error,
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -112,6 +114,16 @@ def orphan(config: dict, box: LocalMailbox) -> dict:
 
 
 def main(config: dict) -> dict:
+    """Run this rank, then tear its process group down once nothing of the run holds it: a
+    group destroyed only at interpreter exit (still held by a reference cycle) aborts there."""
+    outcome = train(config)
+    gc.collect()
+    dist.barrier()  # nothing of the group in flight when either rank tears it down
+    dist.destroy_process_group()
+    return outcome
+
+
+def train(config: dict) -> dict:
     group, rank = config["group"], config["rank"]
     dist.init_process_group(
         "gloo",
@@ -180,7 +192,6 @@ def main(config: dict) -> dict:
         "samples": session.samples,
         "merges": session.merges,
     }
-    dist.destroy_process_group()
     return result
 
 
@@ -188,9 +199,12 @@ if __name__ == "__main__":
     settings = json.loads(sys.argv[1])
     try:
         outcome = main(settings)
-    except Exception as error:  # a clean stop of this rank: say why, and leave at once
-        with open(settings["out"], "w") as file:
-            json.dump({"error": f"{type(error).__name__}: {error}"}, file)
-        sys.exit(1)
+    except Exception as error:  # a clean stop of this rank: say why
+        outcome = {"error": f"{type(error).__name__}: {error}"}
+    gc.collect()  # the failed run's frames and cycles, which hold the group
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a broken group tears down as it can
+            dist.destroy_process_group()
     with open(settings["out"], "w") as file:
         json.dump(outcome, file)
+    sys.exit(1 if "error" in outcome else 0)
