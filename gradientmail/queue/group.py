@@ -31,6 +31,7 @@ __all__ = [
     "GroupUnit",
     "LeaderBatches",
     "LeaderLoad",
+    "refuse",
     "split_rows",
 ]
 
@@ -116,6 +117,13 @@ class LeaderBatches(Iterator[Batch]):
         """The loop left before the end (on every rank, at the same step): tell the others."""
         if not self.ended:
             self._say(STOP)
+
+
+def refuse(sync: GroupSync) -> None:
+    """Rank 0's queue failed before its first batch (a refused learner, another run's units):
+    the other ranks, waiting for that batch, raise ``LoaderError`` with it."""
+    with contextlib.suppress(GroupError):  # the group already failed: the others know
+        sync.announce([FAILED, 0, 0, 0])
 
 
 class FollowerBatches(Iterator[Batch]):

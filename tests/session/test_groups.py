@@ -214,3 +214,18 @@ def test_a_rank_left_alone_raises_group_error_and_leaves(tmp_path):
     assert survivor["error"].startswith("GroupError: rank 0 of a group of 2: the step's word"), survivor["error"]
     # It left the run as after a failed body: no member key of it remains.
     assert not list(LocalMailbox(tmp_path / "mailbox").list("session/members/"))
+
+
+@pytest.mark.timeout(120)
+def test_a_queue_refused_on_rank_0_raises_on_every_rank(tmp_path):
+    from gradientmail.patterns.shared_queue import shared_queue
+
+    box = LocalMailbox(tmp_path / "mailbox")
+    with shared_queue(
+        {"another-run": 0}, mailbox=box, learner_id="someone", load=lambda unit: [(0, torch.zeros(1))], workers=0
+    ) as batches:
+        assert len(list(batches)) == 1  # the prefix now holds a run of other units
+    configs = configs_of(tmp_path, 0, ranks=SIZE)
+    leader, follower = finish(configs, start(configs), timeout=90)
+    assert leader["error"].startswith("RunMismatchError"), leader
+    assert follower["error"].startswith("LoaderError"), follower
