@@ -14,6 +14,7 @@ decide who trains what. Every loop here is bounded: by the units, by a deadline,
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import statistics
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from gradientmail.mailbox.wrappers import CountingMailbox
 
 CONTEXT = 64
 """Bytes of context; the model predicts the byte that follows them."""
@@ -93,6 +96,7 @@ class NodeConfig:
     passes: int = 1  # gradientmail: units of passes 1..passes in one queue
     outer: str | None = None  # gradientmail: Session(outer=...) when Session has it
     checkpoints: bool = False
+    group_size: int = 1  # groups: ranks per learner (DDP inside); rank // group_size is its group
 
 
 @dataclass(frozen=True)
@@ -395,9 +399,10 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
     model = make_model()
     optimizer = adam(model)
     wire = session_mailbox(config.outer, box)
+    counting = CountingMailbox(wire)  # the Session's traffic, in model sizes per exchange
     session = Session(
         model,
-        mailbox=wire,
+        mailbox=counting,
         learner_id=config.name,
         every=timedelta(seconds=config.plan.every_s),
         every_steps=None,
@@ -437,10 +442,99 @@ def gradientmail(config: NodeConfig) -> dict[str, Any]:
         "outer": str(config.outer or "average"),
         "state_bytes_sent": getattr(wire, "bytes_sent", None),  # Int8Wire: float32 bytes written
         "state_bytes_int8": getattr(wire, "bytes_int8", None),  # ... and as 8-bit they would be
+        **traffic(counting, model, session),
     }
 
 
-METHODS = {"single": single, "ddp": ddp, "fixed_split": fixed_split, "gradientmail": gradientmail}
+def traffic(counting: Any, model: torch.nn.Module, session: Any) -> dict[str, Any]:
+    """The Session's bytes each way, the model's size (float32) and its whole exchanges."""
+    fragments = getattr(session, "fragments", None) or 1
+    return {
+        "bytes_read": counting.bytes_read,
+        "bytes_written": counting.bytes_written,
+        "model_bytes": sum(value.numel() * 4 for value in model.state_dict().values() if value.is_floating_point()),
+        "whole_exchanges": session.exchanges / fragments,
+    }
+
+
+def group_batches(data: TrainingData, size: int, unit: tuple[int, int]) -> Iterator[tuple[int, Tensor]]:
+    """A group's steps: ``size`` batches of the unit at a time, one per rank (``split_rows``)."""
+    batches = list(data.load(unit))
+    for first in range(0, len(batches), size):
+        steps = batches[first : first + size]
+        yield steps[0][0] // size, torch.cat([batch for _, batch in steps])
+
+
+def groups(config: NodeConfig) -> dict[str, Any]:
+    """One rank of a group (a "machine"): DDP over its gloo group, ``Session(group=)`` and
+    ``shared_queue(group=)``; each rank trains a whole batch of ``BATCH`` contexts per step at its
+    own pad, as a one-process learner does, so a group of K does K batches per step."""
+    import torch.distributed as dist
+
+    from gradientmail import LocalMailbox, Session
+    from gradientmail.patterns.shared_queue import shared_queue
+
+    group, member = divmod(config.rank, config.group_size)
+    store = Path(config.run_dir) / f"group-{group}-store"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=member, world_size=config.group_size, timeout=timedelta(seconds=120)
+    )
+    try:
+        if config.plan.every_s is None:
+            raise ValueError("plan.every_s is None: benchmarks.training derives it before starting nodes")
+        box = LocalMailbox(Path(config.run_dir) / "mailbox")
+        counting = CountingMailbox(box)
+        data = TrainingData(config.data_dir, config.plan)
+        model = make_model()
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = adam(model)
+        learner = f"machine-{group}"
+        session = Session(
+            wrapped,
+            mailbox=counting,
+            learner_id=learner,
+            every=timedelta(seconds=config.plan.every_s),
+            group=dist.group.WORLD,
+            **session_options(config.outer),
+        )
+        load = functools.partial(group_batches, data, config.group_size)
+        start = start_line(Path(config.run_dir), config.rank, config.world)
+        batches = 0
+        with (
+            session,
+            shared_queue(
+                unit_table(config.plan, 1),
+                mailbox=box,
+                learner_id=learner,
+                load=load,
+                workers=0,
+                shutdown_timeout=60.0,
+                group=dist.group.WORLD,
+            ) as queue,
+        ):
+            for _, batch in queue:
+                began = time.monotonic()
+                train_step(wrapped, optimizer, batch)
+                session.step(samples=len(batch))
+                batches += 1
+                pad(began, config.sleep_s)
+        end = time.time()
+        result = {
+            "start": start,
+            "end": end,
+            "batches": batches,
+            "merges": session.merges,
+            "fragments": session.fragments,
+            "exchanges": session.exchanges,
+            **traffic(counting, model, session),
+        }
+        dist.barrier()  # neither rank tears its connections down while the other still uses them
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+METHODS = {"single": single, "ddp": ddp, "fixed_split": fixed_split, "gradientmail": gradientmail, "groups": groups}
 
 
 def node_main(config: NodeConfig) -> None:

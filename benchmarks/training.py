@@ -99,6 +99,10 @@ QUICK = Plan(
     timeout_s=60.0,
 )
 PLANS = {"quick": QUICK, "pass": PASS, "long": LONG}
+GROUP_SIZE = 2
+"""``--groups``: processes per learner (a "machine" of 2 GPUs)."""
+GROUP_SLEEPS = {"quick": (0.001, 0.001, 0.002, 0.002), "pass": (0.012, 0.012, 0.024, 0.024)}
+"""``--groups``: speeds 1:1:2:2, group 0 the two fast processes, group 1 the two slow ones."""
 EXCHANGE_STEPS = 25
 """Issue #22: exchange at about 25 local steps of the fastest node (by time: slower nodes take fewer)."""
 VERDICTS: dict[str, dict[str, str]] = {
@@ -187,6 +191,8 @@ class Run:
     detail: str = ""
     fragments: int | None = None  # gradientmail: Session.fragments
     int8_over_sent: float | None = None  # +int8: bytes as 8-bit values / float32 bytes written
+    read_per_exchange: float | None = None  # model sizes a learner read per whole exchange (mean)
+    written_per_exchange: float | None = None  # ... and wrote
 
 
 def pick_temp_root() -> str | None:
@@ -385,11 +391,43 @@ class Bench:
             reached = watched["reached_at"]
             run = Run(label, curve[-1][1], makespan, curve, None if reached is None else reached - start, detail)
         run.fragments = nodes[0]["fragments"]
+        run.read_per_exchange, run.written_per_exchange = per_exchange(nodes)
         sent = sum(r.get("state_bytes_sent") or 0 for r in nodes)
         if sent:
             run.int8_over_sent = sum(r.get("state_bytes_int8") or 0 for r in nodes) / sent
         shutil.rmtree(run_dir)
         return run
+
+    def groups(self, outer: str) -> Run:
+        """``GROUP_SIZE`` processes per learner, DDP inside each group, ``group=`` across."""
+        run_dir = self.run_dir(f"groups:{outer}")
+        configs = [
+            self.node("groups", rank, run_dir, outer=outer, group_size=GROUP_SIZE) for rank in range(self.plan.nodes)
+        ]
+        results = self.start([(node_main, config) for config in configs], run_dir)
+        start = min(r["start"] for r in results)
+        makespan = max(r["end"] for r in results) - start
+        leaders = results[::GROUP_SIZE]  # each group's rank 0: the only one that talks to the store
+        detail = (
+            f"batches {'/'.join(str(r['batches']) for r in results)}, "
+            f"merges {'/'.join(str(r['merges']) for r in leaders)}, "
+            f"fragment exchanges {'/'.join(str(r['exchanges']) for r in leaders)} of {leaders[0]['fragments']}"
+        )
+        run = Run(f"groups:{outer}", self.consensus_loss(run_dir), makespan, detail=detail)
+        run.fragments = leaders[0]["fragments"]
+        run.read_per_exchange, run.written_per_exchange = per_exchange(leaders)
+        shutil.rmtree(run_dir)
+        return run
+
+
+def per_exchange(results: Sequence[dict]) -> tuple[float | None, float | None]:
+    """Model sizes read and written per whole exchange, the mean over the learners that exchanged."""
+    exchanged = [r for r in results if r.get("whole_exchanges")]
+    if not exchanged:
+        return None, None
+    read = statistics.mean(r["bytes_read"] / r["model_bytes"] / r["whole_exchanges"] for r in exchanged)
+    written = statistics.mean(r["bytes_written"] / r["model_bytes"] / r["whole_exchanges"] for r in exchanged)
+    return read, written
 
 
 # -- the exchange cadence ------------------------------------------------------------------------
@@ -725,6 +763,90 @@ def chart(path: Path, single: Run, first: dict[str, Run], title: str) -> None:
     draw(path, curves, finals, first["ddp"].loss, title)
 
 
+def run_groups(bench: Bench, repeats: int, quick: bool) -> dict[str, Any]:
+    """``--groups``: 2 groups of 2 against 4 one-process learners and DDP over all 4, same speeds.
+
+    Per machine (2 processes) and whole exchange: a group exchanges once, its rank 0 alone; 4
+    learners put 2 learners on each machine, each exchanging. Then the cost of ``step()`` in a
+    group (``benchmarks.group_step``)."""
+    from benchmarks import group_step
+
+    rows: dict[str, list[Run]] = {"ddp": [], "learners": [], "groups": []}
+    for repeat in range(repeats):
+        rows["ddp"].append(bench.fixed("ddp", checkpoints=False))
+        rows["learners"].append(bench.gradientmail(DEFAULT_OUTER))
+        rows["groups"].append(bench.groups(DEFAULT_OUTER))
+        shown = ", ".join(f"{name} {runs[-1].loss:.4f}/{runs[-1].makespan:.1f}s" for name, runs in rows.items())
+        print(f"repeat {repeat + 1}/{repeats} (val loss/makespan): {shown}", flush=True)
+        for name in ("learners", "groups"):
+            print(f"  {name}: {rows[name][-1].detail}", flush=True)
+    figures: dict[str, Any] = {"repeats": repeats}
+    per_machine = {"learners": GROUP_SIZE, "groups": 1}  # learners exchanging on one machine
+    table_rows = []
+    for name, runs in rows.items():
+        loss = statistics.median(r.loss for r in runs)
+        makespan = statistics.median(r.makespan for r in runs)
+        figures[f"val_loss_{name}"], figures[f"makespan_s_{name}"] = loss, makespan
+        row = [name, fmt(loss, 4), fmt(makespan, 1)]
+        if name == "ddp":
+            table_rows.append([*row, "1.000", "1.000", "-", "-"])
+            continue
+        for ratio_name, values in (
+            ("loss_over_ddp", [r.loss / d.loss for r, d in zip(runs, rows["ddp"])]),
+            ("makespan_over_ddp", [r.makespan / d.makespan for r, d in zip(runs, rows["ddp"])]),
+        ):
+            low, middle, high = spread(values)
+            figures[f"{name}_{ratio_name}"] = middle
+            figures[f"{name}_{ratio_name}_min"], figures[f"{name}_{ratio_name}_max"] = low, high
+        for way in ("read", "written"):
+            values = [getattr(r, f"{way}_per_exchange") for r in runs]
+            known = [v * per_machine[name] for v in values if v is not None]
+            figures[f"{name}_{way}_per_machine"] = statistics.median(known) if known else None
+        table_rows.append(
+            [
+                *row,
+                fmt(figures[f"{name}_loss_over_ddp"]),
+                fmt(figures[f"{name}_makespan_over_ddp"]),
+                fmt(figures[f"{name}_read_per_machine"], 2),
+                fmt(figures[f"{name}_written_per_machine"], 2),
+            ]
+        )
+    figures["groups_loss_over_learners"] = figures["val_loss_groups"] / figures["val_loss_learners"]
+    step = group_step.main(["--steps", "60" if quick else "200"])
+    figures["group_step_ratio"] = step["group_step_ratio"]
+    figures["group_step_s"] = step["group_step_s"]
+    print()
+    print(f"validation loss (initial {bench.initial_loss:.4f}) and wall time, median of {repeats} repeat(s)")
+    print(
+        table(
+            [
+                "method (4 processes, 1:1:2:2)",
+                "val loss",
+                "time s",
+                "loss/DDP",
+                "time/DDP",
+                "read/machine",
+                "written/machine",
+            ],
+            [[LABELS[row[0]], *row[1:]] for row in table_rows],
+        )
+    )
+    print("read/machine, written/machine: model sizes per machine (2 processes) per exchange interval")
+    print(
+        f"step() in a group: {figures['group_step_s'] * 1000:.2f} ms, {figures['group_step_ratio']:.4f} of a "
+        "training step (benchmarks.group_step)"
+    )
+    return figures
+
+
+LABELS = {
+    "ddp": "DDP over all 4 (gloo, fixed quarters)",
+    "learners": "4 learners of 1 process",
+    "groups": "2 groups of 2 (DDP inside, group=)",
+}
+"""``--groups``'s table rows."""
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
@@ -754,10 +876,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="draw the loss curves here (default: docs/training-loss.png with --long, else none)",
     )
+    parser.add_argument(
+        "--groups",
+        action="store_true",
+        help="2 groups of 2 processes (DDP inside, group=) against 4 learners and DDP, speeds 1:1:2:2",
+    )
     args = parser.parse_args(argv)
     began = time.perf_counter()
     mode = "quick" if args.quick else "long" if args.long else "pass"
     plan = PLANS[mode]
+    if args.groups:
+        plan = replace(plan, sleeps=GROUP_SLEEPS["quick" if args.quick else "pass"])
     if args.every is not None and not args.every > 0:
         parser.error(f"--every must be a positive number of seconds, not {args.every}")
     repeats = max(1, args.repeats if args.repeats is not None else (1 if args.quick else 3))
@@ -788,6 +917,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"padding alone: {shared:.2f}s for a shared queue (fluid bound), {quarters:.2f}s for fixed quarters")
         sys.stdout.flush()
 
+        if args.groups:
+            figures = run_groups(bench, repeats, args.quick)
+            figures.update(mode=f"groups-{mode}", every_s=pace.every_s, exchange_steps=pace.steps)
+            figures["wall_s"] = time.perf_counter() - began
+            print(f"wall time {figures['wall_s']:.0f}s")
+            emit(figures)
+            return figures
         single = bench.fixed("single", checkpoints=png is not None)  # deterministic: once
         print(f"single: val loss {single.loss:.4f}, {single.makespan:.1f}s", flush=True)
         repeat_runs = run_repeats(bench, outers, repeats, curves=png is not None)

@@ -8,6 +8,12 @@ takes more units. Each run needs a fresh mailbox (claims are permanent).
     python examples/train_lm.py --mailbox s3://my-bucket/runs/exp-7 --rank 0 --world 3
     examples/launch_s3.sh     # several machines, one S3 bucket
 
+``--group``: one learner per machine. The machine's processes train one model with DDP (NCCL
+on GPUs, gloo on CPUs) and the run exchanges once per machine (``group=`` for the Session and
+the queue). On machine i of M:
+
+    torchrun --standalone --nproc_per_node=8 examples/train_lm.py --group --machine i --machines M --mailbox $RUN
+
 CPU: runs unchanged (about a minute at the default sizes). CUDA: bf16 autocast, pinned memory.
 """
 
@@ -20,7 +26,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gradientmail import Session, Unit, consensus, open_mailbox, rotated_order, unit_grid
 from gradientmail.data import TokenReader, build_stdlib_corpus
@@ -56,12 +64,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--exchange-every", type=float, default=5.0, help="seconds between Session exchanges")
+    p.add_argument("--group", action="store_true", help="one learner per machine: DDP inside, group= across")
     p.add_argument("--quick", action="store_true", help="a tiny model and run, for CI")
     args = p.parse_args()
     if args.quick:
         args.steps, args.batch, args.micro_batch, args.unit_steps = 16, 8, 8, 4
         args.seq_len, args.width, args.layers, args.exchange_every = 64, 64, 2, 1.0
-    args.rank, args.world = args.machine * args.world + args.rank, args.machines * args.world
+    if args.group:  # the learners are the machines; this machine's processes split each batch
+        args.rank, args.world = args.machine, args.machines
+    else:
+        args.rank, args.world = args.machine * args.world + args.rank, args.machines * args.world
     return args
 
 
@@ -138,13 +150,19 @@ def main() -> None:
 
     torch.manual_seed(0)  # the first learner's model becomes the run's base; the others catch up to it
     model = GPT(vocab, args.seq_len, args.width, args.layers).to(device)
+    trained, group, leads = model, None, True
+    if args.group:  # this machine's processes: one model in lockstep, one learner of the run
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=5))
+        group, leads = dist.group.WORLD, dist.get_rank() == 0
+        trained = DistributedDataParallel(model)  # gradients averaged over the machine's ranks
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     box = open_mailbox(args.mailbox, **endpoint)
     learner = f"node-{args.rank}"
     units = unit_grid(steps=args.steps, unit_steps=args.unit_steps, lanes=args.world)
 
     started, batches = time.time(), 0
-    session = Session(model, mailbox=box, learner_id=learner, every=timedelta(seconds=args.exchange_every))
+    every = timedelta(seconds=args.exchange_every)
+    session = Session(trained, mailbox=box, learner_id=learner, every=every, group=group)
     with (
         session,
         shared_queue(
@@ -155,6 +173,7 @@ def main() -> None:
             prefetch=4,
             pin_memory=cuda,
             order=rotated_order(units, args.rank, args.world),
+            group=group,  # with a group: each rank gets its rows of every step
         ) as queue,
     ):
         for step, batch in queue:
@@ -164,7 +183,7 @@ def main() -> None:
             total = torch.zeros((), device=device)
             for chunk in batch.split(args.micro_batch):  # gradient accumulation: the batch's mean loss
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                    loss = model(chunk[:, :-1], chunk[:, 1:]) * len(chunk) / len(batch)
+                    loss = trained(chunk[:, :-1], chunk[:, 1:]) * len(chunk) / len(batch)
                 loss.backward()
                 total += loss.detach()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -172,11 +191,14 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             session.step(samples=len(batch))
             batches += 1
-            if batches % 10 == 0:
+            if batches % 10 == 0 and leads:
                 print(f"[{learner}] step {step:5d}  loss {total.item():.3f}", flush=True)
-    print(f"[{learner}] done: {batches} batches in {time.time() - started:.1f}s", flush=True)
+    if leads:
+        print(f"[{learner}] done: {batches} batches in {time.time() - started:.1f}s", flush=True)
+    if group is not None:
+        dist.destroy_process_group()
 
-    if args.rank == 0:
+    if args.rank == 0 and leads:
         if not wait_for_learners(box, [f"node-{rank}" for rank in range(args.world)]):
             print("not every learner finished within 10 minutes: the consensus is the run so far")
         samples = consensus(box, model)

@@ -14,6 +14,7 @@ from typing import Any
 from gradientmail.errors import (
     DuplicateLearnerError,
     GradientMailError,
+    GroupError,
     InvalidKeyError,
     KeyConflictError,
     LeaseLostError,
@@ -63,6 +64,7 @@ _LAZY = {
 __all__ = [
     "DuplicateLearnerError",
     "GradientMailError",
+    "GroupError",
     "InvalidKeyError",
     "KeyConflictError",
     "LeaseLostError",

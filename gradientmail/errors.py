@@ -200,6 +200,31 @@ class UnfinishedUnitsWarning(UserWarning):
     unless their owner's id takes them back (a restart under it, or ``lease=``)."""
 
 
+class GroupError(GradientMailError, RuntimeError):
+    """A collective of a group (``Session(group=)``, ``shared_queue(group=)``) failed on this rank.
+
+    Another rank of the group failed, was killed or stood still past the group's timeout
+    (``init_process_group(timeout=)``); the group is one learner, so it stops as a whole and
+    restarts like one (with ``resume=True`` nothing is lost or trained twice into the model).
+
+    Attributes:
+        rank: this process's rank in the group.
+        size: the group's size.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, size: int = 0) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.size = size
+
+    def __reduce__(self):  # keep fields across process boundaries
+        return (_rebuild_group, (str(self), self.rank, self.size))
+
+
+def _rebuild_group(message, rank, size):
+    return GroupError(message, rank=rank, size=size)
+
+
 class RecordError(GradientMailError, ValueError):
     """A record read from the mailbox is too large, too deep, not a JSON object, or has a bad field.
 

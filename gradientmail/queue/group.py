@@ -10,13 +10,14 @@ same step, so DDP never waits for a rank that ran out.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from gradientmail.errors import LoaderError
+from gradientmail.errors import GroupError, LoaderError
 from gradientmail.queue.batches import Batch, TensorTree, loaded_batches, map_tensors
 from gradientmail.queue.pumps import HandOff
 from gradientmail.session.group import GroupSync
@@ -30,6 +31,7 @@ __all__ = [
     "GroupUnit",
     "LeaderBatches",
     "LeaderLoad",
+    "refuse",
     "split_rows",
 ]
 
@@ -100,7 +102,8 @@ class LeaderBatches(Iterator[Batch]):
             self._say(END)
             raise
         except BaseException:
-            self._say(FAILED)
+            with contextlib.suppress(GroupError):  # the group already failed: the others know
+                self._say(FAILED)
             raise
         index, position = (int(value) for value in tag.tolist())
         self._sync.announce([BATCH, index, position, step])
@@ -114,6 +117,13 @@ class LeaderBatches(Iterator[Batch]):
         """The loop left before the end (on every rank, at the same step): tell the others."""
         if not self.ended:
             self._say(STOP)
+
+
+def refuse(sync: GroupSync) -> None:
+    """Rank 0's queue failed before its first batch (a refused learner, another run's units):
+    the other ranks, waiting for that batch, raise ``LoaderError`` with it."""
+    with contextlib.suppress(GroupError):  # the group already failed: the others know
+        sync.announce([FAILED, 0, 0, 0])
 
 
 class FollowerBatches(Iterator[Batch]):

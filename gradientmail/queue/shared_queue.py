@@ -25,7 +25,15 @@ from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batches import Batch, TensorTree, checked_count
 from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
-from gradientmail.queue.group import FollowerBatches, GroupUnit, LeaderBatches, LeaderLoad, Split, split_rows
+from gradientmail.queue.group import (
+    FollowerBatches,
+    GroupUnit,
+    LeaderBatches,
+    LeaderLoad,
+    Split,
+    refuse,
+    split_rows,
+)
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
@@ -164,22 +172,29 @@ def shared_queue(
                 follower.close()
             return
         tagged = {key: GroupUnit(key, index, value) for index, (key, value) in enumerate(units.items())}
-        with shared_queue(
-            tagged,
-            mailbox=mailbox,
-            learner_id=learner_id,
-            load=LeaderLoad(load, split, sync.size),
-            prefetch=prefetch,
-            workers=workers,
-            order=order,
-            pin_memory=pin_memory,
-            multiprocessing_context=multiprocessing_context,
-            shutdown_timeout=shutdown_timeout,
-            resume=resume,
-            lease=lease,
-            claim_ahead=claim_ahead,
-            progress=progress,
-        ) as inner:
+        with contextlib.ExitStack() as stack:
+            try:
+                inner = stack.enter_context(
+                    shared_queue(
+                        tagged,
+                        mailbox=mailbox,
+                        learner_id=learner_id,
+                        load=LeaderLoad(load, split, sync.size),
+                        prefetch=prefetch,
+                        workers=workers,
+                        order=order,
+                        pin_memory=pin_memory,
+                        multiprocessing_context=multiprocessing_context,
+                        shutdown_timeout=shutdown_timeout,
+                        resume=resume,
+                        lease=lease,
+                        claim_ahead=claim_ahead,
+                        progress=progress,
+                    )
+                )
+            except BaseException:
+                refuse(sync)  # refused before its first batch: the other ranks raise with it
+                raise
             leader = LeaderBatches(inner, sync)
             yield leader
             leader.leave()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradientmail.errors import GradientMailError, SessionError
+from gradientmail.errors import GradientMailError, LeaseLostError, SessionError
 from gradientmail.fold_gate import FoldGate, gate_for
 from gradientmail.layout import member_key, pending_key, progress_key
 from gradientmail.learner_id import default_learner_id
@@ -30,7 +30,7 @@ from gradientmail.mailbox.keys import validate_key
 from gradientmail.presence import SESSION, PresenceShare
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
-from gradientmail.session.group import APPLY, FAILED, NOTHING, GroupSync, PendingStep, StepWord
+from gradientmail.session.group import APPLY, FAILED, LEASE_LOST, NOTHING, TIMED_OUT, GroupSync, PendingStep, StepWord
 from gradientmail.session.marks_store import MarksWriter
 from gradientmail.session.options import (
     DEFAULT_EVERY,
@@ -198,6 +198,7 @@ class Session:
         self._follows = self._group is not None and not self._group.leads  # never talks to the store
         self._pending: PendingStep | None = None  # the group's word of the last step, in flight
         self._announced: Job | None = None  # the exchange that word told the group to apply
+        self._held: BaseException | None = None  # rank 0's error that word told every rank to raise
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -470,17 +471,21 @@ class Session:
         """
         assert self._group is not None and self._plan is not None
         self._group_flush()
-        status, fragments = NOTHING, []
+        status, stop, fragments = NOTHING, NOTHING, []
         job = None if self._follows else self._job
         if job is not None and job is not self._announced and job.done.is_set():
             status = APPLY if job.error is None else FAILED
             with self._landed_lock:
                 fragments = [merge.fragment.index for merge in self._landed]
             self._announced = job
-        self._pending = self._group.start(samples, status, fragments, len(self._plan))
-        if self._follows:
+        if not self._follows:
+            try:
+                self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
+            except LeaseLostError as error:  # raised on every rank at the next step
+                self._held, stop = error, LEASE_LOST
+        self._pending = self._group.start(samples, status, fragments, len(self._plan), stop)
+        if self._follows or stop:
             return
-        self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
         if self._job is None and (self._steps >= self._due_step or time.monotonic() >= self._due_time):
@@ -500,8 +505,24 @@ class Session:
         if pending is None:
             return
         word = self._count(pending)
-        if word.status == NOTHING:
-            return
+        if word.status != NOTHING:
+            self._group_apply(word)
+        if word.stop != NOTHING:
+            held, self._held = self._held, None
+            if held is not None:  # rank 0
+                raise held
+            if word.stop == LEASE_LOST:
+                raise LeaseLostError(
+                    f"learner {self.learner_id!r}: rank 0 of its group lost its lease (peers took its units "
+                    "over); every rank of the group stops"
+                )
+            raise SessionError(
+                f"learner {self.learner_id!r}: the exchange in flight did not finish within wait()'s timeout "
+                "on rank 0 of its group (the mailbox is slow or not answering)"
+            )
+
+    def _group_apply(self, word: StepWord) -> None:
+        """Apply the exchange a word announced: rank 0 applies it, every rank takes its fragments."""
         assert self._group is not None and self._plan is not None
         announced, self._announced = self._announced, None
         try:
@@ -544,19 +565,22 @@ class Session:
         assert self._group is not None and self._plan is not None
         self._group_flush()
         job = None if self._follows else self._job
-        status, fragments = NOTHING, []
+        status, stop, fragments = NOTHING, NOTHING, []
         if job is not None:
             limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
             job.done.wait(limit)
-            if apply and job.done.is_set():
+            if not job.done.is_set():  # every rank raises; the job stays in flight, as without a group
+                try:
+                    self._raise_if_running(job, "the exchange in flight", limit)
+                except SessionError as error:
+                    self._held, stop = error, TIMED_OUT
+            elif apply:
                 status = APPLY if job.error is None else FAILED
                 with self._landed_lock:
                     fragments = [merge.fragment.index for merge in self._landed]
                 self._announced = job
-        self._pending = self._group.start(0, status, fragments, len(self._plan))
+        self._pending = self._group.start(0, status, fragments, len(self._plan), stop)
         self._group_flush()
-        if job is not None and self._job is job:
-            self._raise_if_running(job, "the exchange in flight", self._timeout_s)
 
     def _wait_for_fold(self) -> None:
         """Until the fold under way (if any) ended: the queue stopped uncleanly (``QueueGuard``)."""

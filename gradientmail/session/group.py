@@ -7,23 +7,35 @@ whether an exchange finished and which fragments it changed) and reads the previ
 which ran while this step trained; when that word says an exchange finished, rank 0 applies it
 and broadcasts those fragments, so every rank moves to the same parameters at the same step
 boundary and no rank ever waits on the store or on a collective of its own step.
+
+An error rank 0 finds (a failed exchange, a ``wait()`` past its timeout, a lost lease) travels
+in that word too, so every rank raises it at the same step. A rank that fails alone cannot say
+so: the others' next collective fails (at once when its process is gone, after the group's
+timeout when it stands still) and raises ``GroupError``; once one collective failed, every
+later one of the group raises at once rather than wait out the timeout again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
+from gradientmail.errors import GroupError
 from gradientmail.session.fragments import Fragment
 
-__all__ = ["APPLY", "FAILED", "NOTHING", "GroupSync", "PendingStep", "StepWord"]
+__all__ = ["APPLY", "FAILED", "LEASE_LOST", "NOTHING", "TIMED_OUT", "GroupSync", "PendingStep", "StepWord"]
+
+T = TypeVar("T")
 
 NOTHING, APPLY, FAILED = 0, 1, 2
 """Rank 0's word at a step: nothing finished; an exchange finished (apply its fragments); it
 finished with an error (apply what landed, then every rank raises)."""
+TIMED_OUT, LEASE_LOST = 1, 2
+"""Rank 0's stop at a step (besides its word): ``wait()`` ran past its timeout; the queue's
+lease was lost (peers took its units over). Every rank raises at that step."""
 
 
 class StepWord(NamedTuple):
@@ -33,6 +45,8 @@ class StepWord(NamedTuple):
     """The samples every rank reported for this step, summed: the group's step."""
     status: int
     """``NOTHING``, ``APPLY`` or ``FAILED``, as rank 0 said."""
+    stop: int
+    """``NOTHING``, ``TIMED_OUT`` or ``LEASE_LOST``: rank 0 raises an error, every rank with it."""
     fragments: tuple[int, ...]
     """The fragments rank 0 applied and now broadcasts (with ``APPLY`` and ``FAILED``)."""
 
@@ -40,7 +54,8 @@ class StepWord(NamedTuple):
 class PendingStep:
     """One step's all-reduce in flight; ``word()`` waits for it (once) and reads it."""
 
-    def __init__(self, work: Any, tensor: Tensor) -> None:
+    def __init__(self, sync: GroupSync, work: Any, tensor: Tensor) -> None:
+        self._sync = sync
         self._work = work
         self._tensor = tensor
         self._word: StepWord | None = None
@@ -49,10 +64,10 @@ class PendingStep:
 
     def word(self) -> StepWord:
         if self._word is None:
-            self._work.wait()
+            self._sync.collective("the step's word", self._work.wait)
             summed = self._tensor.tolist()
-            fragments = tuple(i for i, flag in enumerate(summed[2:]) if flag)
-            self._word = StepWord(summed[0], summed[1], fragments)
+            fragments = tuple(i for i, flag in enumerate(summed[3:]) if flag)
+            self._word = StepWord(summed[0], summed[1], summed[2], fragments)
         return self._word
 
 
@@ -83,6 +98,28 @@ class GroupSync:
         backend = str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._dist = dist
+        self.broken: str | None = None
+        """What failed first, once a collective of the group failed: later ones raise at once."""
+
+    def collective(self, what: str, action: Callable[[], T]) -> T:
+        """``action()``, a collective of the group; its failure raised as ``GroupError``."""
+        if self.broken is not None:
+            raise self._error(f"{what}: the group already failed ({self.broken})")
+        try:
+            return action()
+        except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError) alike
+            self.broken = f"{what}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+            raise self._error(self.broken) from error
+
+    def _error(self, detail: str) -> GroupError:
+        return GroupError(
+            f"rank {self.rank} of a group of {self.size}: {detail}. Another rank of the group failed, "
+            "was killed or stood still past the group's timeout (init_process_group(timeout=)); its own "
+            "error is in its log. The group stops as one learner; restart it whole (resume=True "
+            "continues its units where the run's state ends)",
+            rank=self.rank,
+            size=self.size,
+        )
 
     @property
     def leads(self) -> bool:
@@ -92,26 +129,33 @@ class GroupSync:
     def agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a learner id: small and picklable)."""
         box = [value]
-        self._dist.broadcast_object_list(box, group=self.group, group_src=0)
+        self.collective(
+            "agreeing on the learner id", lambda: self._dist.broadcast_object_list(box, group=self.group, group_src=0)
+        )
         return box[0]
 
     def announce(self, words: Sequence[int]) -> list[int]:
         """Rank 0's ``words`` (int64) on every rank; the others pass as many placeholders."""
         tensor = torch.tensor(list(words), dtype=torch.int64, device=self.device)
-        self._dist.broadcast(tensor, group=self.group, group_src=0)
+        self.collective("rank 0's word", lambda: self._dist.broadcast(tensor, group=self.group, group_src=0))
         return tensor.tolist()
 
-    def start(self, samples: int, status: int, fragments: Iterable[int], count: int) -> PendingStep:
-        """Start one step's all-reduce of ``[samples, status, one flag per fragment]``, summed.
+    def start(
+        self, samples: int, status: int, fragments: Iterable[int], count: int, stop: int = NOTHING
+    ) -> PendingStep:
+        """Start one step's all-reduce of ``[samples, status, stop, one flag per fragment]``, summed.
 
-        Only rank 0 passes a ``status`` and ``fragments``; the others pass ``NOTHING`` and none.
-        It runs while the next step trains: waiting for it then costs nothing.
+        Only rank 0 passes a ``status``, ``stop`` and ``fragments``; the others pass ``NOTHING``
+        and none. It runs while the next step trains: waiting for it then costs nothing.
         """
-        words = [samples, status] + [0] * count
+        words = [samples, status, stop] + [0] * count
         for index in fragments:
-            words[2 + index] = 1
+            words[3 + index] = 1
         tensor = torch.tensor(words, dtype=torch.int64, device=self.device)
-        return PendingStep(self._dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+        work = self.collective(
+            "the step's word", lambda: self._dist.all_reduce(tensor, group=self.group, async_op=True)
+        )
+        return PendingStep(self, work, tensor)
 
     def share(self, model: torch.nn.Module, fragments: Iterable[Fragment]) -> None:
         """Make ``fragments`` of every rank's ``model`` rank 0's: broadcast, piece by piece."""
@@ -121,7 +165,9 @@ class GroupSync:
             for name, value in values.items():
                 buffer = value if self.leads else value.detach().clone()
                 buffer = buffer if buffer.is_contiguous() else buffer.contiguous()
-                self._dist.broadcast(buffer, group=self.group, group_src=0)
+                self.collective(
+                    "broadcasting a merge", lambda b=buffer: self._dist.broadcast(b, group=self.group, group_src=0)
+                )
                 received[name] = buffer
             if not self.leads:
                 fragment.load_into(model, received)

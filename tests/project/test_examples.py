@@ -45,3 +45,46 @@ def test_train_lm_quick_under_torchrun(tmp_path):
     assert re.search(r"\[node-0\] done", done.stdout) and re.search(r"\[node-1\] done", done.stdout)
     # --quick: 16 steps in units of 4, two lanes → 8 units, every one claimed exactly once.
     assert len(list(LocalMailbox(tmp_path / "mailbox").list("units/"))) == 8
+
+
+def test_train_lm_quick_one_learner_per_machine(tmp_path):
+    """--group: two "machines" (a torchrun each) of two processes, DDP inside, one learner each."""
+    commands = [
+        [
+            *torchrun(),
+            "--standalone",
+            "--nproc_per_node=2",
+            str(EXAMPLE),
+            "--quick",
+            "--group",
+            "--machine",
+            str(machine),
+            "--machines",
+            "2",
+            "--mailbox",
+            str(tmp_path / "mailbox"),
+            "--data-dir",
+            str(tmp_path / f"data-{machine}"),
+        ]
+        for machine in range(2)
+    ]
+    machines = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        for command in commands
+    ]
+    try:
+        outputs = [machine.communicate(timeout=240)[0] for machine in machines]
+    finally:
+        for machine in machines:
+            if machine.poll() is None:
+                machine.kill()
+                machine.wait()
+    for machine, output in zip(machines, outputs):
+        assert machine.returncode == 0, output[-4000:]
+    match = re.search(r"validation loss (\S+) \(consensus of (\d+) learners, (\S+) sequences", outputs[0])
+    assert match, outputs[0][-4000:]
+    assert math.isfinite(float(match.group(1))) and float(match.group(1)) < math.log(256) + 1
+    assert match.group(2) == "2" and match.group(3) == "128"  # one learner per machine; 16 steps x 8, once
+    # Only each machine's rank 0 reports; 16 steps in units of 4, one lane per machine: 8 units.
+    assert [len(re.findall(r"\[node-\d\] done", output)) for output in outputs] == [1, 1]
+    assert len(list(LocalMailbox(tmp_path / "mailbox").list("units/"))) == 8

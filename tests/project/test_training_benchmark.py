@@ -68,3 +68,14 @@ def test_quick_training_benchmark_prints_its_figures_as_json_last() -> None:
     # The simulated 8-bit wire trained, and it would send about a byte per value (plus headers).
     assert finite(figures["int8_loss_over_float32"])
     assert 0.25 <= figures["int8_bytes_over_float32"] < 0.5, figures["int8_bytes_over_float32"]
+
+
+def test_quick_groups_benchmark_reports_each_method_and_the_traffic_per_machine() -> None:
+    lines, figures = quick_run("training", "--groups")
+    assert any(line.startswith("method") for line in lines), lines
+    for name in ("learners", "groups"):
+        for figure in ("loss_over_ddp", "makespan_over_ddp", "read_per_machine", "written_per_machine"):
+            assert finite(figures[f"{name}_{figure}"]), (name, figure, figures)
+        assert figures[f"val_loss_{name}"] < 5.5  # it trained (the initial loss is about 5.58)
+    assert finite(figures["group_step_ratio"]) and figures["group_step_ratio"] > 0
+    assert figures["mode"] == "groups-quick"

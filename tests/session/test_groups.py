@@ -3,15 +3,21 @@
 Real processes on one ``LocalMailbox`` (node code: ``tests/helpers/group_nodes.py``). Checked:
 every step of every unit is trained by exactly one group, each rank of it on its own rows of
 that step's batch; every rank of a group holds the same parameters after every step (so after
-every merge); the run counts each group once, with the samples of all its ranks.
+every merge); the run counts each group once, with the samples of all its ranks; the
+consensus advances as one learner per group would make it; an error rank 0 finds is raised on
+every rank at the same call; a killed rank stops its group with an error, and the group
+restarted with ``resume=True`` loses nothing and doubles nothing in the run's model.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -32,25 +38,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_groups(tmp_path: Path, **options) -> list[dict]:
-    configs = []
-    for group in range(GROUPS):
-        port = free_port()
-        for rank in range(SIZE):
-            configs.append(
-                {
-                    "group": group,
-                    "rank": rank,
-                    "size": SIZE,
-                    "ranks": GROUPS * SIZE,
-                    "port": port,
-                    "mailbox": str(tmp_path / "mailbox"),
-                    "out": str(tmp_path / f"out-{group}-{rank}.json"),
-                    "delay": 0.01 * (group + 1),  # unequal speeds
-                    **options,
-                }
-            )
-    processes = [
+def configs_of(tmp_path: Path, group: int, **options) -> list[dict]:
+    """The ranks of one group, on a port of its own."""
+    port = free_port()
+    return [
+        {
+            "group": group,
+            "rank": rank,
+            "size": SIZE,
+            "ranks": GROUPS * SIZE,
+            "port": port,
+            "mailbox": str(tmp_path / "mailbox"),
+            "out": str(tmp_path / f"out-{group}-{rank}-{options.get('restart', 0)}.json"),
+            "delay": 0.01 * (group + 1),  # unequal speeds
+            **options,
+        }
+        for rank in range(SIZE)
+    ]
+
+
+def start(configs: list[dict]) -> list[subprocess.Popen]:
+    return [
         subprocess.Popen(
             [sys.executable, str(NODE_SCRIPT), json.dumps(config)],
             cwd=ROOT,
@@ -60,21 +68,43 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
         )
         for config in configs
     ]
-    failures = []
+
+
+def finish(configs: list[dict], processes: list[subprocess.Popen], timeout: float = 120) -> list[dict]:
+    """Every rank's result (``{"error": ...}`` for a rank that stopped on one); a hang fails."""
+    deadline = time.monotonic() + timeout
+    outputs = []
     try:
-        for config, process in zip(configs, processes):
-            output, _ = process.communicate(timeout=120)
-            if process.returncode != 0:
-                failures.append(
-                    f"group {config['group']} rank {config['rank']} exited {process.returncode}:\n{output[-4000:]}"
-                )
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+    results = []
+    for config, process, output in zip(configs, processes, outputs):
+        path = Path(config["out"])
+        if process.returncode == -signal.SIGKILL:  # killed: nothing to say
+            results.append({**config, "exit": process.returncode, "output": output})
+            continue
+        assert path.exists(), f"group {config['group']} rank {config['rank']} left no result:\n{output[-4000:]}"
+        results.append({**config, **json.loads(path.read_text()), "exit": process.returncode, "output": output})
+    return results
+
+
+def assert_clean(results: list[dict]) -> None:
+    failures = [
+        f"{r.get('group')}/{r.get('rank')} exited {r['exit']}: {r['output'][-4000:]}" for r in results if r["exit"]
+    ]
     assert not failures, "\n".join(failures)
-    return [json.loads(Path(config["out"]).read_text()) for config in configs]
+
+
+def run_groups(tmp_path: Path, **options) -> list[dict]:
+    configs = [config for group in range(GROUPS) for config in configs_of(tmp_path, group, **options)]
+    results = finish(configs, start(configs))
+    assert_clean(results)
+    return results
 
 
 @pytest.mark.timeout(180)
@@ -107,3 +137,95 @@ def test_two_groups_of_two_train_every_row_once_in_lockstep(tmp_path, elastic):
     # One learner per group, its samples counted once (every rank's share summed).
     counted = consensus(LocalMailbox(tmp_path / "mailbox"), torch.nn.Linear(nodes.DIM, 1))
     assert counted == {f"machine-{g}": nodes.BATCH * len(steps_of[g]) for g in range(GROUPS)}
+
+
+@pytest.mark.timeout(120)
+def test_the_consensus_advances_as_one_learner_per_group(tmp_path):
+    """Every rank of a group adds 1 per step: the group is one learner of that many steps, so
+    the consensus is the mean of the groups' steps (as with one process per group), exactly."""
+    steps = {0: 12, 1: 20}  # unequal speeds
+    configs = [c for g in range(GROUPS) for c in configs_of(tmp_path, g, mode="drag", steps=steps[g])]
+    results = finish(configs, start(configs))
+    assert_clean(results)
+    for group in range(GROUPS):
+        finals = {r["final"] for r in results if r["group"] == group}
+        assert len(finals) == 1  # the ranks of a group hold one model
+    model = torch.nn.Linear(1, 1, bias=False)
+    counted = consensus(LocalMailbox(tmp_path / "mailbox"), model)
+    assert counted == {f"machine-{g}": SIZE * steps[g] for g in range(GROUPS)}
+    assert model.weight.item() == sum(steps.values()) / GROUPS  # drag 1.000: nothing lost, N = groups
+
+
+@pytest.mark.timeout(120)
+def test_wait_past_its_timeout_raises_on_every_rank_of_the_group(tmp_path):
+    configs = configs_of(tmp_path, 0, mode="wait", latency=0.2)
+    results = finish(configs, start(configs))
+    assert_clean(results)
+    for result in results:
+        assert result["raised"].startswith("SessionError"), result["raised"]
+        assert "did not finish within" in result["raised"]
+    assert len({r["final"] for r in results}) == 1  # the exchange then landed on every rank alike
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_stops_its_group_which_restarts_with_nothing_lost_or_doubled(tmp_path):
+    import group_nodes as nodes
+
+    log = str(tmp_path / "trained-{group}.log")
+    options = {"elastic": True, "timeout_s": 30}
+    first = [
+        {
+            **config,
+            "log": log.format(group=config["group"]),
+            "kill_after": 5 if config["group"] == 0 and config["rank"] == 1 else None,
+        }
+        for group in range(GROUPS)
+        for config in configs_of(tmp_path, group, **options)
+    ]
+    processes = start(first)
+    killed = finish(first[:SIZE], processes[:SIZE], timeout=60)  # group 0: stops, no hang
+    assert killed[1]["exit"] == -signal.SIGKILL
+    survivor = killed[0]
+    assert survivor["exit"] == 1, survivor["output"][-3000:]
+    # Its collective failed: GroupError (in the step's word) or the backend's own (in DDP's backward).
+    assert "GroupError" in survivor["error"] or "Connection closed by peer" in survivor["error"], survivor
+    # The group restarts whole, as the same learner, and continues its units.
+    again = configs_of(tmp_path, 0, restart=1, **options, log=log.format(group=0))
+    results = finish(again + first[SIZE:], start(again) + processes[SIZE:], timeout=150)
+    assert_clean(results)
+    trained = Counter()
+    for group in range(GROUPS):
+        for line in Path(log.format(group=group)).read_text().splitlines():
+            trained[int(line)] += 1
+    steps = nodes.UNITS * nodes.UNIT_STEPS
+    # Some steps the killed group trained but never folded were trained again after its restart.
+    assert sorted(trained) == list(range(steps))
+    counted = consensus(LocalMailbox(tmp_path / "mailbox"), torch.nn.Linear(nodes.DIM, 1))
+    assert sum(counted.values()) == steps * nodes.BATCH  # every step in the model exactly once
+    assert set(counted) == {"machine-0", "machine-1"}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_left_alone_raises_group_error_and_leaves(tmp_path):
+    configs = configs_of(tmp_path, 0, mode="orphan", timeout_s=30)
+    survivor, killed = finish(configs, start(configs), timeout=90)
+    assert killed["exit"] == -signal.SIGKILL
+    assert survivor["exit"] == 1
+    assert survivor["error"].startswith("GroupError: rank 0 of a group of 2: the step's word"), survivor["error"]
+    # It left the run as after a failed body: no member key of it remains.
+    assert not list(LocalMailbox(tmp_path / "mailbox").list("session/members/"))
+
+
+@pytest.mark.timeout(120)
+def test_a_queue_refused_on_rank_0_raises_on_every_rank(tmp_path):
+    from gradientmail.patterns.shared_queue import shared_queue
+
+    box = LocalMailbox(tmp_path / "mailbox")
+    with shared_queue(
+        {"another-run": 0}, mailbox=box, learner_id="someone", load=lambda unit: [(0, torch.zeros(1))], workers=0
+    ) as batches:
+        assert len(list(batches)) == 1  # the prefix now holds a run of other units
+    configs = configs_of(tmp_path, 0, ranks=SIZE)
+    leader, follower = finish(configs, start(configs), timeout=90)
+    assert leader["error"].startswith("RunMismatchError"), leader
+    assert follower["error"].startswith("LoaderError"), follower
