@@ -135,3 +135,12 @@ def test_a_sharded_run_refuses_a_plain_learner(tmp_path):
         with Session(torch.nn.Linear(2, 2), mailbox=box, learner_id="plain", fragments=2):
             pass
     assert consensus(box, torch.nn.Linear(2, 2)) == {}  # a plain model loads it whole
+
+
+@pytest.mark.timeout(180)
+def test_the_shard_step_benchmark_reports_its_figures():
+    from benchmark_runs import finite, quick_run
+
+    _, figures = quick_run("shard_step")
+    assert all(finite(figures[name]) for name in ("train_step_s", "shard_step_s", "written_models_per_interval"))
+    assert 0 < figures["written_models_per_interval"] < 1  # a shard's share, never the whole model
