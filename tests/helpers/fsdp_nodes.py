@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,12 @@ def main(config: dict) -> dict:
     box = Counting(config["mailbox"])
     units = {f"{unit:04d}": unit for unit in range(UNITS)}
     learner = f"machine-{group}"
+    try:  # a sharded model without its group would exchange one rank's shard as a whole model
+        Session(model, mailbox=box, learner_id=learner)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    elastic = config.get("elastic", False)
     start_line(box, f"{group}-{rank}", config["ranks"])
     trained: list[int] = []
     with (
@@ -118,7 +125,15 @@ def main(config: dict) -> dict:
             model, mailbox=box, learner_id=learner, every_steps=2, outer=Whole(), group=dist.group.WORLD
         ) as session,
         shared_queue(
-            units, mailbox=box, learner_id=learner, load=load_unit, workers=0, prefetch=2, group=dist.group.WORLD
+            units,
+            mailbox=box,
+            learner_id=learner,
+            load=load_unit,
+            workers=0,
+            prefetch=2,
+            resume=elastic,
+            lease=timedelta(seconds=60) if elastic else None,
+            group=dist.group.WORLD,
         ) as batches,
     ):
         for step, rows in batches:
@@ -142,6 +157,7 @@ def main(config: dict) -> dict:
         "fragments": session.fragments,
         "touched": touched,
         "loaded": loaded,
+        "refused": refused,
         "shard": shard,
     }
     dist.destroy_process_group()

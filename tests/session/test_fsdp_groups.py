@@ -35,7 +35,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_groups(tmp_path: Path) -> list[dict]:
+def run_groups(tmp_path: Path, **options) -> list[dict]:
     configs = []
     for group in range(GROUPS):
         port = free_port()
@@ -50,6 +50,7 @@ def run_groups(tmp_path: Path) -> list[dict]:
                     "mailbox": str(tmp_path / "mailbox"),
                     "out": str(tmp_path / f"out-{group}-{rank}.json"),
                     "delay": 0.005 * (group + 1),  # unequal speeds
+                    **options,
                 }
             )
     processes = [
@@ -80,10 +81,12 @@ def run_groups(tmp_path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path):
+@pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
+def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elastic):
     import fsdp_nodes as nodes  # tests/helpers/ is on sys.path (tests/conftest.py)
 
-    results = run_groups(tmp_path)
+    results = run_groups(tmp_path, elastic=elastic)
+    assert all("group=" in result["refused"] for result in results)  # not without its group
     steps_of = {}
     for group in range(GROUPS):
         leader, follower = sorted((r for r in results if r["group"] == group), key=lambda r: r["rank"])
