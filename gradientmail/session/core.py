@@ -80,7 +80,8 @@ class Session:
         outer: ``"delayed_nesterov"`` (default), ``"average"`` or an ``OuterOptimizer``.
         wire_dtype: ``None`` (float32 state) or ``torch.bfloat16`` (half the bytes).
         fragments: how many fragments the state is cut into (``None``: one per 64 KiB of
-            float32 state, at most 16); every node of a run must use the same.
+            float32 state, at most 16); every node of a run must use the same. Of a sharded
+            model: how many each rank's shard is cut into.
         group: a ``torch.distributed`` process group whose ranks train this model in lockstep
             (DDP): they are one learner (rank 0's ``learner_id``), its rank 0 alone talks to the
             store, and every rank applies each exchange at the same ``step()``. Every rank
