@@ -4,12 +4,15 @@ Real processes on one ``LocalMailbox`` (node code: ``tests/helpers/fsdp_nodes.py
 every step of every unit is trained by exactly one group; each rank reads and writes only the
 fragments of its own shard; the run counts each group once, with the samples of all its ranks;
 the run's model, loaded into a plain model or shard by shard, is its base plus every step that
-any group trained (each step adds 1 to every parameter).
+any group trained (each step adds 1 to every parameter). A rank killed mid-run stops its group,
+which restarts with ``resume=``: rank 0's shard holds every step once, the other shard is within
+one exchange interval (the documented bound).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +123,80 @@ def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elas
             chunks = plain.state_dict()[name].chunk(SIZE)
             mine = chunks[result["rank"]] if result["rank"] < len(chunks) else plain.state_dict()[name][:0]
             torch.testing.assert_close(torch.tensor(values).reshape(mine.shape), mine, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_stops_its_group_which_restarts_with_nothing_lost_in_rank_0s_shard(tmp_path):
+    import fsdp_nodes as nodes
+
+    def config(group: int, rank: int, port: int, out: str, **extra) -> dict:
+        return {
+            "group": group,
+            "rank": rank,
+            "size": SIZE,
+            "ranks": GROUPS * SIZE,
+            "port": port,
+            "mailbox": str(tmp_path / "mailbox"),
+            "out": str(tmp_path / out),
+            "delay": 0.01,
+            "elastic": True,
+            **extra,
+        }
+
+    def start(settings: dict) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, str(NODE_SCRIPT), json.dumps(settings)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    first = [free_port(), free_port()]
+    configs = [
+        config(0, 0, first[0], "dead-0.json"),
+        config(0, 1, first[0], "dead-1.json", die_after=4),
+        config(1, 0, first[1], "out-1-0.json"),
+        config(1, 1, first[1], "out-1-1.json"),
+    ]
+    processes = [start(c) for c in configs]
+    restarted: list[subprocess.Popen] = []
+    try:
+        output, _ = processes[1].communicate(timeout=120)
+        assert processes[1].returncode == -signal.SIGKILL, output[-3000:]
+        processes[0].kill()  # as torchrun stops the group when one of its processes fails
+        processes[0].communicate(timeout=60)
+        port = free_port()
+        again = [config(0, rank, port, f"out-0-{rank}.json") for rank in range(SIZE)]
+        restarted = [start(c) for c in again]
+        failures = []
+        for settings, process in [*zip(configs[2:], processes[2:]), *zip(again, restarted)]:
+            output, _ = process.communicate(timeout=150)
+            if process.returncode != 0:
+                failures.append(f"{settings['out']} exited {process.returncode}:\n{output[-4000:]}")
+        assert not failures, "\n".join(failures)
+    finally:
+        for process in processes + restarted:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    results = [json.loads((tmp_path / name).read_text()) for name in ("out-0-0.json", "out-0-1.json", "out-1-0.json")]
+    dead = json.loads((tmp_path / "dead-1.json.trained").read_text())
+    assert len(dead) == 4
+    assert results[0]["trained"]  # the restarted group took its units back and trained them
+    finished = results[0]["trained"] + results[2]["trained"]
+    assert len(finished) == len(set(finished))  # the live incarnations trained no step twice
+    assert sorted(set(finished + dead)) == list(range(nodes.UNITS * nodes.UNIT_STEPS))  # and none was skipped
+    plain, base = nodes.build(), nodes.build()
+    consensus(LocalMailbox(tmp_path / "mailbox"), plain)
+    total = nodes.UNITS * nodes.UNIT_STEPS
+    for name, tensor in plain.state_dict().items():
+        gained = tensor - base.state_dict()[name]
+        rows = -(-len(tensor) // SIZE)
+        # Rank 0's shard: every step exactly once (its folds are what the queue follows).
+        torch.testing.assert_close(gained[:rows], torch.full_like(gained[:rows], total), rtol=0, atol=1e-4)
+        # Rank 1's shard: within the bound, one exchange interval (every_steps=2) either way.
+        assert (gained[rows:] - total).abs().max() <= 2 + 1e-4 if len(gained[rows:]) else True
 
 
 def test_a_sharded_run_refuses_a_plain_learner(tmp_path):
