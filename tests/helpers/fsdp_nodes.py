@@ -67,12 +67,10 @@ def load_unit(unit: int) -> Iterator[tuple[int, Tensor]]:
         yield step, torch.arange(step * BATCH, (step + 1) * BATCH)
 
 
-class Counting(LocalMailbox):
-    """A ``LocalMailbox`` that records the keys of the fragments this process reads and writes."""
+class Counting:
+    """Records the fragments this process reads and writes (mixed into a mailbox class)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.touched: set[str] = set()
+    touched: set[str]
 
     def _note(self, key: str) -> None:
         if key.startswith("session/fragments/"):
@@ -91,13 +89,26 @@ class Counting(LocalMailbox):
         return super().put_if_absent(key, *args, **kwargs)
 
 
+def open_box(config: dict):
+    """The run's mailbox: a local directory, or a prefix of an S3 bucket (SeaweedFS)."""
+    if "s3" in config:
+        from gradientmail.mailbox.s3 import S3Mailbox
+
+        s3 = config["s3"]
+        box = type("CountingS3", (Counting, S3Mailbox), {})(s3["bucket"], s3["prefix"], endpoint_url=s3["endpoint"])
+    else:
+        box = type("CountingLocal", (Counting, LocalMailbox), {})(config["mailbox"])
+    box.touched = set()
+    return box
+
+
 def start_line(box: LocalMailbox, name: str, count: int, prefix: str = "ready/") -> None:
     box.put(f"{prefix}{name}", b"")
     deadline = time.monotonic() + 120
     while sum(1 for _ in box.list(prefix)) < count:
         if time.monotonic() > deadline:
             raise TimeoutError("the other ranks never started")
-        time.sleep(0.01)
+        time.sleep(0.05)  # a listing per poll: spare the store (and the shared cores)
 
 
 def main(config: dict) -> dict:
@@ -111,8 +122,8 @@ def main(config: dict) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    box = Counting(config["mailbox"])
-    units = {f"{unit:04d}": unit for unit in range(UNITS)}
+    box = open_box(config)
+    units = {f"{unit:04d}": unit for unit in range(config.get("units", UNITS))}
     learner = f"machine-{group}"
     try:  # a sharded model without its group would exchange one rank's shard as a whole model
         Session(model, mailbox=box, learner_id=learner)

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -84,11 +85,25 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
-def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elastic):
+@pytest.mark.parametrize(
+    ("elastic", "store"),
+    [(False, "local"), (True, "local"), (True, "seaweedfs")],
+    ids=["seed-queue", "elastic-queue", "elastic-seaweedfs"],
+)
+def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elastic, store, request):
     import fsdp_nodes as nodes  # tests/helpers/ is on sys.path (tests/conftest.py)
 
-    results = run_groups(tmp_path, elastic=elastic)
+    units = nodes.UNITS
+    if store == "local":
+        box, where = LocalMailbox(tmp_path / "mailbox"), {}
+    else:
+        from gradientmail.mailbox.s3 import S3Mailbox
+
+        endpoint, bucket = request.getfixturevalue("seaweedfs_endpoint"), request.getfixturevalue("seaweedfs_bucket")
+        prefix = f"t-{uuid.uuid4().hex[:12]}/run"
+        box = S3Mailbox(bucket, prefix, endpoint_url=endpoint)
+        where = {"s3": {"bucket": bucket, "prefix": prefix, "endpoint": endpoint}}
+    results = run_groups(tmp_path, elastic=elastic, **where)
     assert all("group=" in result["refused"] for result in results)  # not without its group
     steps_of = {}
     for group in range(GROUPS):
@@ -103,11 +118,10 @@ def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elas
             own = {f"{result['rank'] * per_shard + j:04d}" for j in range(per_shard)}
             assert result["touched"] and set(result["touched"]) <= own, (result["rank"], result["touched"])
     everything = sorted(steps_of[0] + steps_of[1])
-    assert everything == list(range(nodes.UNITS * nodes.UNIT_STEPS))  # every step once, by one group
+    assert everything == list(range(units * nodes.UNIT_STEPS))  # every step once, by one group
     assert steps_of[0] and steps_of[1]
     assert any(result["merges"] for result in results)  # progress of the other group came in
 
-    box = LocalMailbox(tmp_path / "mailbox")
     assert run_cut(box).shards == SIZE
     total = float(len(everything))
     # A plain model on one process: every shard's fragments, from the store.
