@@ -55,6 +55,18 @@ def test_the_plain_cut_of_a_sharded_run_follows_fully_shards_rows():
     assert per_shard({"w": (1, 4), "b": (3,)}, 2, None) == 1
 
 
+def test_every_rank_cuts_its_shard_into_as_many_fragments_whatever_its_size():
+    # 10 rows over 3 shards: 4, 4, 2 rows of 20_000 values: the automatic count is the largest
+    # shard's, the same on every rank; an asked count is clamped to the smallest shard's size.
+    shapes = {"w": (10, 20_000)}
+    assert per_shard(shapes, 3, None) == 5  # ceil(4 * 20_000 * 4 bytes / 64 KiB), at most 16
+    assert per_shard(shapes, 3, 50) == 50
+    assert per_shard({"w": (5, 2)}, 2, 8) == 4  # shard 1 holds 4 values
+    assert per_shard({"w": (64, 64)}, 8, 1024) == 128  # 1,024 fragments in all, at most
+    with pytest.raises(ValueError, match="holds nothing"):
+        per_shard({"w": (1, 4)}, 2, None)
+
+
 def test_consensus_loads_a_sharded_run_into_a_plain_model_whole():
     box = MemoryMailbox("test-shards-consensus")
     box.clear()
