@@ -83,7 +83,7 @@ class NodeSpec:
     out: str
     run: int
     kill_after: int | None
-    lease_s: float
+    lease_s: float | None  # None: shared_queue's defaults (no resume=, no lease=)
     every_s: float
     fragments: int
     train_s: float
@@ -275,8 +275,8 @@ def train(spec: NodeSpec, box: Any, model: Any, session: Any, units: dict[str, s
             learner_id=spec.learner,
             load=load_unit,
             workers=0,
-            resume=True,
-            lease=timedelta(seconds=spec.lease_s),
+            resume=None if spec.lease_s is None else True,
+            lease=None if spec.lease_s is None else timedelta(seconds=spec.lease_s),
         ) as batches,
     ):
         if spec.gate:

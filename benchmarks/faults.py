@@ -26,6 +26,9 @@ waits inside its ``with`` block until all three stand there; a restart does not)
   node), restart included; it is killed after N batches (1 to 8: it trains only about 6 to 12 in a
   run, its folds taking a second) and restarted; every node trains 40 ms a batch in these trials
   (4 ms otherwise), so that the run lasts long enough for the distant node to take part;
+- **restart**: every node runs ``shared_queue`` with its defaults (no ``resume=``, no ``lease=``);
+  SIGKILL after N batches and a restart under the same learner id, which takes its unfinished
+  units back (nobody else may: there is no lease);
 - **transient**: one request of the victim fails as a store past its retries fails
   (``MailboxError``): the first request after batch N of the kind the trial targets (listing the
   versions, reading a version or a pending contribution, creating a version, a tombstone, the
@@ -120,8 +123,8 @@ TRAIN_S = 0.004
 SLOW_TRAIN_S = 0.04
 """One batch in ``slow`` trials, every node: the run lasts long enough (about 3 s) for the
 distant node, whose every claim takes a few of its 100 ms requests, to get a share of the units."""
-FAULTS = ("kill", "freeze", "clock", "hour_ahead", "hour_behind", "slow", "transient", "duplicate")
-KILLED = ("kill", "clock", "hour_ahead", "hour_behind", "slow")
+FAULTS = ("kill", "freeze", "clock", "hour_ahead", "hour_behind", "slow", "transient", "duplicate", "restart")
+KILLED = ("kill", "clock", "hour_ahead", "hour_behind", "slow", "restart")
 """The kinds whose victim is SIGKILLed after N batches."""
 NO_FAULT = "finished first"
 NOT_HIT = "not hit"
@@ -282,7 +285,7 @@ def run_trial(store: Store, root: Path, index: int, seed: int, kinds: tuple[str,
             str(out),
             run,
             after if faulty and first and fault in KILLED else None,
-            LEASE_S,
+            None if fault == "restart" else LEASE_S,
             EVERY_S,
             fragments,
             SLOW_TRAIN_S if fault == "slow" else TRAIN_S,

@@ -1,5 +1,8 @@
 """What claiming costs in mailbox requests, as the run grows, with and without lane rotation.
 
+The claim protocol alone: each node runs the design note's queue (``resume=False``); the
+default ``resume=None`` adds the progress records of docs/elastic.md, left out here.
+
 Each cell runs ``gradientmail.queue.simulate``: real ``SharedQueueDataset`` claimers of
 unequal speed (times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter) on one shared
 ``MemoryMailbox``, each behind a ``CountingMailbox`` that counts requests the way S3 bills them

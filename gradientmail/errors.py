@@ -189,6 +189,17 @@ class LeaseLostError(GradientMailError, RuntimeError):
     batches they train again."""
 
 
+class UntrackedClaimsError(GradientMailError, RuntimeError):
+    """A resuming learner found its own earlier claims written by the design note's queue, which
+    records no progress: nobody can tell which of their batches were trained, so none is taken
+    back (taking them back would train every one again)."""
+
+
+class UnfinishedUnitsWarning(UserWarning):
+    """Units claimed under a learner id were left unfinished and will not be trained in this run
+    unless their owner's id takes them back (a restart under it, or ``lease=``)."""
+
+
 class RecordError(GradientMailError, ValueError):
     """A record read from the mailbox is too large, too deep, not a JSON object, or has a bad field.
 

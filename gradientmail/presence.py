@@ -45,6 +45,7 @@ __all__ = [
     "machine",
     "presence_renew_s",
     "presence_window_s",
+    "process_gone",
 ]
 
 RENEW_S = 10.0
@@ -174,6 +175,12 @@ def _same_machine(record: PresenceRecord) -> bool:
 
 
 # -- the record's owner ------------------------------------------------------------------------
+def process_gone(record: PresenceRecord) -> bool:
+    """Whether ``record`` names a process of this machine that no longer runs (a peer's own
+    verdict at once; another machine's record is judged by its age instead)."""
+    return _same_machine(record) and not _alive(record.pid, record.pid_start)
+
+
 class Presence:
     """Registers one incarnation of ``learner_id`` in ``mailbox`` and keeps it renewed.
 
@@ -213,6 +220,9 @@ class Presence:
         self._renewed_at = clock()
         self._checked_at = -float("inf")  # the training thread's last ownership check
         self._replaced: DuplicateLearnerError | None = None
+        self.previous: PresenceRecord | None = None
+        """The record of another incarnation ``register`` found and replaced (None: none):
+        whether this learner's previous run left cleanly."""
 
     # -- public ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -236,6 +246,7 @@ class Presence:
                 judged = self._judge(record, data)
                 if judged is not None:
                     raise self._duplicate(judged)
+                self.previous = record
             with _OPEN_LOCK:  # open before the write: a registrant here that reads it finds it
                 _OPEN[self.incarnation] = self
             written = False
@@ -596,6 +607,11 @@ class PresenceShare:
     def replaced(self) -> bool:
         """Whether another incarnation of this learner took the record over."""
         return self._presence is not None and self._presence.replaced
+
+    @property
+    def previous(self) -> PresenceRecord | None:
+        """The previous run's record the registration replaced (``Presence.previous``)."""
+        return None if self._presence is None else self._presence.previous
 
     def close(self) -> None:
         """Give the share back (idempotent); the last holder marks the record stopped."""

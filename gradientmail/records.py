@@ -276,6 +276,7 @@ WORK = RecordKind(
         "position": _nullable(_COUNT),
         "done": _flag,
         "updated": _time,
+        "untracked": _flag,
     },
 )
 DONE = RecordKind("done record", {"learner": _segment, "token": _text, "at": _time})
@@ -670,6 +671,7 @@ class WorkRecord(Record):
         *,
         position: int | None = None,
         done: bool = False,
+        untracked: bool = False,
     ) -> WorkRecord:
         return cls(
             {
@@ -680,6 +682,7 @@ class WorkRecord(Record):
                 "position": position,
                 "done": done,
                 "updated": time.time(),
+                **({"untracked": True} if untracked else {}),
             }
         )
 
@@ -691,6 +694,11 @@ class WorkRecord(Record):
     @property
     def done(self) -> bool:
         return self.get("done") is True
+
+    @property
+    def untracked(self) -> bool:
+        """Written by the design note's queue while it loads the unit: no consumed batch recorded."""
+        return self.get("untracked") is True
 
 
 class DoneRecord(Record):

@@ -27,6 +27,7 @@ from gradientmail.layout import (
     LEASES_PREFIX,
     PROGRESS_PREFIX,
     RUN_KEY,
+    WORK_PREFIX,
 )
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.presence import presence_window_s
@@ -146,6 +147,9 @@ class LearnerStatus:
     orphaned: int | None = None
     lease: str | None = None
     """``"live"``, ``"expired"`` or ``"stopped"`` (elastic runs with leases), else None."""
+    unfinished: int | None = None
+    """Units claimed under this learner id and not finished: being trained now, or left by a
+    run of it that stopped (its ``work/{learner}/`` records; None: none)."""
     presence: str | None = None
     """Its presence record (``learners/``, written by its Session and its queue) judged as the
     nodes judge it: ``"live"``, ``"expired"`` (not renewed for three of its renewal intervals)
@@ -178,6 +182,9 @@ class RunStatus:
     elastic: bool = False
     unreadable: list[Unreadable] = field(default_factory=list)
     """Records skipped because they are unusable (not JSON, too large or deep, bad fields)."""
+    unfinished: dict[str, list[str]] = field(default_factory=dict)
+    """Learner -> the units claimed under it and not finished (its ``work/`` records): a learner
+    that is not running holds them untrained until its id takes them back."""
     unit_spans: dict[str, list[UnitSpan]] = field(default_factory=dict)
     """Learner -> its recent units' training spans, from progress records that carry them
     (written by a ``Session`` beside ``shared_queue``); not part of ``to_dict``."""
@@ -215,6 +222,7 @@ class RunStatus:
             "units_released": len(self.released) if self.elastic else None,
             "units_orphaned": len(self.orphaned) if self.elastic else None,
             "orphaned": list(self.orphaned),
+            "unfinished": {learner: list(units) for learner, units in self.unfinished.items()},
             "unreadable": [asdict(record) for record in self.unreadable],
         }
 
@@ -399,6 +407,11 @@ class RunReader:
             if identifier not in self._claims
             or (self._claims[identifier].state is not None and identifier not in self._done)
         ]
+        unfinished: dict[str, list[str]] = {}
+        for key in self.mailbox.list(WORK_PREFIX):  # the key names learner and unit: no GET
+            learner, _, identifier = key[len(WORK_PREFIX) :].partition("/")
+            if learner and identifier:
+                unfinished.setdefault(learner, []).append(identifier)
         progress_keys = [key for key in self.mailbox.list(PROGRESS_PREFIX) if key.endswith(".json")]
         presence_keys = [key for key in self.mailbox.list(LEARNERS_PREFIX) if key.endswith(".json")]
         fetched = self._fetch([*new, *progress_keys, *lease_keys, *presence_keys])
@@ -460,6 +473,8 @@ class RunReader:
                 row.in_progress += 1
         for name, state in lease_state.items():
             learners.setdefault(name, LearnerStatus(name)).lease = state
+        for name, units in unfinished.items():
+            learners.setdefault(name, LearnerStatus(name)).unfinished = len(units)
         for name, data in presences.items():
             key = f"{LEARNERS_PREFIX}{name}.json"
             record, unreadable[key] = _checked(PresenceRecord, key, data)
@@ -485,6 +500,7 @@ class RunReader:
                 for key, problem in sorted({**self._unreadable_claims, **unreadable}.items())
                 if problem is not None
             ],
+            unfinished={name: sorted(units) for name, units in sorted(unfinished.items())},
             unit_spans=unit_spans,
         )
 

@@ -104,7 +104,10 @@ def _table(
     in_run = any(row.samples_in_run is not None for row in run.learners)
     # (header, right-aligned) of each column; "in run": a Session's learners, how much of what
     # they trained the run's state holds.
-    columns = [("learner", False), ("units", True), ("share", True), ("samples", True)]
+    unfinished = any(row.unfinished for row in run.learners)  # the column only when some are left
+    columns = [("learner", False), ("units", True)]
+    columns += [("not done", True)] if unfinished else []
+    columns += [("share", True), ("samples", True)]
     columns += [("in run", True)] if in_run else []
     columns += [("samples/s", True), ("steps", True), ("last seen", True), ("state", False)]
     rows = []
@@ -115,6 +118,7 @@ def _table(
             [
                 (names or {}).get(row.learner, row.learner),
                 str(row.units),
+                *([str(row.unfinished) if row.unfinished else "-"] if unfinished else []),
                 share,
                 count(row.samples),
                 *([count(row.samples_in_run)] if in_run else []),
@@ -136,11 +140,22 @@ def _table(
     for cells in rows:
         table.add_row(*(Text(cells[index]) if index == 0 else cells[index] for index in keep))
     notes = [] if run.learners else ["no learner has claimed a unit or reported progress yet"]
+    notes += unfinished_notes(run)
     notes += unreadable_notes(run)
     if notes:
         table.caption = Text("\n".join(notes))  # plain text: a record's bytes are no markup
         table.caption_justify = "left"
     return table
+
+
+def unfinished_notes(run) -> list[str]:
+    """One line per learner holding units claimed and not finished, naming the first few: a
+    learner that is not running leaves them untrained until its id takes them back."""
+    notes = []
+    for learner, units in run.unfinished.items():
+        shown = ", ".join(units[:UNREADABLE_SHOWN]) + (", ..." if len(units) > UNREADABLE_SHOWN else "")
+        notes.append(f"claimed and not finished by {learner}: {len(units)} unit(s) ({shown})")
+    return notes
 
 
 def _state(row, now: float, joint: str) -> str:

@@ -51,9 +51,17 @@ from gradientmail.queue.claimer import (
     Claimer,
 )
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
+from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
+from gradientmail.queue.reclaim import (
+    ElasticClaimer,
+    ElasticOptions,
+    check_elastic,
+    elastic_options,
+    untracked_record,
+    warn_unfinished,
+)
 from gradientmail.queue.telemetry import queue_figures, register_counter
 from gradientmail.queue.units import ClaimIndex
 from gradientmail.records import RunRecord, get_record
@@ -209,8 +217,13 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         load: ``load(value)`` yields ``(step, batch)`` pairs for one unit, in step order; a
             batch is a tensor, or tuples, lists and dicts of tensors.
         order: This node's preference, a permutation of the identifiers (default: theirs).
-        resume: Record what the loop consumed; a restarted learner takes its unfinished units
-            back. Needs ``replace_if``.
+        resume: None (automatic, the default): where the store has ``replace_if`` and the loop's
+            consumption can be seen (``shared_queue``, or this dataset iterated in the training
+            process), record what the loop consumed, so a learner restarted under the same id
+            takes its unfinished units back at the exact batch; elsewhere (a DataLoader worker)
+            the design note's queue, which warns about units an earlier run of this learner left
+            unfinished. True: also release unfinished units to any node on a clean exit (needs
+            ``replace_if``). False: the design note's queue.
         lease: Renew a heartbeat and take over units of nodes silent for ``lease``.
         claim_ahead: Most units claimed ahead of the one being loaded (0: on demand).
         listing: When the claimer lists claims (``claims.LISTING_POLICIES``).
@@ -235,7 +248,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         learner_id: str | None = None,
         load: Callable[[V], Iterable[tuple[int, TensorTree]]],
         order: Sequence[str] | None = None,
-        resume: bool = False,
+        resume: bool | None = None,
         lease: timedelta | float | None = None,
         claim_ahead: int = 0,
         listing: str = DEFAULT_LISTING,
@@ -269,12 +282,17 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self._listing = listing
         self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
         self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies
-        self.resume = resume
         self.lease_s = check_elastic(mailbox, resume, lease)
-        self.wiring = Wiring(
-            prepared=prepared,
-            elastic=ElasticOptions(resume, self.lease_s) if resume or self.lease_s is not None else None,
-        )
+        self.wiring = Wiring(prepared=prepared, elastic=elastic_options(mailbox, resume, self.lease_s))
+        self.resume = self.wiring.elastic is not None and self.wiring.elastic.resume
+        self.marks_loading = resume is None
+        """The design note's queue chosen by the automatic mode (a DataLoader worker, a store
+        without ``replace_if``) marks each unit it loads in ``work/`` (a PUT and a DELETE per
+        unit), so that ``status`` and a restart see what it left; ``resume=False`` records nothing."""
+        """Whether a restarted learner takes its own unfinished units back (``resume`` resolved)."""
+        self.incarnation = uuid.uuid4().hex
+        """This dataset's run of the learner in the design note's queue (its workers share it):
+        ``work/`` records of another one are units an earlier run left unfinished."""
         """How ``shared_queue`` runs this dataset (``configured`` returns a copy wired otherwise)."""
         self._halt = [False]  # set when the consumer leaves (workers=0 has no control)
         self._restore: dict[str, dict[str, Any]] = {}
@@ -342,7 +360,15 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         worker = info.id if info is not None else None
         if worker is not None:
             exit_with_parent()
+        if not self.units:
+            return iter(())
         if self.wiring.elastic is not None and not self.wiring.tagged:
+            if worker is not None and self.wiring.elastic.automatic and self.wiring.elastic.lease_s is None:
+                # The automatic mode cannot see the loop from here: the design note's queue.
+                batches = self._claim_and_load(worker, None)
+                if self.wiring.control is None:
+                    return batches
+                return guarded(batches, self.wiring.control, worker)
             if worker is not None:
                 raise ValueError(
                     "resume= and lease= record what the training loop consumed, which a "
@@ -350,6 +376,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     "in the training process, or use state_dict()/load_state_dict() (e.g. "
                     "torchdata's StatefulDataLoader) without these options"
                 )
+            if not self.wiring.prepared:  # a store that cannot create atomically is refused first
+                prepare_mailbox(self.mailbox, len(self.units), self.units)
+                return self.configured(prepared=True).__iter__()
             joined = gate_for(describe(self.mailbox), self.learner_id).take_join_marks()
             options = dataclasses.replace(self.wiring.elastic, incarnation=uuid.uuid4().hex, joined_marks=joined)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
@@ -401,6 +430,11 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         if options is not None or self._restore:
             yield from self._claim_and_load_elastic(worker, options)
             return
+        marks = None
+        if self.marks_loading:
+            if worker in (None, 0) and not self.wiring.prepared:  # shared_queue warns in its own process
+                warn_unfinished(self.mailbox, self.learner_id, self.incarnation)
+            marks = LoadingMarks(self.mailbox, self.learner_id, untracked_record(self.learner_id, self.incarnation))
         if self._claim_index is None:
             self._claim_index = ClaimIndex(self.units)
         claimer = Claimer(
@@ -434,6 +468,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     raise
                 if identifier is None:
                     return
+                if marks is not None:  # claimed and not yet loaded: what ``status`` and a restart see
+                    marks.loading(identifier)
                 for position, (step, tensor) in enumerate(self._load_unit(identifier)):
                     self._positions[identifier] = {"token": None, "step": step, "position": position}
                     if pacer is not None:
@@ -441,6 +477,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     yield Item(step, tensor, UnitTag(identifier)) if self.wiring.timed else (step, tensor)
                 if pacer is not None:
                     pacer.ended()  # a unit without batches
+                if marks is not None:
+                    marks.loaded(identifier)
                 loaded = self._positions.pop(identifier, None)
                 if log.isEnabledFor(logging.DEBUG):
                     batches = 0 if loaded is None else loaded["position"] + 1
@@ -449,6 +487,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             if pacer is not None:
                 pacer.ended()
             claims.close()
+            if marks is not None:
+                marks.close()
             self._claim_stats.update(claimer.stats)
             _log_claims(self.learner_id, worker, claimer.stats)
 
@@ -467,6 +507,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             crowd_limit=self._crowd_limit,
             restore=self._restore,
             stopping=lambda: halt[0] or (control is not None and control.stop.is_set()),
+            claim_ahead=self.claim_ahead,
+            gauge=self.wiring.gauge,
         )
         self._restore = {}
         gauge = self.wiring.gauge
@@ -504,6 +546,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         finally:
             if pacer is not None:
                 pacer.ended()
+            claimer.close()
             self._claim_stats.update(claimer.claim_stats)
 
     def _load_unit(self, identifier: str) -> Iterator[Batch]:

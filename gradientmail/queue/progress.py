@@ -250,7 +250,7 @@ class ProgressTracker:
             self._thread = None
         if replaced:
             return
-        if release:
+        if release and self.options.releases:  # the automatic mode keeps them for this learner id
             self.release()
         if self.lease is not None and not self.lease.lost:
             try:

@@ -21,33 +21,40 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from gradientmail.errors import RecordError
+from gradientmail.errors import RecordError, UnfinishedUnitsWarning, UntrackedClaimsError
 from gradientmail.fold_gate import UnitMark, held_everywhere
 from gradientmail.layout import (
     CLAIMS_PREFIX,
     DONE_PREFIX,
     claim_key,
     done_key,
+    learner_key,
     lease_key,
     work_key,
     work_prefix,
 )
-from gradientmail.mailbox.base import Mailbox, exists, require_replace_if
-from gradientmail.queue.claimer import CROWD_LIMIT, Claimer, Pick
+from gradientmail.mailbox.base import Mailbox, describe, exists, require_replace_if, supports_replace_if
+from gradientmail.presence import RENEW_S, process_gone
+from gradientmail.queue.claimer import CROWD_LIMIT, ClaimAhead, Claimer, Pick
 from gradientmail.queue.claims import claim_record, load_claim, read_back, try_claim
 from gradientmail.queue.lease import UNREADABLE_LEASE, fence
 from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
+from gradientmail.queue.pacing import BufferGauge
 from gradientmail.records import (
     ACTIVE,
     FENCED,
     RELEASED,
+    STOPPED,
     ClaimRecord,
     LeaseRecord,
+    PresenceRecord,
     SkippedRecords,
     WorkRecord,
     get_record_versioned,
@@ -60,10 +67,83 @@ __all__ = [
     "ElasticClaimer",
     "ElasticOptions",
     "check_elastic",
+    "elastic_options",
     "recorded_progress",
     "recorded_step",
     "take_over",
+    "untracked_record",
+    "warn_unclean",
+    "warn_unfinished",
 ]
+
+log = logging.getLogger("gradientmail.queue")
+
+
+# -- unfinished ---------------------------------------------------------------------------------------
+
+
+def untracked_record(learner_id: str, incarnation: str) -> bytes:
+    """The ``work/{learner}/{identifier}`` body the design note's queue writes while it loads a
+    unit: what ``status`` and a restart of this learner read as claimed and not finished."""
+    return WorkRecord.new(learner_id, incarnation, incarnation, None, untracked=True).to_bytes()
+
+
+def warn_unfinished(mailbox: Mailbox, learner_id: str, incarnation: str) -> int:
+    """Warn when an earlier run of ``learner_id`` left units claimed and not finished, which
+    the design note's queue cannot take back; returns how many (one listing of ``work/``).
+
+    A warning, not an error: the queue was chosen (``resume=False``) or forced (a DataLoader
+    worker cannot see the loop, a store without ``replace_if``), the run can go on with the
+    other units, and refusing would leave the user no way to finish it under this prefix.
+    """
+    prefix = work_prefix(learner_id)
+    skipped = SkippedRecords(f"learner {learner_id!r}")
+    units = []
+    for key in mailbox.list(prefix):
+        record = skipped.fetch(WorkRecord, mailbox, key, learner_id)
+        if record is not None and record.incarnation != incarnation:
+            units.append(key[len(prefix) :])
+    if units:
+        shown = ", ".join(units[:5]) + (", ..." if len(units) > 5 else "")
+        message = (
+            f"learner {learner_id!r}: {len(units)} unit(s) claimed by an earlier run of this learner "
+            f"were left unfinished ({shown}) and this queue does not take them back: it records no "
+            "consumed batch (resume=False, a DataLoader worker, or a store without replace_if), so "
+            "their untrained batches are not trained in this run. To take them back, run the "
+            "queue through shared_queue(...) or iterate the dataset in the training process, with "
+            "the default resume=None on a store with replace_if, from the start of a fresh prefix"
+        )
+        log.warning("%s", message)
+        warnings.warn(message, UnfinishedUnitsWarning, stacklevel=3)
+    return len(units)
+
+
+def warn_unclean(learner_id: str, previous: PresenceRecord | None) -> bool:
+    """With ``resume=False`` nothing records a unit's progress: warn when the previous run of
+    ``learner_id`` (its presence record, read at registration) did not leave cleanly, since the
+    units it held then stay claimed and untrained; returns whether it warned."""
+    if previous is None or previous.state == STOPPED:
+        return False
+    message = (
+        f"learner {learner_id!r}: its previous run (host {previous.host!r}, pid {previous.pid}) did "
+        "not leave cleanly: the units it had claimed and not finished stay claimed and are not "
+        "trained in this run. resume=False records no progress, so how many is unknown; the "
+        "default resume=None records it and a restart takes them back"
+    )
+    log.warning("%s", message)
+    warnings.warn(message, UnfinishedUnitsWarning, stacklevel=3)
+    return True
+
+
+def untracked_claims_error(learner_id: str, identifier: str, store: str) -> UntrackedClaimsError:
+    """What a resuming learner raises on its own claim written by the design note's queue."""
+    return UntrackedClaimsError(
+        f"{store}: unit {identifier!r} was claimed by learner {learner_id!r} through the design "
+        "note's queue (resume=False, or a DataLoader worker), which records no consumed batch: "
+        "resuming cannot know which of its batches were trained, and taking it back would train "
+        "them all again. Continue this run with resume=False (its claims stay as they are), or "
+        "start the run again under a fresh prefix"
+    )
 
 
 # -- takeover ----------------------------------------------------------------------------------------
@@ -229,16 +309,30 @@ class ElasticOptions:
     resume: bool
     lease_s: float | None
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+    automatic: bool = False
+    """Chosen by ``resume=None`` (the default), not asked for: a clean exit keeps this learner's
+    unfinished units reserved for it (``releases``), and where consumption cannot be seen (a
+    DataLoader worker) the dataset falls back to the design note's queue instead of refusing."""
     joined_marks: tuple[tuple[UnitMark, ...], ...] | None = None
     """This learner's unit marks per fragment as its Session read them when joining (its counts
     continue from that read), for taking its earlier incarnation's units back; None: read the
     store (``FoldGate.take_join_marks``)."""
 
+    @property
+    def releases(self) -> bool:
+        """Whether a clean exit releases unfinished units to any node: asked for with
+        ``resume=True`` or ``lease=``; the automatic mode keeps them for this learner id (the
+        design note's reservations stay permanent, only their owner takes them back)."""
+        return not self.automatic or self.lease_s is not None
+
 
 def check_elastic(mailbox: Mailbox, resume: object, lease: timedelta | float | None) -> float | None:
-    """Validate ``resume`` / ``lease`` and refuse a store without compare-and-swap for them."""
-    if not isinstance(resume, bool):
-        raise TypeError(f"resume must be a bool, not {type(resume).__name__}")
+    """Validate ``resume`` / ``lease`` and refuse a store without compare-and-swap for them.
+
+    ``resume=None`` (automatic) needs nothing: without ``replace_if`` it is the design note's queue.
+    """
+    if resume is not None and not isinstance(resume, bool):
+        raise TypeError(f"resume must be True, False or None (automatic), not {type(resume).__name__}")
     seconds = lease_seconds(lease)
     if resume or seconds is not None:
         feature = "resume=True" if resume else f"lease={lease!r}"
@@ -246,13 +340,32 @@ def check_elastic(mailbox: Mailbox, resume: object, lease: timedelta | float | N
     return seconds
 
 
+def elastic_options(mailbox: Mailbox, resume: bool | None, lease_s: float | None) -> ElasticOptions | None:
+    """The elastic options ``resume`` and ``lease_s`` ask for (None: the design note's queue).
+
+    ``resume=None`` keeps the resume bookkeeping wherever the store has ``replace_if``, so a
+    learner restarted under the same id takes its unfinished units back exactly.
+    """
+    if resume is None:
+        if supports_replace_if(mailbox):
+            return ElasticOptions(True, lease_s, automatic=True)
+        resume = False
+    if resume or lease_s is not None:
+        return ElasticOptions(resume, lease_s)
+    return None
+
+
 class _FreshClaimer(Claimer):
-    """The seed's ``Claimer``, writing elastic claim bodies and remembering each won token."""
+    """The seed's ``Claimer``, writing elastic claim bodies and each won unit's ``work/`` record.
+
+    Attempts may run on ``ClaimAhead``'s threads: each won token is kept by identifier, and the
+    work record is written before the unit is handed out, so a unit claimed ahead is already
+    this incarnation's for ``status`` and for a restart."""
 
     def __init__(self, *args: Any, incarnation: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.incarnation = incarnation
-        self.token: str | None = None
+        self.tokens: dict[str, str] = {}
 
     def attempt(self, pick: Pick) -> bool:
         won = try_claim(
@@ -266,7 +379,11 @@ class _FreshClaimer(Claimer):
             step=None,
         )
         if won:
-            self.token = pick.token  # claims run one at a time here (no ClaimAhead on the elastic path)
+            self.mailbox.put(
+                work_key(self.learner_id, pick.identifier),
+                WorkRecord.new(self.learner_id, pick.token, self.incarnation, None).to_bytes(),
+            )
+            self.tokens[pick.identifier] = pick.token
         return won
 
 
@@ -317,6 +434,8 @@ class ElasticClaimer:
         stopping: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        claim_ahead: int = 0,
+        gauge: BufferGauge | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.order = list(order)
@@ -335,6 +454,14 @@ class ElasticClaimer:
             crowd_limit=crowd_limit,
             incarnation=options.incarnation,
         )
+        # Fresh units claimed ahead on background threads (the automatic mode; ``resume=True``
+        # and ``lease=`` claim on demand): a claim's round trips then overlap loading.
+        self._ahead = ClaimAhead(
+            self._fresh,
+            limit=claim_ahead if options.automatic else 0,
+            gauge=gauge,
+            name=f"gradientmail-claim-{learner_id}",
+        )
         self._watch = LeaseWatch(options.lease_s, clock) if options.lease_s else None
         self._restore = dict(restore or {})
         self._own: list[str] | None = None if options.resume else []
@@ -346,6 +473,8 @@ class ElasticClaimer:
         self._awaited: list[str] = []  # units whose takeover the last scan found under way
         self._claims_seen: dict[tuple[str, Any], float] = {}  # (unit, token) -> first seen
         self._closed: set[tuple[str, str | None]] = set()  # (owner, incarnation) whose slots it closed
+        self._held_by: Counter[str] = Counter()  # owner -> unfinished units the last scan left to it
+        self._warned_held = False
         self.skipped = SkippedRecords(f"learner {learner_id!r}")
         """Unusable claims, work records and leases met (counted, warned once per kind and learner)."""
         self.stats: dict[str, int] = {"claims": 0, "takeovers": 0, "scans": 0}
@@ -383,7 +512,9 @@ class ElasticClaimer:
                 )
         while self._own:
             identifier = self._own.pop(0)
-            found = self._take(identifier, expect=self._own_earlier)
+            found = self._take(
+                identifier, expect=lambda claim, identifier=identifier: self._own_earlier(claim, identifier)
+            )
             if found is not None:
                 return found
         found = self._take_candidate()
@@ -395,18 +526,17 @@ class ElasticClaimer:
             if found is not None:
                 return found
         if self._fresh_left:
-            identifier = self._fresh.claim_next()
+            identifier = self._ahead.next()
             if identifier is not None:
                 self.stats["claims"] += 1
-                assert self._fresh.token is not None
-                token = self._fresh.token
-                self.mailbox.put(
-                    work_key(self.learner_id, identifier),
-                    WorkRecord.new(self.learner_id, token, self.options.incarnation, None).to_bytes(),
-                )
-                return Assignment(identifier, token)
+                return Assignment(identifier, self._fresh.tokens.pop(identifier))
             self._fresh_left = False
         return self._drain()
+
+    def close(self) -> None:
+        """Stop claiming ahead and wait for the claims in flight (units won stay claimed, with
+        their ``work/`` records: this learner's restart takes them back)."""
+        self._ahead.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _take(
@@ -445,7 +575,9 @@ class ElasticClaimer:
         rank = {identifier: position for position, identifier in enumerate(self.order)}
         return sorted((i for i in found if i in rank), key=rank.__getitem__)
 
-    def _own_earlier(self, claim: ClaimRecord) -> bool:
+    def _own_earlier(self, claim: ClaimRecord, identifier: str) -> bool:
+        if claim.learner == self.learner_id and claim.incarnation is None and claim.state != RELEASED:
+            raise untracked_claims_error(self.learner_id, identifier, describe(self.mailbox))
         return (
             claim.learner == self.learner_id and claim.incarnation != self.options.incarnation
         ) or claim.state == RELEASED
@@ -472,12 +604,36 @@ class ElasticClaimer:
             if found is not None:
                 return found
             if self._watch is None or not self._awaited:
-                return None  # every unit is done, this incarnation's, or held by a live node
+                self._warn_held()
+                return None  # every unit is done, this incarnation's, or held by another node
             rescan = self.clock() + self.await_rescan_s
             while self.clock() < rescan:
                 if self.stopping():
                     return None
                 self.sleep(min(POLL_S, max(0.0, rescan - self.clock())))
+
+    def _warn_held(self) -> None:
+        """Nothing is left for this node: say so when units are held unfinished by a learner that
+        is not live (stopped, or its presence record not renewed for three intervals): without a
+        lease nobody else may take them, so they are never trained unless that id comes back."""
+        if self._warned_held or not self._held_by:
+            return
+        self._warned_held = True
+        for owner, count in sorted(self._held_by.items()):
+            if owner == self.learner_id:
+                continue
+            why = _not_live(self.mailbox, owner)
+            if why is None:
+                continue
+            message = (
+                f"learner {self.learner_id!r} found nothing left to claim, but learner {owner!r} holds "
+                f"{count} unfinished unit(s) and {why}: without a lease no other learner may take them "
+                f"over, so their batches are not trained unless learner {owner!r} restarts (the same "
+                "learner_id, e.g. GRADIENTMAIL_LEARNER_ID, on any host) or the nodes run with lease=; "
+                "`gradientmail status` lists them"
+            )
+            log.warning("%s", message)
+            warnings.warn(message, UnfinishedUnitsWarning, stacklevel=2)
 
     @property
     def await_rescan_s(self) -> float:
@@ -497,6 +653,7 @@ class ElasticClaimer:
         leases: dict[str, _SeenLease] = {}
         self._awaited = []
         self._candidates = []
+        self._held_by = Counter()
         for identifier in self.order:
             if identifier not in claimed or identifier in done:
                 continue
@@ -538,9 +695,15 @@ class ElasticClaimer:
         if record.state == RELEASED:
             return TAKEABLE
         owner = record.learner
+        if record.incarnation is None:  # the design note's claim: how far it went is unknown
+            if self.options.resume and owner == self.learner_id:
+                raise untracked_claims_error(self.learner_id, identifier, describe(self.mailbox))
+            self._held_by[owner or "?"] += 1
+            return HELD
         if self.options.resume and owner == self.learner_id:
             return TAKEABLE  # our own unit of an earlier incarnation
         if self._watch is None or owner is None:
+            self._held_by[owner or "?"] += 1
             return HELD
         # The claim itself must also have stayed the same for a whole lease: a node that has
         # just taken a unit over renews its lease only once it consumes from it.
@@ -593,6 +756,26 @@ class _SeenLease:
     @property
     def data(self) -> bytes | None:
         return None if self.got is None else self.got[0]
+
+
+PRESENCE_MISSED = 3
+"""Renewal intervals a presence record may miss before its learner counts as not live here."""
+
+
+def _not_live(mailbox: Mailbox, learner: str) -> str | None:
+    """Why ``learner`` does not look live from its presence record, or None when it does."""
+    record = PresenceRecord.fetch(mailbox, learner_key(learner))
+    if record is None:
+        return "has no presence record (it never ran a queue here, or it is unreadable)"
+    if record.state == STOPPED:
+        return "left the run"
+    if process_gone(record):
+        return f"its process (pid {record.pid} on this machine) is gone"
+    renew_s = record.renew_s or RENEW_S
+    age = time.time() - record.time if record.time is not None else None
+    if age is not None and age > PRESENCE_MISSED * renew_s:
+        return f"was last seen {age:.0f} s ago (it renews every {renew_s:g} s: it may be dead)"
+    return None
 
 
 def _step_value(value: Any) -> int | None:

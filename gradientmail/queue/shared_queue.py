@@ -29,6 +29,7 @@ from gradientmail.queue.group import FollowerBatches, GroupUnit, LeaderBatches, 
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
+from gradientmail.queue.reclaim import warn_unclean, warn_unfinished
 from gradientmail.queue.telemetry import BatchWatch, ProgressDisplay, unit_times
 from gradientmail.session.group import GroupSync
 
@@ -100,7 +101,7 @@ def shared_queue(
     pin_memory: bool = False,
     multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
     shutdown_timeout: timedelta | float | None = None,
-    resume: bool = False,
+    resume: bool | None = None,
     lease: timedelta | float | None = None,
     claim_ahead: int = DEFAULT_CLAIM_AHEAD,
     progress: bool = False,
@@ -229,6 +230,11 @@ def shared_queue(
         renew_s=presence_renew_s(dataset.lease_s),
     )
     presence.start()  # DuplicateLearnerError before anything is claimed or recorded
+    if elastic is None:  # units an earlier run of this learner left are not taken back: say so
+        if dataset.marks_loading:
+            warn_unfinished(mailbox, dataset.learner_id, dataset.incarnation)
+        else:
+            warn_unclean(dataset.learner_id, presence.previous)
     watch = BatchWatch(unit_times(describe(mailbox), dataset.learner_id))
     display: ProgressDisplay | None = None
     began = time.monotonic()
@@ -243,7 +249,7 @@ def shared_queue(
             _mode(dataset),
             workers,
             prefetch,
-            dataset.claim_ahead if elastic is None else 0,
+            dataset.claim_ahead if elastic is None or (elastic.automatic and elastic.lease_s is None) else 0,
         )
         tracker: ProgressTracker | None = None
         if elastic is not None:
@@ -341,6 +347,14 @@ def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], N
                     "again, use a fresh prefix)"
                 )
             else:
+                if dataset.elastic.automatic and dataset.lease_s is None:
+                    why = (
+                        f"{run} is already taken or done (a unit left unfinished goes back only to "
+                        "its own learner_id; `gradientmail status` shows who holds what; to train "
+                        "these units again, use a fresh prefix)"
+                    )
+                    warnings.warn(f"shared_queue: 0 batches for learner {dataset.learner_id!r}: {why}", stacklevel=3)
+                    return
                 mine = "none of this learner's earlier units was left unfinished, and " if dataset.resume else ""
                 why = (
                     f"{mine}{run} is done or held by a live node: nothing is left for this node "
@@ -358,6 +372,8 @@ def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], N
 def _mode(dataset: SharedQueueDataset[Any]) -> str:
     if dataset.elastic is None:
         return "seed queue"
+    if dataset.elastic.automatic and dataset.lease_s is None:
+        return "resume (automatic)"
     parts = ["resume"] if dataset.resume else []
     return "+".join([*parts, *(["lease"] if dataset.lease_s is not None else [])])
 

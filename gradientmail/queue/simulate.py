@@ -336,6 +336,7 @@ def simulate(
         listing=listing,
         claim_index=index,
         prepared=True,
+        resume=False,  # the design note's claim protocol, which these figures measure
     )
     # Each node's start-up bill as its first next() would pay it (5 requests for the node that
     # creates run.json, 2 for the others); the unit set's fingerprint is computed once, by the

@@ -41,6 +41,8 @@ STATUS_KEYS = {
     "orphaned",
     # added by issue 12: records skipped as unusable, [] when none
     "unreadable",
+    # learner -> units claimed and not finished ({} when none)
+    "unfinished",
 }
 LEARNER_KEYS = {
     "learner",
@@ -61,6 +63,8 @@ LEARNER_KEYS = {
     "presence",
     "seen_alive",
     "may_be_dead",
+    # units claimed under it and not finished (0 when none)
+    "unfinished",
 }
 
 

@@ -75,7 +75,7 @@ class ElasticSpec:
     train: float = 0.0  # seconds per batch consumed
     workers: int = 1
     prefetch: int = 4
-    resume: bool = False
+    resume: bool | None = False  # None: shared_queue's default
     lease_s: float | None = None
     stop_after: int | None = None
     kill_after: int | None = None
@@ -106,7 +106,7 @@ def run_elastic_node(spec: ElasticSpec) -> None:
             prefetch=spec.prefetch,
             workers=spec.workers,
             order=spec.order,
-            resume=spec.resume,
+            **({} if spec.resume is None else {"resume": spec.resume}),  # None: the default
             lease=lease,
         ) as batches,
     ):

@@ -84,6 +84,7 @@ class NodeSpec:
     order: list[str] | None = None
     step_time: float = 0.0  # the training loop's time per batch (a sleep): the node's speed
     stop_after: int | None = None
+    resume: bool | None = None  # shared_queue's default when None
     barrier: Any = None
     names: dict[int, str] = field(default_factory=dict)
 
@@ -107,6 +108,7 @@ def run_node(spec: NodeSpec) -> None:
         prefetch=spec.prefetch,
         workers=spec.workers,
         order=spec.order,
+        **({} if spec.resume is None else {"resume": spec.resume}),
     ) as batches:
         for step, batch in batches:
             if spec.step_time:

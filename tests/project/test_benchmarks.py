@@ -115,7 +115,17 @@ FAULTS = [
     "faults_stopped",
     *(
         f"faults_{figure}_{kind}"
-        for kind in ("kill", "freeze", "clock", "hour_ahead", "hour_behind", "slow", "transient", "duplicate")
+        for kind in (
+            "kill",
+            "freeze",
+            "clock",
+            "hour_ahead",
+            "hour_behind",
+            "slow",
+            "transient",
+            "duplicate",
+            "restart",
+        )
         for figure in ("lost", "doubled")
     ),
 ]
@@ -241,7 +251,7 @@ def test_results_table_marks_targets() -> None:
 @pytest.mark.slow
 def test_quick_kill_trials_lose_no_sample_from_the_model() -> None:
     """One trial of each fault kind (benchmarks.faults: kill, freeze, clock, hour_ahead,
-    hour_behind, slow, transient, duplicate) on LocalMailbox: every sample of the dataset is in
+    hour_behind, slow, transient, duplicate, restart) on LocalMailbox: every sample of the dataset is in
     the run's state, no intruder admitted."""
     lines, figures = quick_run("faults")
     assert len(lines) >= 3, lines  # a table before the JSON line
@@ -249,7 +259,7 @@ def test_quick_kill_trials_lose_no_sample_from_the_model() -> None:
     assert not missing, f"faults does not report {missing}: {figures}"
     assert all(finite(figures[name]) for name in FAULTS), figures
     assert figures["faults_store"] == "local", figures
-    assert figures["faults_trials"] == 8, figures
+    assert figures["faults_trials"] == 9, figures
     assert figures["faults_errors"] == 0, figures
     assert figures["faults_lost"] == 0, figures
     assert figures["faults_samples_in_model"] >= figures["faults_samples_dataset"] > 0

@@ -81,7 +81,8 @@ def test_options_are_checked_and_stores_without_cas_refused(tmp_path):
         check_elastic(box, False, 30)
     with pytest.raises(UnsafeStoreError, match="resume=True"):
         check_elastic(box, True, None)
-    with pytest.raises(TypeError, match="resume must be a bool"):
+    assert check_elastic(box, None, None) is None  # automatic: the design note's queue on this store
+    with pytest.raises(TypeError, match="resume must be True, False or None"):
         check_elastic(LocalMailbox(tmp_path / "l"), "yes", None)
     with pytest.raises(ValueError, match="lease must be positive"):
         check_elastic(LocalMailbox(tmp_path / "l"), False, 0)

@@ -159,7 +159,7 @@ def _drain_claimer(mailbox, order, learner) -> None:
         pass
 
 
-def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
+def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
     """Same requests as the seed's claim protocol plus start-up and one count of the nodes near
     the end, and claims stay permanent."""
     monkeypatch.setattr("gradientmail.presence.RENEW_S", 3600.0)  # no renewal mid-test
@@ -172,6 +172,7 @@ def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_fact
         learner_id="node-0",
         load=RecordingLoad(str(mailbox_factory("local").path), "node-0"),
         workers=0,
+        resume=False,
     ) as batches:
         assert len(list(batches)) == 80
     reference = CountingMailbox(mailbox_factory("memory", "reference"))
@@ -186,11 +187,13 @@ def test_without_the_options_the_queue_is_the_seeds(memory_mailbox, mailbox_fact
     # A node that stops early keeps its claims: nobody else gets them.
     box = mailbox_factory("memory", "early")
     load = RecordingLoad(str(mailbox_factory("local").path), "x")
-    with shared_queue(units, mailbox=box, learner_id="node-0", load=load, workers=0, prefetch=1) as batches:
+    with shared_queue(
+        units, mailbox=box, learner_id="node-0", load=load, workers=0, prefetch=1, resume=False
+    ) as batches:
         next(batches)
     claimed = list(box.list(CLAIMS_PREFIX))
     assert all(b"released" not in box.get(key) for key in claimed)
-    with shared_queue(units, mailbox=box, learner_id="node-1", load=load, workers=0) as batches:
+    with shared_queue(units, mailbox=box, learner_id="node-1", load=load, workers=0, resume=False) as batches:
         seen = {int(batch[0]) for _, batch in batches}
     assert len(seen) == len(units) - len(claimed)
 
@@ -214,7 +217,7 @@ def test_state_dict_resumes_after_the_last_batch_yielded(memory_mailbox, tmp_pat
     """The torchdata Stateful protocol on the dataset itself, called as StatefulDataLoader would."""
     units = named_units(3, steps=5)
     load = RecordingLoad(str(tmp_path), "n")
-    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load)
+    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False)
     iterator = iter(dataset)
     got = [next(iterator) for _ in range(3)]
     assert [step for step, _ in got] == [0, 1, 2]
@@ -233,14 +236,14 @@ def test_stateful_dataloader_if_installed(memory_mailbox, tmp_path):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     units = named_units(2, steps=4)
     load = RecordingLoad(str(tmp_path), "n")
-    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load)
+    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False)
     loader = stateful.StatefulDataLoader(dataset, batch_size=None, num_workers=0)
     iterator = iter(loader)
     for _ in range(2):
         next(iterator)
     state = loader.state_dict()
     again = stateful.StatefulDataLoader(
-        SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load),
+        SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False),
         batch_size=None,
         num_workers=0,
     )

@@ -33,7 +33,9 @@ def test_a_queue_logs_its_start_each_claim_and_its_end(caplog):
     caplog.set_level(logging.DEBUG, logger="gradientmail")
     box = MemoryMailbox(f"logging-{os.getpid()}-{id(caplog)}")
     units = {f"u{i}": i for i in range(3)}
-    with shared_queue(units, mailbox=box, learner_id="node-L", load=load_two, workers=0, claim_ahead=0) as batches:
+    with shared_queue(
+        units, mailbox=box, learner_id="node-L", load=load_two, workers=0, claim_ahead=0, resume=False
+    ) as batches:
         taken = [step for step, _ in batches]
     assert sorted(taken) == list(range(6))
 

@@ -200,8 +200,8 @@ def test_prefetch_bounds_batches_in_flight_and_claims(local_mailbox, workers, pr
     # DataLoader's prefetch_factor is per worker: prefetch=5 over 2 workers buffers 2 x 2.
     bound = prefetch // workers * workers if workers else prefetch
     consumed = 0
-    with shared_queue(
-        units, mailbox=local_mailbox, learner_id="p", load=load, prefetch=prefetch, workers=workers
+    with shared_queue(  # the design note's queue: the elastic one's buffer holds end markers too
+        units, mailbox=local_mailbox, learner_id="p", load=load, prefetch=prefetch, workers=workers, resume=False
     ) as batches:
         for _ in range(3):
             # The buffer fills to exactly `prefetch`...
@@ -609,7 +609,9 @@ def test_every_node_probes_a_store_that_ignores_conditions_and_is_refused():
         mailbox.put(RUN_KEY, b"{}")  # as if an earlier node had created it
         for learner in ("a", "b", "c"):
             counted = CountingMailbox(mailbox)
-            dataset = SharedQueueDataset(named_units(3), mailbox=counted, learner_id=learner, load=load_item)
+            dataset = SharedQueueDataset(
+                named_units(3), mailbox=counted, learner_id=learner, load=load_item, resume=False
+            )
             with pytest.raises(UnsafeStoreError, match="second put_if_absent"):
                 list(dataset)
             assert counted.counts["put_if_absent"] == 3, "run.json 'created' again, so the full probe ran"

@@ -337,6 +337,7 @@ def test_each_claim_costs_less_than_three_requests_in_a_round_of_nodes(box):
                 learner_id=f"node-{rank}",
                 load=_two_batches,
                 order=rotated_order(units, rank, nodes),
+                resume=False,  # the design note's claim protocol: what this test counts
             )
         )
         for rank in range(nodes)
@@ -446,7 +447,14 @@ def test_dataset_takes_listing_claim_index_and_prepared(box):
     counting = CountingMailbox(box)
     index = ClaimIndex(units)
     dataset = SharedQueueDataset(
-        units, mailbox=counting, learner_id="a", load=_two_batches, listing="never", claim_index=index, prepared=True
+        units,
+        mailbox=counting,
+        learner_id="a",
+        load=_two_batches,
+        listing="never",
+        claim_index=index,
+        prepared=True,
+        resume=False,
     )
     assert len(list(dataset)) == len(units)
     assert box.get(RUN_KEY) is None  # prepared: the caller ran prepare_mailbox, iterating skips it

@@ -79,7 +79,7 @@ def test_handoff_thread_runs_while_iterating_and_is_gone_after(local_mailbox, wo
     threads_before = set(threading.enumerate())
     units = named_units(12, steps=2)
     with shared_queue(
-        units, mailbox=local_mailbox, learner_id="h", load=load_item, prefetch=prefetch, workers=workers
+        units, mailbox=local_mailbox, learner_id="h", load=load_item, prefetch=prefetch, workers=workers, resume=False
     ) as batches:
         [thread] = _handoff_threads("h")
         assert thread.daemon
@@ -101,6 +101,7 @@ def test_a_worker_with_one_place_keeps_the_direct_path(local_mailbox, workers, p
         load=load_item,
         prefetch=prefetch,
         workers=workers,
+        resume=False,
     ) as batches:
         assert batches.handoff is None and _handoff_threads("d") == []
         got = sorted((int(t[0]), step) for step, t in batches)
@@ -117,7 +118,13 @@ def test_at_most_prefetch_batches_buffered_in_all(local_mailbox, workers, prefet
     fill = prefetch // workers * workers  # DataLoader's places are per worker
     consumed = 0
     with shared_queue(
-        named_units(60), mailbox=local_mailbox, learner_id="b", load=load, prefetch=prefetch, workers=workers
+        named_units(60),
+        mailbox=local_mailbox,
+        learner_id="b",
+        load=load,
+        prefetch=prefetch,
+        workers=workers,
+        resume=False,
     ) as batches:
         for _ in range(3):
             # The loop stalls. The buffer fills, and then the hand-off has every place taken,
@@ -141,7 +148,7 @@ def test_error_after_the_batches_buffered_before_it(local_mailbox, workers, pref
     got = []
     with pytest.raises(ValueError, match=f"boom in unit 0000{bad}") as caught:
         with shared_queue(
-            units, mailbox=local_mailbox, learner_id="e", load=load, prefetch=prefetch, workers=workers
+            units, mailbox=local_mailbox, learner_id="e", load=load, prefetch=prefetch, workers=workers, resume=False
         ) as batches:
             # The failing batch is within what its worker produces ahead of the loop: the
             # error is buffered behind the batches before it when the loop starts.
@@ -169,7 +176,13 @@ def test_leaving_while_the_handoff_waits_for_room(local_mailbox, how):
     error = {"exception": Stop, "keyboard-interrupt": KeyboardInterrupt}.get(how)
     with contextlib.suppress(Stop, KeyboardInterrupt):
         with shared_queue(
-            named_units(100, steps=2), mailbox=local_mailbox, learner_id="r", load=load, prefetch=4, workers=1
+            named_units(100, steps=2),
+            mailbox=local_mailbox,
+            learner_id="r",
+            load=load,
+            prefetch=4,
+            workers=1,
+            resume=False,
         ) as batches:
             next(batches)
             wait_until(lambda: load.produced.value >= 1 + 4)
@@ -189,7 +202,13 @@ def test_leaving_waits_for_a_blocked_worker(local_mailbox, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing is given up on
         with shared_queue(
-            named_units(4, steps=2), mailbox=local_mailbox, learner_id="w", load=load, prefetch=4, workers=1
+            named_units(4, steps=2),
+            mailbox=local_mailbox,
+            learner_id="w",
+            load=load,
+            prefetch=4,
+            workers=1,
+            resume=False,
         ) as batches:
             next(batches)
             assert load.blocked()
@@ -220,6 +239,7 @@ def test_shutdown_timeout_gives_up_on_a_blocked_worker(local_mailbox, tmp_path):
             prefetch=4,
             workers=1,
             shutdown_timeout=0.2,
+            resume=False,
         ) as batches:
             next(batches)
             assert load.blocked()
@@ -241,6 +261,7 @@ def test_pin_memory(local_mailbox):
             prefetch=4,
             workers=2,
             pin_memory=True,
+            resume=False,
         ) as batches:
             got = sorted((int(t[0]), step) for step, t in batches)
     assert got == [(i, s) for i in range(8) for s in range(2)]

@@ -49,6 +49,7 @@ def reference(units, unit_times, *, rotate_lanes, shape, listing, jitter, seed, 
             load=load,
             listing=listing,
             order=None if rotate_lanes is None else rotated_order(units, rank, rotate_lanes, **shape),
+            resume=False,
         )
         for rank in range(nodes)
     ]

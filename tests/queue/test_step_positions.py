@@ -86,12 +86,12 @@ def test_resume_takes_back_a_dead_incarnations_unit_by_position(memory_mailbox):
 def test_state_dict_continues_by_position(memory_mailbox):
     units = named_units(2)
     load = LabelledLoad((7,) * 5)
-    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load)
+    dataset = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False)
     iterator = iter(dataset)
     for _ in range(2):
         next(iterator)
     state = dataset.state_dict()
-    restored = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load)
+    restored = SharedQueueDataset(units, mailbox=memory_mailbox, learner_id="node-0", load=load, resume=False)
     restored.load_state_dict(state)
     rest = [(int(batch[0]), int(batch[1]), step) for step, batch in restored]
     assert rest == [(0, p, 7) for p in range(2, 5)] + [(1, p, 7) for p in range(5)]
