@@ -49,7 +49,7 @@ from gradientmail.session.options import (
 )
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
 from gradientmail.session.queue_guard import QueueGuard
-from gradientmail.session.shards import NoPresence, ShardSync, shard_layout, shard_plan
+from gradientmail.session.shards import NoPresence, PendingShardStep, ShardProgress, ShardSync, shard_layout, shard_plan
 
 LATEST_JOIN = 10**13 - 0.001
 """A joining time (unix seconds) with as many digits as any this code will see: the longest member key."""
@@ -211,7 +211,8 @@ class Session:
         self._registers = self._group is None or self._group.leads  # presence, member, progress, queue
         # A follower of a replicated (DDP) group never talks to the store: its rank 0 exchanges for it.
         self._follows = self._group is not None and self._layout is None and not self._group.leads
-        self._pending: PendingStep | None = None  # the group's word of the last step, in flight
+        self._pending: PendingStep | PendingShardStep | None = None  # the group's word of the last step, in flight
+        self._shard_progress: ShardProgress | None = None  # a sharded group's: how far every shard holds its steps
         self._announced: Job | None = None  # the exchange that word told the group to apply
 
     # -- read-only state -------------------------------------------------------------------
@@ -313,6 +314,9 @@ class Session:
             raise SessionError(f"another rank of the group of learner {self.learner_id!r} failed to join the run")
         self._steps, self._samples = sync.least(self._steps, self._samples)
         self._samples_at_enter = self._samples
+        assert self._group is not None and self._plan is not None and self._guard.link is not None
+        mark, units = self._guard.link.snapshot()
+        self._shard_progress = ShardProgress(self._group, len(self._plan), self._steps, mark, tuple(units.values()))
         return self
 
     def _join(self) -> Session:
@@ -533,10 +537,18 @@ class Session:
         Each rank of a sharded group exchanges its own shard on its own schedule, as fragments
         of one model are; the ranks need to agree only on the learner's sample count, a sum
         that runs beside the next step's training (``session.group``)."""
-        assert self._group is not None
-        if self._pending is not None:
-            self._count(self._pending)
-        self._pending = self._group.start(samples, NOTHING, (), 0)
+        progress = self._shard_progress
+        assert progress is not None and self._plan is not None
+        pending = self._pending
+        if pending is not None:
+            self._count(pending)
+        link = self._guard.link
+        if self._registers and link is not None:
+            if isinstance(pending, PendingShardStep):
+                progress.read(pending)
+            mark, units = link.snapshot()
+            progress.stepped(self._steps, mark, tuple(units.values()))
+        self._pending = progress.start(samples)
 
     def _group_step(self, samples: int) -> None:
         """``step()`` in a group: read the previous step's word, start this one's.
@@ -566,7 +578,7 @@ class Session:
             self._count(self._pending)  # the fold records the group's samples to this step
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
-    def _count(self, pending: PendingStep) -> StepWord:
+    def _count(self, pending: PendingStep | PendingShardStep) -> StepWord:
         word = pending.word()
         if not pending.counted:
             pending.counted = True
@@ -654,7 +666,7 @@ class Session:
         job, self._job = self._job, None
         if job is not None:
             self._wait(job, "the exchange in flight", apply=True)
-        now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False))
+        now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False, current=True))
         self._wait(now, "folding the progress of the queue's last batches", apply=True)
 
     def _due_fragments(self) -> list[int]:
@@ -688,11 +700,17 @@ class Session:
             "finished": finished,
         }
 
-    def _exchange_job_for_now(self, indices: range | list[int], *, final: bool) -> Callable[[], list[Merge]]:
+    def _exchange_job_for_now(
+        self, indices: range | list[int], *, final: bool, current: bool = False
+    ) -> Callable[[], list[Merge]]:
+        """The job folding ``indices`` now; ``current``: rank 0 of a sharded group claims every
+        batch so far (the queue closing: the other ranks' next folds hold them all)."""
         plan, model, exchanger = self._plan, self.model, self._exchanger
         snapshots = [(i, plan.fragments[i].snapshot_into(self._buffers[i], model)) for i in indices]
-        guard, presence = self._guard, self._presence
+        guard, presence, shards = self._guard, self._presence, self._shard_progress
         mark, units, since = guard.snapshot()  # the batches it holds; where, in unwritten units
+        if shards is not None and self._registers and not (final or current):
+            mark, units = shards.safe(self._steps, mark, units)  # no more than every shard holds
         link = guard.link
         assert link is not None
         taken = time.monotonic()  # who counts in N is judged on this clock (members.SignsOfLife)
@@ -709,6 +727,8 @@ class Session:
                 merge = exchanger.exchange(i, snapshot, totals, final, taken, inline, marks)
                 with self._landed_lock:  # applied at the next step even if a later write fails
                     self._landed.append(merge)
+                if shards is not None:
+                    shards.landed(i, totals[0])
                 link.landed(i, mark)
             if final:
                 exchanger.leave()

@@ -36,8 +36,18 @@ from gradientmail.session.fragments import (
     float_state,
     plain_module,
 )
+from gradientmail.session.group import NOTHING, GroupSync, StepWord
 
-__all__ = ["NoPresence", "ShardLayout", "ShardSync", "plan_for_run", "shard_layout", "shard_plan"]
+__all__ = [
+    "NoPresence",
+    "PendingShardStep",
+    "ShardLayout",
+    "ShardProgress",
+    "ShardSync",
+    "plan_for_run",
+    "shard_layout",
+    "shard_plan",
+]
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -187,6 +197,88 @@ class ShardSync:
     def all_ok(self, ok: bool) -> bool:
         """Whether every rank passed True (a rank that failed passes False, then raises)."""
         return bool(self.least(int(ok))[0])
+
+
+class PendingShardStep:
+    """One step's sum in flight, ``[samples, then each rank's held step in a slot of its own]``;
+    ``word()`` waits for it (once) and reads it."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self._work = work
+        self._tensor = tensor
+        self._word: StepWord | None = None
+        self.held: tuple[int, ...] = ()
+        """Each rank's held step (``ShardProgress``), once read."""
+        self.counted = False
+        """Its samples are in the Session's count (the word is read more than once at most)."""
+
+    def word(self) -> StepWord:
+        if self._word is None:
+            self._work.wait()
+            summed = self._tensor.tolist()
+            self.held = tuple(summed[1:])
+            self._word = StepWord(summed[0], NOTHING, ())
+        return self._word
+
+
+class ShardProgress:
+    """How far every rank's shard holds the group's steps, so that rank 0's folds never claim more.
+
+    Rank 0's folds carry the queue's unit marks (where each unit stands), from which a restarted
+    group continues its units; the other ranks fold on their own schedules. Every rank notes the
+    step at which each of its fragments' landed folds was snapshotted; its *held* step is the
+    smallest. The per-step sum carries each rank's held step in a slot of its own, so rank 0
+    learns, one step later and without waiting, how far every shard holds the group's batches,
+    and its folds carry the marks of that step (or of their own, if earlier): a restarted group
+    never skips a batch that some shard does not hold. What it retrains, a shard that held it
+    holds twice (at most the lag of the slowest shard's folds, about one exchange interval).
+
+    Args:
+        group: the sharded group's ``GroupSync`` (the per-step collective).
+        fragments: how many fragments this rank's shard is cut into.
+        step: the group's step count on entering (every shard holds the run up to it).
+        mark: rank 0's queue position then (its ``FoldGate`` mark), ``units`` its unit marks.
+    """
+
+    def __init__(self, group: GroupSync, fragments: int, step: int, mark: int, units: tuple[Any, ...]) -> None:
+        import torch.distributed as dist  # only a group needs it
+
+        self._dist = dist
+        self.group = group
+        self.rank, self.size = group.rank, group.size
+        self._held = [step] * fragments  # per own fragment: its newest landed snapshot's step
+        self._at: dict[int, tuple[int, tuple[Any, ...]]] = {step: (mark, units)}  # rank 0: step -> marks
+        self.reported = [step] * self.size  # rank 0: each rank's held step, as last read
+
+    def landed(self, position: int, step: int) -> None:
+        """A fold of own fragment ``position``, snapshotted at ``step``, landed (exchange thread)."""
+        self._held[position] = max(self._held[position], step)
+
+    def start(self, samples: int) -> PendingShardStep:
+        """Start one step's sum: this rank's samples and held step (it runs beside the next step)."""
+        words = [samples] + [0] * self.size
+        words[1 + self.rank] = min(self._held)
+        tensor = torch.tensor(words, dtype=torch.int64, device=self.group.device)
+        work = self._dist.all_reduce(tensor, group=self.group.group, async_op=True)
+        return PendingShardStep(work, tensor)
+
+    def stepped(self, step: int, mark: int, units: tuple[Any, ...]) -> None:
+        """Rank 0: its queue position and unit marks at ``step`` (after that step's batch)."""
+        self._at[step] = (mark, units)
+
+    def read(self, pending: PendingShardStep) -> None:
+        """Rank 0: note every rank's held step from a sum already read."""
+        for rank, step in enumerate(pending.held):
+            self.reported[rank] = max(self.reported[rank], step)
+        lowest = min(self.reported[1:], default=0)
+        for step in [s for s in self._at if s < lowest]:
+            del self._at[step]
+
+    def safe(self, step: int, mark: int, units: tuple[Any, ...]) -> tuple[int, tuple[Any, ...]]:
+        """Rank 0: the marks a fold snapshotted at ``step`` (now: ``mark``, ``units``) may carry:
+        those of the latest step every other rank's shard holds, if earlier."""
+        held = min([step, *self.reported[1:]])
+        return self._at.get(held, (mark, units)) if held < step else (mark, units)
 
 
 class NoPresence:

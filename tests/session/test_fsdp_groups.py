@@ -5,8 +5,8 @@ every step of every unit is trained by exactly one group; each rank reads and wr
 fragments of its own shard; the run counts each group once, with the samples of all its ranks;
 the run's model, loaded into a plain model or shard by shard, is its base plus every step that
 any group trained (each step adds 1 to every parameter). A rank killed mid-run stops its group,
-which restarts with ``resume=``: rank 0's shard holds every step once, the other shard is within
-one exchange interval (the documented bound).
+which restarts with ``resume=``: no shard misses a step, and a shard holds at most about one
+exchange interval of the group's steps twice (the documented bound).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elas
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_rank_stops_its_group_which_restarts_with_nothing_lost_in_rank_0s_shard(tmp_path):
+def test_a_killed_rank_stops_its_group_which_restarts_with_nothing_lost(tmp_path):
     import fsdp_nodes as nodes
 
     def config(group: int, rank: int, port: int, out: str, **extra) -> dict:
@@ -206,11 +206,11 @@ def test_a_killed_rank_stops_its_group_which_restarts_with_nothing_lost_in_rank_
     total = nodes.UNITS * nodes.UNIT_STEPS
     for name, tensor in plain.state_dict().items():
         gained = tensor - base.state_dict()[name]
-        rows = -(-len(tensor) // SIZE)
-        # Rank 0's shard: every step exactly once (its folds are what the queue follows).
-        torch.testing.assert_close(gained[:rows], torch.full_like(gained[:rows], total), rtol=0, atol=1e-4)
-        # Rank 1's shard: within the bound, one exchange interval (every_steps=2) either way.
-        assert (gained[rows:] - total).abs().max() <= 2 + 1e-4 if len(gained[rows:]) else True
+        # Nothing lost in any shard: a restarted group continues after what every shard holds.
+        # What it trains again, a shard that held it holds twice: at most about an exchange
+        # interval (every_steps=2) of the group's steps, and the word's step of lag.
+        assert float((gained - total).min()) >= -1e-4, name
+        assert float((gained - total).max()) <= 2 * 2 + 1 + 1e-4, name
 
 
 def test_a_sharded_run_refuses_a_plain_learner(tmp_path):
