@@ -11,8 +11,9 @@ refused rather than mixing two cuts. The same cut is computed from any model's s
 ``consensus`` loads a sharded run into a plain model, or each rank's shard into a sharded one.
 
 The ranks of a group stay one learner: rank 0 alone registers it (member key, presence,
-progress record, the queue's records); every rank folds its fragments under the group's
-learner id with the group's sample count (summed by the per-step word of ``session.group``).
+progress record) and runs the queue; every rank folds its fragments under the group's learner
+id with the group's sample count, summed at each step beside the training (``ShardProgress``),
+a sum that also tells rank 0 how far every shard holds the group's batches.
 """
 
 from __future__ import annotations
