@@ -5,8 +5,8 @@ one: each folds its progress (``/ N``) into the run's state in the mailbox, in t
 The rule, costs, failure handling and trust model: ``docs/session.md``.
 
 Modules: ``core`` (``Session``, the training-thread side), ``exchange`` (its background thread),
-``fragments`` (how the state is cut), ``chain`` (one fragment on the store: versions and pending
-contributions), ``members`` (who counts in ``N``), ``overlap`` (requests in parallel), ``mail``
+``fragments`` (how the state is cut), ``shards`` (cut along FSDP2's shards), ``chain`` (one
+fragment on the store: versions and pending contributions), ``members`` (who counts in ``N``), ``overlap`` (requests in parallel), ``mail``
 (the bytes and keys), ``outer`` (how progress becomes a contribution),
 ``merge`` (``consensus``).
 

@@ -24,7 +24,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -82,9 +82,16 @@ READ_ATTEMPTS = 20
 """Listings a reader makes before concluding that something deletes the run's state."""
 
 
-def run_fragments(mailbox: Mailbox) -> int | None:
-    """How many fragments the run's state is cut into, from fragment 0's newest version header
-    (None: the run has no state yet)."""
+class RunCut(NamedTuple):
+    """How the run's state is cut: into ``shards`` shards (``session.shards``), ``fragments`` in all."""
+
+    fragments: int
+    shards: int
+
+
+def run_cut(mailbox: Mailbox) -> RunCut | None:
+    """How the run's state is cut, from fragment 0's newest version header (None: the run has
+    no state yet)."""
     versions = FragmentChain(mailbox, 0, 1, {}).list_versions()
     for version in reversed(versions[-MAX_WALK_BACK - 1 :]):
         key = state_key(version, 0)
@@ -92,11 +99,18 @@ def run_fragments(mailbox: Mailbox) -> int | None:
         if data is None or data == TOMBSTONE:
             continue
         try:
-            return StateHeader.from_metadata(metadata_of(data, key), key=key).fragments
+            header = StateHeader.from_metadata(metadata_of(data, key), key=key)
         except UnusableStateError:
             continue  # reported by the reader that walks the same versions
+        return RunCut(header.fragments, header.shards)
     # No readable header: one fragment, whose reader then says what is wrong with the versions.
-    return 1 if versions else None
+    return RunCut(1, 1) if versions else None
+
+
+def run_fragments(mailbox: Mailbox) -> int | None:
+    """How many fragments the run's state is cut into (None: the run has no state yet)."""
+    found = run_cut(mailbox)
+    return None if found is None else found.fragments
 
 
 # -- one fragment -------------------------------------------------------------------------------------
@@ -167,6 +181,8 @@ class FragmentChain:
         spec: what its versions and contributions hold (dtype None: any floating dtype; None:
             any tensors, for a reader that wants the headers and has no model).
         wire_dtype: the dtype written versions and contributions are stored in (None: as summed).
+        shards: how many shards the state is cut into first (checked in every header; None:
+            any, for a reader of headers).
     """
 
     def __init__(
@@ -177,10 +193,12 @@ class FragmentChain:
         spec: Spec | None,
         *,
         wire_dtype: torch.dtype | None = None,
+        shards: int | None = 1,
     ) -> None:
         self.mailbox = mailbox
         self.index = index
         self.count = count
+        self.shards = shards
         self.spec = spec
         self.wire_dtype = wire_dtype
         # Retiring only what a download proved superseded (see ``_clean_up``):
@@ -221,7 +239,7 @@ class FragmentChain:
         data = self.mailbox.get(key)
         if data is None or data == TOMBSTONE:
             return None
-        state = decode(data, key=key, spec=self.spec, fragment=(self.index, self.count))
+        state = decode(data, key=key, spec=self.spec, fragment=(self.index, self.count, self.shards))
         if state.header.version != version:
             raise UnusableStateError(f"state {key!r} says it is version {state.header.version}")
         return state
@@ -262,7 +280,7 @@ class FragmentChain:
         if data is None:
             return None
         try:
-            return decode_pending(data, key=key, spec=self.spec, fragment=(self.index, self.count))
+            return decode_pending(data, key=key, spec=self.spec, fragment=(self.index, self.count, self.shards))
         except UnusableStateError as error:
             return error
 
@@ -367,7 +385,9 @@ class FragmentChain:
     # -- writing ---------------------------------------------------------------------------------
     def create_base(self, tensors: Mapping[str, Tensor], me: str) -> State:
         """Version 0: this learner's tensors if it is first, else the winner's."""
-        header = StateHeader(version=0, learner=me, time=time.time(), fragment=self.index, fragments=self.count)
+        header = StateHeader(
+            version=0, learner=me, time=time.time(), fragment=self.index, fragments=self.count, shards=self.shards or 1
+        )
         key = state_key(0, self.index)
         spec = self.spec or {}  # a writer always has a spec
         stored = {name: tensor.to(spec[name][1] or tensor.dtype) for name, tensor in tensors.items()}
@@ -421,6 +441,7 @@ class FragmentChain:
             learners=learners,
             fragment=self.index,
             fragments=self.count,
+            shards=self.shards or 1,
         )
         key = state_key(header.version, self.index)
         stored = {name: to_wire(value, self.wire_dtype) for name, value in summed.items()}
@@ -443,7 +464,9 @@ class FragmentChain:
         # a peer that judged it dead closed the slot: ``mail.ClosedSlot``).
         wire = {name: to_wire(value, self.wire_dtype) for name, value in contribution.items()}
         for _ in range(CLOSED_SLOT_ATTEMPTS):
-            pending = PendingHeader(learner=me, contribution=entry, fragment=self.index, fragments=self.count)
+            pending = PendingHeader(
+                learner=me, contribution=entry, fragment=self.index, fragments=self.count, shards=self.shards or 1
+            )
             own = pending_key(self.index, me, entry.seq)
             data = encode(wire, pending)
             if before_create is not None:  # again: the process may have been frozen inside the create

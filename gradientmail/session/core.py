@@ -49,6 +49,7 @@ from gradientmail.session.options import (
 )
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
 from gradientmail.session.queue_guard import QueueGuard
+from gradientmail.session.shards import NoPresence, PendingShardStep, ShardProgress, ShardSync, shard_layout, shard_plan
 
 LATEST_JOIN = 10**13 - 0.001
 """A joining time (unix seconds) with as many digits as any this code will see: the longest member key."""
@@ -79,11 +80,14 @@ class Session:
         outer: ``"delayed_nesterov"`` (default), ``"average"`` or an ``OuterOptimizer``.
         wire_dtype: ``None`` (float32 state) or ``torch.bfloat16`` (half the bytes).
         fragments: how many fragments the state is cut into (``None``: one per 64 KiB of
-            float32 state, at most 16); every node of a run must use the same.
+            float32 state, at most 16); every node of a run must use the same. Of a sharded
+            model: how many each rank's shard is cut into.
         group: a ``torch.distributed`` process group whose ranks train this model in lockstep
             (DDP): they are one learner (rank 0's ``learner_id``), its rank 0 alone talks to the
             store, and every rank applies each exchange at the same ``step()``. Every rank
             enters, steps, waits and leaves together (``docs/session.md``, Multi-GPU machines).
+            A model sharded over the group with FSDP2 (``fully_shard``): every rank exchanges
+            its own shard, and no rank ever gathers the whole model.
 
     The ``ENV_*`` environment variables override the matching arguments when set.
 
@@ -176,7 +180,7 @@ class Session:
         self._merges = 0
         self._job: Job | None = None
         self._guard = QueueGuard(FoldGate(), learner_id)  # to this learner's queue, once entered
-        self._presence: PresenceShare | None = None  # this process's registration of the learner, once entered
+        self._presence: PresenceShare | NoPresence | None = None  # this process registers the learner, once entered
         self._stuck = False
         self._due_step: float = math.inf
         self._due_time: float = math.inf
@@ -195,8 +199,20 @@ class Session:
             max_staleness_s=self._max_staleness_s,
         )
         self._group = None if group is None else GroupSync(group)
-        self._follows = self._group is not None and not self._group.leads  # never talks to the store
-        self._pending: PendingStep | None = None  # the group's word of the last step, in flight
+        self._layout = shard_layout(model)  # sharded (FSDP2): every rank exchanges its own shard
+        if self._layout is not None and (
+            self._group is None or (self._layout.rank, self._layout.shards) != (self._group.rank, self._group.size)
+        ):
+            raise ValueError(
+                "a model sharded with FSDP2 needs group= set to the process group it is sharded over "
+                "(the ranks of its device mesh, in the same order)"
+            )
+        self._shard_sync = None if self._layout is None else ShardSync(group)
+        self._registers = self._group is None or self._group.leads  # presence, member, progress, queue
+        # A follower of a replicated (DDP) group never talks to the store: its rank 0 exchanges for it.
+        self._follows = self._group is not None and self._layout is None and not self._group.leads
+        self._pending: PendingStep | PendingShardStep | None = None  # the group's word of the last step, in flight
+        self._shard_progress: ShardProgress | None = None  # a sharded group's: how far every shard holds its steps
         self._announced: Job | None = None  # the exchange that word told the group to apply
         self._held: BaseException | None = None  # rank 0's error that word told every rank to raise
 
@@ -264,6 +280,8 @@ class Session:
         if group is None:
             return self._join()
         self.learner_id = group.agree(self.learner_id)
+        if self._shard_sync is not None:
+            return self._join_shard(self._shard_sync)
         if self._follows:
             self._plan = FragmentPlan.of(self.model, self._fragments_asked)
             joined, self._steps, self._samples = group.announce([0, 0, 0])
@@ -281,18 +299,44 @@ class Session:
         group.share(self.model, self._plan.fragments)
         return self
 
+    def _join_shard(self, sync: ShardSync) -> Session:
+        """Enter for one rank of a sharded group: each joins with its own shard, then all agree.
+
+        A restarted group continues from the totals that every fragment of every shard holds
+        (the smallest), as ``consensus`` counts them.
+        """
+        try:
+            self._join()
+        except BaseException:
+            sync.all_ok(False)
+            raise
+        if not sync.all_ok(True):
+            self._leave(SessionError, SessionError("another rank failed to join"), None)
+            raise SessionError(f"another rank of the group of learner {self.learner_id!r} failed to join the run")
+        self._steps, self._samples = sync.least(self._steps, self._samples)
+        self._samples_at_enter = self._samples
+        assert self._group is not None and self._plan is not None and self._guard.link is not None
+        mark, units = self._guard.link.snapshot()
+        self._shard_progress = ShardProgress(self._group, len(self._plan), self._steps, mark, tuple(units.values()))
+        return self
+
     def _join(self) -> Session:
         entries = float_state(self.model)
         if not entries:
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
-        plan = self._plan = FragmentPlan.of(self.model, self._fragments_asked)
+        if self._layout is None:
+            plan = self._plan = FragmentPlan.of(self.model, self._fragments_asked)
+        else:
+            plan = self._plan = shard_plan(self.model, self._layout, self._fragments_asked)
         self._buffers = [{} for _ in plan.fragments]
         initial = {name: t.detach().to("cpu", accumulation_dtype(t.dtype), copy=True) for name, t in entries.items()}
         exchanger = self._exchanger
         # One live process per learner id: a second one is refused here, before it reads or
         # writes anything of the run (shared with this learner's queue in this process).
-        presence = self._presence = PresenceShare(self.mailbox, self.learner_id, SESSION)
+        registers = self._registers
+        presence = self._presence = PresenceShare(self.mailbox, self.learner_id, SESSION) if registers else NoPresence()
         presence.start()
+        exchanger.registers = registers
         try:
             self._worker = Worker(f"gradientmail-session-{self.learner_id}")
         except BaseException:
@@ -310,14 +354,17 @@ class Session:
                 self._samples = own.samples
             self._samples_at_enter = self._samples
             # A first progress record: `gradientmail status` lists this learner from the start.
-            progress = self._progress(finished=False)
-            self._wait(self._worker.submit(lambda: exchanger.put_progress(progress)), "writing progress")
+            if registers:
+                progress = self._progress(finished=False)
+                self._wait(self._worker.submit(lambda: exchanger.put_progress(progress)), "writing progress")
         except BaseException:
             self._worker.close(0)
             presence.close()
             raise
         # The queue of this learner in this process records a batch as done once folded.
-        self._guard = QueueGuard(gate_for(describe(self.mailbox), self.learner_id), self.learner_id)
+        # (Another rank of a sharded group has no queue: a gate of its own, never shared.)
+        gate = gate_for(describe(self.mailbox), self.learner_id) if registers else FoldGate()
+        self._guard = QueueGuard(gate, self.learner_id)
         self._guard.attach(self._fold_now, len(plan), self._wait_for_fold, exchanger.joined_marks)
         self._marks.earlier = exchanger.joined_marks_object
         exchanger.before_create = self._guard.before_write
@@ -334,6 +381,8 @@ class Session:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         group = self._group
+        if self._shard_sync is not None:
+            return self._leave_shard(self._shard_sync, exc_type, exc, tb)
         if self._follows and self._state == "active":
             self._state = "closed"
             if exc is not None:
@@ -361,6 +410,24 @@ class Session:
             group.announce([int(left)])
             if left:  # every rank ends on the model of the final fold
                 group.share(self.model, self._plan.fragments)
+        return False
+
+    def _leave_shard(self, sync: ShardSync, exc_type, exc, tb) -> bool:
+        """Leave for one rank of a sharded group: each folds its own shard a last time, then all
+        agree that every rank did (after an exception, no collective: the ranks may not all be here)."""
+        if exc is not None or self._state != "active":
+            return self._leave(exc_type, exc, tb)
+        left = False
+        try:
+            if self._pending is not None:  # the last step's word: its samples count in the final fold
+                self._count(self._pending)
+                self._pending = None
+            self._leave(None, None, None)
+            left = True
+        finally:
+            everyone = sync.all_ok(left)
+        if not everyone:
+            raise SessionError(f"another rank of the group of learner {self.learner_id!r} failed to leave the run")
         return False
 
     def _leave(self, exc_type, exc, tb) -> bool:
@@ -413,7 +480,7 @@ class Session:
                 if not self._stuck:  # leave the member list, so peers stop counting this node
                     self._worker.submit(self._exchanger.leave).done.wait(self._timeout_s)
         finally:
-            if folded_all and self._guard.link is not None and not self._guard.link.snapshot()[1]:
+            if folded_all and self._registers and self._guard.link is not None and not self._guard.link.snapshot()[1]:
                 # Every record is written (the queue has left): no marks object is needed any more.
                 self._worker.submit(self._marks.clear).done.wait(self._timeout_s)
             # After the final fold every batch delivered is in the run; after a failure nothing
@@ -443,10 +510,13 @@ class Session:
         if samples < 0:
             raise ValueError(f"samples must be >= 0, not {samples}")
         self._steps += 1
-        if self._group is not None:
+        if self._shard_sync is not None:
+            self._shard_step(samples)
+        elif self._group is not None:
             self._group_step(samples)
             return
-        self._samples += samples
+        else:
+            self._samples += samples
         self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
         job = self._job
         if job is not None:
@@ -458,7 +528,28 @@ class Session:
             return  # the queue stopped uncleanly: nothing more is folded
         if self._steps >= self._due_step or time.monotonic() >= self._due_time:
             self._presence.check()  # replaced by another process of this learner (after a freeze)?
+            if self._pending is not None:  # a sharded group: the fold records the group's samples to this step
+                self._count(self._pending)
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
+
+    def _shard_step(self, samples: int) -> None:
+        """Count the group's samples: read the previous step's sum, start this one's.
+
+        Each rank of a sharded group exchanges its own shard on its own schedule, as fragments
+        of one model are; the ranks need to agree only on the learner's sample count, a sum
+        that runs beside the next step's training (``session.group``)."""
+        progress = self._shard_progress
+        assert progress is not None and self._plan is not None
+        pending = self._pending
+        if pending is not None:
+            self._count(pending)
+        link = self._guard.link
+        if self._registers and link is not None:
+            if isinstance(pending, PendingShardStep):
+                progress.read(pending)
+            mark, units = link.snapshot()
+            progress.stepped(self._steps, mark, tuple(units.values()))
+        self._pending = progress.start(samples)
 
     def _group_step(self, samples: int) -> None:
         """``step()`` in a group: read the previous step's word, start this one's.
@@ -492,7 +583,7 @@ class Session:
             self._count(self._pending)  # the fold records the group's samples to this step
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
-    def _count(self, pending: PendingStep) -> StepWord:
+    def _count(self, pending: PendingStep | PendingShardStep) -> StepWord:
         word = pending.word()
         if not pending.counted:
             pending.counted = True
@@ -537,7 +628,8 @@ class Session:
     def wait(self, timeout: timedelta | None = None, *, apply: bool = True) -> None:
         """Wait for the exchange in flight, if any, and apply it now (before an evaluation).
 
-        In a group every rank calls it; rank 0 waits, then every rank applies together.
+        In a group every rank calls it; rank 0 waits, then every rank applies together (in a
+        sharded group, each rank waits for and applies its own shard's exchange).
 
         Args:
             timeout: the longest wait (default: the session's ``timeout``).
@@ -548,7 +640,7 @@ class Session:
         """
         if self._state != "active":
             raise SessionError(f"Session {self.learner_id!r}: call wait() inside `with session:`")
-        if self._group is not None:
+        if self._group is not None and self._shard_sync is None:
             self._group_wait(timeout, apply)
             return
         job = self._job
@@ -598,7 +690,7 @@ class Session:
         job, self._job = self._job, None
         if job is not None:
             self._wait(job, "the exchange in flight", apply=True)
-        now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False))
+        now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False, current=True))
         self._wait(now, "folding the progress of the queue's last batches", apply=True)
 
     def _due_fragments(self) -> list[int]:
@@ -632,17 +724,23 @@ class Session:
             "finished": finished,
         }
 
-    def _exchange_job_for_now(self, indices: range | list[int], *, final: bool) -> Callable[[], list[Merge]]:
+    def _exchange_job_for_now(
+        self, indices: range | list[int], *, final: bool, current: bool = False
+    ) -> Callable[[], list[Merge]]:
+        """The job folding ``indices`` now; ``current``: rank 0 of a sharded group claims every
+        batch so far (the queue closing: the other ranks' next folds hold them all)."""
         plan, model, exchanger = self._plan, self.model, self._exchanger
         snapshots = [(i, plan.fragments[i].snapshot_into(self._buffers[i], model)) for i in indices]
-        guard, presence = self._guard, self._presence
+        guard, presence, shards = self._guard, self._presence, self._shard_progress
         mark, units, since = guard.snapshot()  # the batches it holds; where, in unwritten units
+        if shards is not None and self._registers and not (final or current):
+            mark, units = shards.safe(self._steps, mark, units)  # no more than every shard holds
         link = guard.link
         assert link is not None
         taken = time.monotonic()  # who counts in N is judged on this clock (members.SignsOfLife)
         totals = (self._steps, self._samples)
         # Progress is written once per round (and on leaving), not once per fragment.
-        progress = self._progress(finished=final) if final or len(plan) - 1 in indices else None
+        progress = self._progress(finished=final) if self._registers and (final or len(plan) - 1 in indices) else None
 
         def job() -> None:
             presence.check()  # a freeze between the snapshot and now: another process may run it
@@ -653,6 +751,8 @@ class Session:
                 merge = exchanger.exchange(i, snapshot, totals, final, taken, inline, marks)
                 with self._landed_lock:  # applied at the next step even if a later write fails
                     self._landed.append(merge)
+                if shards is not None:
+                    shards.landed(i, totals[0])
                 link.landed(i, mark)
             if final:
                 exchanger.leave()

@@ -159,6 +159,8 @@ class Exchanger:
         self.wire_dtype = wire_dtype
         self.catch_up = catch_up
         self.max_staleness_s = max_staleness_s
+        self.registers = True
+        """This process writes the learner's member key (not the other ranks of a sharded group)."""
         self.chains: list[FragmentChain] = []
         self.known: list[State | None] = []
         """Per fragment, the newest version this learner read or wrote."""
@@ -188,9 +190,16 @@ class Exchanger:
         mailbox, me = self.mailbox, self.learner_id
         self._plan = plan
         count = len(plan)
-        self.chains = [
-            FragmentChain(mailbox, i, count, plan.stored_spec(i, self.wire_dtype), wire_dtype=self.wire_dtype)
-            for i in range(count)
+        self.chains = [  # a shard's plan holds some of the run's fragments: each its own index
+            FragmentChain(
+                mailbox,
+                fragment.index,
+                plan.run_count,
+                plan.stored_spec(i, self.wire_dtype),
+                wire_dtype=self.wire_dtype,
+                shards=plan.shards,
+            )
+            for i, fragment in enumerate(plan.fragments)
         ]
         members = check_prefix(mailbox)
         listed = self._life.clock()
@@ -201,9 +210,10 @@ class Exchanger:
                 base = chain.create_base({p.name: _slice(initial[p.name], p) for p in fragment.pieces}, me)
                 view = chain.view(base)
             states.append(view)
-        joined = time.time()
-        self._member = member_key(me, joined)
-        mailbox.put(self._member, MemberRecord.new(me, joined).to_bytes())
+        if self.registers:
+            joined = time.time()
+            self._member = member_key(me, joined)
+            mailbox.put(self._member, MemberRecord.new(me, joined).to_bytes())
         # An earlier incarnation's member key stays: N counts a learner once whatever its keys,
         # and the key may be a live process's (a duplicate refused later must not unseat it).
         self.known = [view.base for view in states]

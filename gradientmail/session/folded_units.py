@@ -82,5 +82,5 @@ def _views(mailbox: Mailbox, learner: str) -> list[View | None] | None:
     count = run_fragments(mailbox)
     if count is None:
         return None
-    chains = [FragmentChain(mailbox, index, count, None) for index in range(count)]
+    chains = [FragmentChain(mailbox, index, count, None, shards=None) for index in range(count)]
     return parallel(lambda chain: chain.view(exact=True, absorb=0, me=learner), chains, lanes=4)

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
     names of the plain module (``plain_module``: compiled or DDP-wrapped, the same names).
 
     Parameters and float buffers are exchanged; integer buffers (``num_batches_tracked``) stay
-    local. A tied weight appears under several names in ``state_dict``; only the first is kept
+    local. Of a sharded entry (a ``DTensor``: FSDP2) only this rank's shard is live here. A tied weight appears under several names in ``state_dict``; only the first is kept
     so that progress is applied to it once.
     """
     seen: set[tuple] = set()
@@ -59,12 +60,25 @@ def float_state(model: torch.nn.Module) -> dict[str, Tensor]:
     for name, tensor in plain_module(model).state_dict(keep_vars=False).items():
         if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
             continue
+        tensor = local_shard(tensor)
         alias = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         if tensor.numel() and alias in seen:
             continue
         seen.add(alias)
         entries[name] = tensor
     return entries
+
+
+def local_shard(tensor: Tensor) -> Tensor:
+    """This rank's shard of a sharded tensor (a ``DTensor``: FSDP2), else ``tensor`` itself.
+
+    No tensor is a ``DTensor`` before ``torch.distributed.tensor`` is imported; importing it
+    here would add half a second to every import of this package.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(tensor, module.DTensor):
+        return tensor.to_local()
+    return tensor
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -206,6 +220,12 @@ class FragmentPlan:
     fragments: tuple[Fragment, ...]
     dtypes: dict[str, torch.dtype]
 
+    count: int = 0
+    """How many fragments the run's state is cut into (0: ``len(fragments)``); more when this
+    plan is one shard's (``session.shards``): its fragments' indices are then the run's."""
+    shards: int = 1
+    """How many shards the run's state is cut into first, each cut into fragments alike."""
+
     @classmethod
     def of(cls, model: torch.nn.Module, fragments: int | None = None) -> FragmentPlan:
         """Cut ``model``'s floating-point entries into ``fragments`` (None: ``auto_fragments``)."""
@@ -214,17 +234,13 @@ class FragmentPlan:
         total = sum(size for _, size in sizes)
         count = auto_fragments(total) if fragments is None else fragments
         count = max(1, min(count, total)) if total else 1
-        bounds = [total * i // count for i in range(count + 1)]
-        cut: list[list[Piece]] = [[] for _ in range(count)]
-        offset = 0
-        for name, size in sizes:
-            for index in range(count):
-                start, stop = max(bounds[index], offset), min(bounds[index + 1], offset + size)
-                if start < stop:
-                    cut[index].append(Piece(name, start - offset, stop - offset))
-            offset += size
         dtypes = {name: accumulation_dtype(tensor.dtype) for name, tensor in entries.items()}
-        return cls(tuple(Fragment(i, tuple(pieces)) for i, pieces in enumerate(cut)), dtypes)
+        return cls(tuple(Fragment(i, pieces) for i, pieces in enumerate(cut(sizes, count))), dtypes)
+
+    @property
+    def run_count(self) -> int:
+        """How many fragments the run's state is cut into."""
+        return self.count or len(self.fragments)
 
     def __len__(self) -> int:
         return len(self.fragments)
@@ -234,6 +250,23 @@ class FragmentPlan:
         return {
             piece.name: ((piece.size,), wire_dtype or self.dtypes[piece.name]) for piece in self.fragments[index].pieces
         }
+
+
+def cut(sizes: list[tuple[str, int]], count: int, offsets: Mapping[str, int] | None = None) -> list[tuple[Piece, ...]]:
+    """``count`` near-equal contiguous ranges of the entries ``sizes`` flattened one after another,
+    each as its pieces; ``offsets`` moves each entry's pieces (a shard's place in its entry)."""
+    total = sum(size for _, size in sizes)
+    bounds = [total * i // count for i in range(count + 1)]
+    pieces: list[list[Piece]] = [[] for _ in range(count)]
+    offset = 0
+    for name, size in sizes:
+        shift = 0 if offsets is None else offsets[name]
+        for index in range(count):
+            start, stop = max(bounds[index], offset), min(bounds[index + 1], offset + size)
+            if start < stop:
+                pieces[index].append(Piece(name, start - offset + shift, stop - offset + shift))
+        offset += size
+    return [tuple(found) for found in pieces]
 
 
 def _flat(tensor: Tensor) -> Tensor:

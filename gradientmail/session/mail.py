@@ -110,6 +110,7 @@ class StateHeader:
             fragment has absorbed (its ``seq`` says which; older ones are absorbed too).
         fragment: which fragment of the state this is.
         fragments: how many fragments the run's state is cut into.
+        shards: how many shards the state is cut into first (``session.shards``; 1: none).
     """
 
     version: int
@@ -118,12 +119,13 @@ class StateHeader:
     learners: dict[str, Contribution] = field(default_factory=dict)
     fragment: int = 0
     fragments: int = 1
+    shards: int = 1
 
     def to_metadata(self) -> dict[str, str]:
         return {
             "format": FORMAT,
             "kind": "version",
-            "fragment": f"{self.fragment}/{self.fragments}",
+            **_cut_fields(self.fragment, self.fragments, self.shards),
             "version": str(self.version),
             "learner": self.learner,
             "time": repr(float(self.time)),
@@ -137,7 +139,7 @@ class StateHeader:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, object], *, key: str) -> StateHeader:
-        fragment, fragments = _check_kind(metadata, "version", key)
+        fragment, fragments, shards = _check_kind(metadata, "version", key)
         try:
             version = _count(metadata["version"], "version")
             learner = metadata["learner"]
@@ -158,7 +160,13 @@ class StateHeader:
                 raise UnusableStateError(f"state {key!r}: learner id {name!r} is not one key segment")
             learners[name] = Contribution.from_json(value, where=f"state {key!r}, learner {name!r}")
         return cls(
-            version=version, learner=learner, time=time, learners=learners, fragment=fragment, fragments=fragments
+            version=version,
+            learner=learner,
+            time=time,
+            learners=learners,
+            fragment=fragment,
+            fragments=fragments,
+            shards=shards,
         )
 
 
@@ -172,25 +180,27 @@ class PendingHeader:
             learner's contributions to one fragment; they are absorbed in that order, once each).
         fragment: which fragment it adds to.
         fragments: how many fragments the run's state is cut into.
+        shards: how many shards the state is cut into first (1: none).
     """
 
     learner: str
     contribution: Contribution
     fragment: int = 0
     fragments: int = 1
+    shards: int = 1
 
     def to_metadata(self) -> dict[str, str]:
         return {
             "format": FORMAT,
             "kind": "pending",
-            "fragment": f"{self.fragment}/{self.fragments}",
+            **_cut_fields(self.fragment, self.fragments, self.shards),
             "learner": self.learner,
             "contribution": json.dumps(self.contribution.to_json(), separators=(",", ":")),
         }
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, object], *, key: str) -> PendingHeader:
-        fragment, fragments = _check_kind(metadata, "pending", key)
+        fragment, fragments, shards = _check_kind(metadata, "pending", key)
         learner, raw = metadata.get("learner"), metadata.get("contribution")
         if not isinstance(learner, str) or not learner or "/" in learner or not isinstance(raw, str):
             raise UnusableStateError(f"pending contribution {key!r} has an unreadable metadata header")
@@ -199,7 +209,7 @@ class PendingHeader:
         except (ValueError, RecursionError) as exc:
             raise UnusableStateError(f"pending contribution {key!r} has an unreadable contribution") from exc
         contribution = Contribution.from_json(value, where=f"pending contribution {key!r}")
-        return cls(learner=learner, contribution=contribution, fragment=fragment, fragments=fragments)
+        return cls(learner=learner, contribution=contribution, fragment=fragment, fragments=fragments, shards=shards)
 
 
 VOID = "void"
@@ -242,8 +252,17 @@ class VoidSlotError(UnusableStateError):
     """A pending slot a peer closed (``ClosedSlot``): absorbed as nothing, without a warning."""
 
 
-def _check_kind(metadata: Mapping[str, object], kind: str, key: str) -> tuple[int, int]:
-    """``(fragment, fragments)`` of a header of ``kind``; refuses other formats and kinds."""
+def _cut_fields(fragment: int, fragments: int, shards: int) -> dict[str, str]:
+    """Where a header's fragment sits in the run's cut; ``shards`` only when the state is sharded,
+    so an unsharded run's headers are as they always were."""
+    fields = {"fragment": f"{fragment}/{fragments}"}
+    if shards != 1:
+        fields["shards"] = str(shards)
+    return fields
+
+
+def _check_kind(metadata: Mapping[str, object], kind: str, key: str) -> tuple[int, int, int]:
+    """``(fragment, fragments, shards)`` of a header of ``kind``; refuses other formats and kinds."""
     fmt = metadata.get("format")
     if fmt != FORMAT:
         raise MailRejectedError(format_refusal(key, fmt))
@@ -259,7 +278,14 @@ def _check_kind(metadata: Mapping[str, object], kind: str, key: str) -> tuple[in
         raise UnusableStateError(f"{key!r} has an unreadable fragment field {str(text)[:40]!r}") from exc
     if not 0 <= fragment < fragments:
         raise UnusableStateError(f"{key!r} says it is fragment {fragment} of {fragments}")
-    return fragment, fragments
+    text = metadata.get("shards", "1")
+    try:
+        shards = _count(text, "shards")
+    except ValueError as exc:
+        raise UnusableStateError(f"{key!r} has an unreadable shards field {str(text)[:40]!r}") from exc
+    if not 1 <= shards <= fragments or fragments % shards:
+        raise UnusableStateError(f"{key!r} says its {fragments} fragments are cut into {shards} shards")
+    return fragment, fragments, shards
 
 
 def _count(value: object, name: str) -> int:
@@ -355,7 +381,9 @@ def _tensors(data: bytes, *, key: str, spec: Spec | None, learner: str) -> dict[
     return tensors
 
 
-def _check_cut(fragment: int, fragments: int, key: str, expected: tuple[int, int] | None) -> None:
+def _check_cut(
+    fragment: int, fragments: int, shards: int, key: str, expected: tuple[int, int, int | None] | None
+) -> None:
     if expected is None:
         return
     if fragments != expected[1]:
@@ -363,22 +391,30 @@ def _check_cut(fragment: int, fragments: int, key: str, expected: tuple[int, int
             f"{key!r}: the run's state is cut into {fragments} fragments, this node cuts it into "
             f"{expected[1]}; every node of a run must use the same model and the same `fragments`"
         )
+    if expected[2] is not None and shards != expected[2]:
+        raise MailRejectedError(
+            f"{key!r}: the run's state is cut into {shards} shard(s), this node into {expected[2]}; "
+            "every node of a run must shard the model alike (an FSDP group of the same size) or not at all"
+        )
     if fragment != expected[0]:
         raise UnusableStateError(f"{key!r} says it is fragment {fragment}, expected {expected[0]}")
 
 
-def decode(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int] | None = None) -> State:
+def decode(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int, int | None] | None = None) -> State:
     """Parse and check one version; raise ``MailRejectedError`` unless it fits ``spec`` exactly
     (None: any tensors, still finite).
 
-    ``fragment`` is ``(index, count)`` as this node cuts the state (None: not checked).
+    ``fragment`` is ``(index, count, shards)`` as this node cuts the state (None: not checked;
+    shards None: any).
     """
     header = StateHeader.from_metadata(metadata_of(data, key), key=key)
-    _check_cut(header.fragment, header.fragments, key, fragment)
+    _check_cut(header.fragment, header.fragments, header.shards, key, fragment)
     return State(key=key, header=header, tensors=_tensors(data, key=key, spec=spec, learner=header.learner))
 
 
-def decode_pending(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int] | None = None) -> Pending:
+def decode_pending(
+    data: bytes, *, key: str, spec: Spec | None, fragment: tuple[int, int, int | None] | None = None
+) -> Pending:
     """Parse and check one pending contribution, as ``decode`` does a version.
 
     Raises:
@@ -388,7 +424,7 @@ def decode_pending(data: bytes, *, key: str, spec: Spec | None, fragment: tuple[
     if metadata.get("format") == FORMAT and metadata.get("kind") == VOID:
         raise VoidSlotError(f"pending slot {key!r} was closed by {str(metadata.get('by'))[:80]!r}")
     header = PendingHeader.from_metadata(metadata, key=key)
-    _check_cut(header.fragment, header.fragments, key, fragment)
+    _check_cut(header.fragment, header.fragments, header.shards, key, fragment)
     return Pending(key=key, header=header, tensors=_tensors(data, key=key, spec=spec, learner=header.learner))
 
 

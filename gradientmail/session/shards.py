@@ -1,0 +1,297 @@
+"""Sharded state (FSDP2): each rank of a group exchanges its own shard, cut into fragments.
+
+A model sharded with ``torch.distributed.fsdp.fully_shard`` holds each parameter as a
+``DTensor`` split along its first dimension over a 1-D device mesh: rank ``r`` of ``S`` holds
+rows ``[r * c, (r + 1) * c)`` (``c = ceil(rows / S)``, ``torch.chunk``'s rule), one contiguous
+range of the flattened parameter. The run's state is then cut into ``S`` shards, and each
+shard into ``F`` fragments alike: fragment ``r * F + j`` is the ``j``-th of shard ``r``, so
+each rank reads and writes only its own fragments and no rank ever gathers the whole model.
+Every header says ``S`` (``mail``), so a node that shards differently, or not at all, is
+refused rather than mixing two cuts. The same cut is computed from any model's shapes, so
+``consensus`` loads a sharded run into a plain model, or each rank's shard into a sharded one.
+
+The ranks of a group stay one learner: rank 0 alone registers it (member key, presence,
+progress record) and runs the queue; every rank folds its fragments under the group's learner
+id with the group's sample count, summed at each step beside the training (``ShardProgress``),
+a sum that also tells rank 0 how far every shard holds the group's batches.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradientmail.errors import MailRejectedError
+from gradientmail.session.chain import RunCut
+from gradientmail.session.fragments import (
+    MAX_FRAGMENTS,
+    Fragment,
+    FragmentPlan,
+    accumulation_dtype,
+    auto_fragments,
+    cut,
+    float_state,
+    plain_module,
+)
+from gradientmail.session.group import NOTHING, GroupSync, StepWord
+
+__all__ = [
+    "NoPresence",
+    "PendingShardStep",
+    "ShardLayout",
+    "ShardProgress",
+    "ShardSync",
+    "plan_for_run",
+    "shard_layout",
+    "shard_plan",
+]
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this process's shard sits: rank ``rank`` of ``shards`` along every entry's first dimension."""
+
+    rank: int
+    shards: int
+    shapes: Shapes
+    """Every floating-point entry's whole (unsharded) shape, in ``state_dict`` order."""
+
+
+def shard_layout(model: torch.nn.Module) -> ShardLayout | None:
+    """The sharding of ``model`` (None: no entry is a ``DTensor``, the model is plain).
+
+    Raises:
+        ValueError: a sharding this module cannot follow: an entry not sharded along its first
+            dimension on a 1-D mesh (HSDP, tensor parallelism), a floating-point entry left
+            replicated (a buffer), or entries on meshes of different sizes.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:  # nothing can be a DTensor before its module is imported
+        return None
+    state = {
+        name: tensor
+        for name, tensor in plain_module(model).state_dict(keep_vars=False).items()
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+    }
+    sharded = {name: t for name, t in state.items() if isinstance(t, module.DTensor)}
+    if not sharded:
+        return None
+    plain = [name for name in state if name not in sharded]
+    if plain:
+        raise ValueError(
+            f"a sharded model's floating-point entries must all be sharded (FSDP2), but {plain[:3]} "
+            "are plain tensors on every rank (replicated buffers); make them parameters or integer buffers"
+        )
+    meshes = set()
+    for name, tensor in sharded.items():
+        mesh = tensor.device_mesh
+        if mesh.ndim != 1 or tuple(tensor.placements) != (module.Shard(0),) or tensor.dim() == 0:
+            raise ValueError(
+                f"entry {name!r} is sharded as {tuple(tensor.placements)} on a {mesh.ndim}-D mesh; a Session "
+                "follows shards along the first dimension on a 1-D mesh (fully_shard over the group)"
+            )
+        meshes.add((mesh.size(), mesh.get_local_rank()))
+    if len(meshes) != 1:
+        raise ValueError(f"the model's entries are sharded on different meshes {sorted(meshes)}")
+    ((shards, rank),) = meshes
+    return ShardLayout(rank=rank, shards=shards, shapes={name: tuple(t.shape) for name, t in sharded.items()})
+
+
+def _shard_of(shapes: Shapes, shard: int, shards: int) -> tuple[list[tuple[str, int]], dict[str, int]]:
+    """Shard ``shard``'s size of each entry and where it starts in the flattened entry."""
+    sizes, offsets = [], {}
+    for name, shape in shapes.items():
+        rows = shape[0] if shape else 1
+        per_row = math.prod(shape[1:]) if shape else 1
+        chunk = -(-rows // shards)
+        first = min(shard * chunk, rows)
+        last = min(first + chunk, rows)
+        sizes.append((name, (last - first) * per_row))
+        offsets[name] = first * per_row
+    return sizes, offsets
+
+
+def per_shard(shapes: Shapes, shards: int, fragments: int | None) -> int:
+    """How many fragments each shard is cut into: ``fragments`` (None: ``auto_fragments`` of
+    a shard's size), at most the smallest shard's size and ``MAX_FRAGMENTS`` in all."""
+    totals = [sum(size for _, size in _shard_of(shapes, shard, shards)[0]) for shard in range(shards)]
+    if min(totals) == 0:
+        raise ValueError(f"a shard of this model holds nothing (shard sizes {totals}): shard it over fewer ranks")
+    count = auto_fragments(max(totals)) if fragments is None else fragments
+    return max(1, min(count, min(totals), MAX_FRAGMENTS // shards))
+
+
+def shard_plan(model: torch.nn.Module, layout: ShardLayout, fragments: int | None) -> FragmentPlan:
+    """This rank's fragments: its shard of every entry cut into ``per_shard`` fragments, whose
+    pieces index the local shards and whose indices are the run's."""
+    count = per_shard(layout.shapes, layout.shards, fragments)
+    local = float_state(model)
+    sizes, _ = _shard_of(layout.shapes, layout.rank, layout.shards)
+    for name, size in sizes:
+        if local[name].numel() != size:
+            raise ValueError(
+                f"entry {name!r}: this rank holds {local[name].numel()} values, its shard along the "
+                f"first dimension would hold {size} (a sharding other than fully_shard's?)"
+            )
+    first = layout.rank * count
+    found = cut(sizes, count)
+    return FragmentPlan(
+        tuple(Fragment(first + j, pieces) for j, pieces in enumerate(found)),
+        {name: accumulation_dtype(tensor.dtype) for name, tensor in local.items()},
+        count=count * layout.shards,
+        shards=layout.shards,
+    )
+
+
+def plan_for_run(model: torch.nn.Module, run: RunCut) -> FragmentPlan:
+    """The plan that reads the run's state into ``model`` as the run cuts it: this rank's
+    fragments of a sharded model, every fragment of every shard of a plain one.
+
+    Raises:
+        MailRejectedError: a sharded model sharded other than the run.
+    """
+    layout = shard_layout(model)
+    if layout is not None:
+        if layout.shards != run.shards:
+            raise MailRejectedError(
+                f"the run's state is cut into {run.shards} shard(s), this model into {layout.shards}: "
+                "load it into a model sharded over as many ranks, or into a plain model"
+            )
+        return shard_plan(model, layout, run.fragments // run.shards)
+    if run.shards == 1:
+        return FragmentPlan.of(model, run.fragments)
+    entries = float_state(model)
+    shapes = {name: tuple(tensor.shape) for name, tensor in entries.items()}
+    count = run.fragments // run.shards
+    fragments = []
+    for shard in range(run.shards):
+        sizes, offsets = _shard_of(shapes, shard, run.shards)
+        found = cut(sizes, count, offsets)
+        fragments.extend(Fragment(shard * count + j, pieces) for j, pieces in enumerate(found))
+    dtypes = {name: accumulation_dtype(tensor.dtype) for name, tensor in entries.items()}
+    return FragmentPlan(tuple(fragments), dtypes, count=run.fragments, shards=run.shards)
+
+
+class ShardSync:
+    """The few collectives of a sharded group's enter and exit (every rank calls each, in order)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist  # only a group needs it
+
+        self.group = group
+        self._dist = dist
+        backend = str(dist.get_backend(group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+
+    def least(self, *values: int) -> list[int]:
+        """Each of ``values``, the smallest any rank passed."""
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self.group)
+        return tensor.tolist()
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank passed True (a rank that failed passes False, then raises)."""
+        return bool(self.least(int(ok))[0])
+
+
+class PendingShardStep:
+    """One step's sum in flight, ``[samples, then each rank's held step in a slot of its own]``;
+    ``word()`` waits for it (once) and reads it."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self._work = work
+        self._tensor = tensor
+        self._word: StepWord | None = None
+        self.held: tuple[int, ...] = ()
+        """Each rank's held step (``ShardProgress``), once read."""
+        self.counted = False
+        """Its samples are in the Session's count (the word is read more than once at most)."""
+
+    def word(self) -> StepWord:
+        if self._word is None:
+            self._work.wait()
+            summed = self._tensor.tolist()
+            self.held = tuple(summed[1:])
+            self._word = StepWord(summed[0], NOTHING, ())
+        return self._word
+
+
+class ShardProgress:
+    """How far every rank's shard holds the group's steps, so that rank 0's folds never claim more.
+
+    Rank 0's folds carry the queue's unit marks (where each unit stands), from which a restarted
+    group continues its units; the other ranks fold on their own schedules. Every rank notes the
+    step at which each of its fragments' landed folds was snapshotted; its *held* step is the
+    smallest. The per-step sum carries each rank's held step in a slot of its own, so rank 0
+    learns, one step later and without waiting, how far every shard holds the group's batches,
+    and its folds carry the marks of that step (or of their own, if earlier): a restarted group
+    never skips a batch that some shard does not hold. What it retrains, a shard that held it
+    holds twice (at most the lag of the slowest shard's folds, about one exchange interval).
+
+    Args:
+        group: the sharded group's ``GroupSync`` (the per-step collective).
+        fragments: how many fragments this rank's shard is cut into.
+        step: the group's step count on entering (every shard holds the run up to it).
+        mark: rank 0's queue position then (its ``FoldGate`` mark), ``units`` its unit marks.
+    """
+
+    def __init__(self, group: GroupSync, fragments: int, step: int, mark: int, units: tuple[Any, ...]) -> None:
+        import torch.distributed as dist  # only a group needs it
+
+        self._dist = dist
+        self.group = group
+        self.rank, self.size = group.rank, group.size
+        self._held = [step] * fragments  # per own fragment: its newest landed snapshot's step
+        self._at: dict[int, tuple[int, tuple[Any, ...]]] = {step: (mark, units)}  # rank 0: step -> marks
+        self.reported = [step] * self.size  # rank 0: each rank's held step, as last read
+
+    def landed(self, position: int, step: int) -> None:
+        """A fold of own fragment ``position``, snapshotted at ``step``, landed (exchange thread)."""
+        self._held[position] = max(self._held[position], step)
+
+    def start(self, samples: int) -> PendingShardStep:
+        """Start one step's sum: this rank's samples and held step (it runs beside the next step)."""
+        words = [samples] + [0] * self.size
+        words[1 + self.rank] = min(self._held)
+        tensor = torch.tensor(words, dtype=torch.int64, device=self.group.device)
+        work = self._dist.all_reduce(tensor, group=self.group.group, async_op=True)
+        return PendingShardStep(work, tensor)
+
+    def stepped(self, step: int, mark: int, units: tuple[Any, ...]) -> None:
+        """Rank 0: its queue position and unit marks at ``step`` (after that step's batch)."""
+        self._at[step] = (mark, units)
+
+    def read(self, pending: PendingShardStep) -> None:
+        """Rank 0: note every rank's held step from a sum already read."""
+        for rank, step in enumerate(pending.held):
+            self.reported[rank] = max(self.reported[rank], step)
+        lowest = min(self.reported[1:], default=0)
+        for step in [s for s in self._at if s < lowest]:
+            del self._at[step]
+
+    def safe(self, step: int, mark: int, units: tuple[Any, ...]) -> tuple[int, tuple[Any, ...]]:
+        """Rank 0: the marks a fold snapshotted at ``step`` (now: ``mark``, ``units``) may carry:
+        those of the latest step every other rank's shard holds, if earlier."""
+        held = min([step, *self.reported[1:]])
+        return self._at.get(held, (mark, units)) if held < step else (mark, units)
+
+
+class NoPresence:
+    """The presence of a rank that does not register its learner (rank 0 of its group does)."""
+
+    replaced = False
+
+    def start(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
