@@ -297,6 +297,9 @@ class UnitTag(NamedTuple):
     """The batch's index in the unit's ``load()`` iteration (recorded with progress)."""
     end: bool = False
     """No batch: the unit's batches are all out (progress records the unit finished)."""
+    ended: tuple[str, str | None] | None = None
+    """``(unit, token)`` of the unit whose batches were all out before this batch: its end rides
+    on the next unit's first batch, so it takes no place of its own in the buffer."""
 
 
 class Item(NamedTuple):

@@ -531,13 +531,15 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
                     )
                     raise
                 step, tag = item.step, item.tag
+                if tag.ended is not None:
+                    self._positions.pop(tag.ended[0], None)
                 if tag.end:
                     self._positions.pop(tag.unit, None)
                 else:
                     self._positions[tag.unit] = {"token": tag.token, "step": step, "position": tag.position}
                 if options is not None:
                     if pacer is not None:
-                        pacer.produced()  # end markers too: they take a place in the buffer
+                        pacer.produced()  # a lone end marker too: it takes a place in the buffer
                     yield item  # for the consuming side's ProgressTracker
                 elif not tag.end:
                     if pacer is not None:

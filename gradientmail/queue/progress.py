@@ -410,24 +410,33 @@ def tagged_items(
     on_claim: Callable[[], None] = lambda: None,
     turn: Callable[[], bool] | None = None,
 ) -> Iterator[Item]:
-    """Each owned unit's batches not consumed before (``Assignment.skips``), then an end marker,
-    unit by unit; each batch tagged with its claim token and its position in ``load``'s iteration.
+    """Each owned unit's batches not consumed before (``Assignment.skips``), unit by unit; each
+    batch tagged with its claim token and its position in ``load``'s iteration.
 
+    A unit's end rides on the next unit's first batch (``UnitTag.ended``): a separate end marker
+    would take a place in the buffer, and with one-batch units half the buffer would hold no
+    batch. An end marker of its own goes out only when no batch follows (the last unit).
     ``turn()`` is asked before each claim and waits for the loader's turn (``pacing.UnitPacer``);
     False ends the items (the loop has left)."""
+    ended: tuple[str, str | None] | None = None
     while True:
         if turn is not None and not turn():
             return
         assignment = claimer.claim_next()
         if assignment is None:
+            if ended is not None:
+                yield Item(None, None, UnitTag(ended[0], ended[1], end=True))
             return
         on_claim()
         identifier, token = assignment.identifier, assignment.token
         for position, (step, tensor) in enumerate(load_unit(identifier)):
             if assignment.skips(step, position):
                 continue
-            yield Item(step, tensor, UnitTag(identifier, token, position))
-        yield Item(None, None, UnitTag(identifier, token, end=True))
+            yield Item(step, tensor, UnitTag(identifier, token, position, ended=ended))
+            ended = None
+        if ended is not None:  # a unit with nothing left to load: the earlier end goes out alone
+            yield Item(None, None, UnitTag(ended[0], ended[1], end=True))
+        ended = (identifier, token)
 
 
 class Consumption:
@@ -451,6 +460,8 @@ class Consumption:
         try:
             while True:
                 step, tensor, tag = next(items)
+                if tag.ended is not None:  # the unit before this batch's: all its batches consumed
+                    self.tracker.finished(tag.ended[0], tag.ended[1], self._index)
                 if not tag.end:
                     break
                 self.tracker.finished(tag.unit, tag.token, self._index)
