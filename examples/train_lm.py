@@ -178,8 +178,8 @@ def main() -> None:
     ):
         for step, batch in queue:
             batch = batch.to(device, non_blocking=True)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, args)
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = learning_rate(step, args)
             total = torch.zeros((), device=device)
             for chunk in batch.split(args.micro_batch):  # gradient accumulation: the batch's mean loss
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):

@@ -218,7 +218,7 @@ class PendingShardStep:
             self._work.wait()
             summed = self._tensor.tolist()
             self.held = tuple(summed[1:])
-            self._word = StepWord(summed[0], NOTHING, ())
+            self._word = StepWord(summed[0], NOTHING, NOTHING, ())  # no stop code: each rank exchanges alone
         return self._word
 
 
