@@ -18,6 +18,7 @@ CPU: runs unchanged (about a minute at the default sizes). CUDA: bf16 autocast, 
 """
 
 import argparse
+import gc
 import math
 import os
 import time
@@ -196,6 +197,10 @@ def main() -> None:
     if leads:
         print(f"[{learner}] done: {batches} batches in {time.time() - started:.1f}s", flush=True)
     if group is not None:
+        # Tear the group down only once nothing of it is in flight on either rank: gloo aborts a
+        # process whose group goes away under a collective's thread.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
     if args.rank == 0 and leads:
