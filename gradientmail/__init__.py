@@ -55,7 +55,7 @@ _LAZY = {
     "consensus": "gradientmail.session",
     "SharedQueueDataset": "gradientmail.queue.dataset",
     "shared_queue": "gradientmail.queue.shared_queue",
-    "units_claimed_by": "gradientmail.queue.telemetry",
+    "units_claimed_by": "gradientmail.queue.claim_counter",
     "Unit": "gradientmail.queue.units",
     "unit_grid": "gradientmail.queue.units",
     "rotated_order": "gradientmail.queue.units",

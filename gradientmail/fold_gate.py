@@ -123,7 +123,7 @@ class QueueFigures:
     units: int | None = None
     """Units this learner claimed in this process (DataLoader workers included)."""
     unit_spans: dict[str, Any] | None = None
-    """When and for how long it trained its recent units (``queue.telemetry.spans_record``)."""
+    """When and for how long it trained its recent units (``queue.unit_timing.spans_record``)."""
 
 
 class FoldGate:

@@ -42,6 +42,7 @@ from gradientmail.queue.batches import (
     describe_value,
     loaded_batches,
 )
+from gradientmail.queue.claim_counter import register_counter
 from gradientmail.queue.claimer import (
     CROWD_LIMIT,
     DEFAULT_LISTING,
@@ -54,6 +55,7 @@ from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
+from gradientmail.queue.progress_display import queue_figures
 from gradientmail.queue.reclaim import (
     ElasticClaimer,
     ElasticOptions,
@@ -62,7 +64,6 @@ from gradientmail.queue.reclaim import (
     untracked_record,
     warn_unfinished,
 )
-from gradientmail.queue.telemetry import queue_figures, register_counter
 from gradientmail.queue.units import ClaimIndex
 from gradientmail.records import RunRecord, get_record
 from gradientmail.run_record import check_run_record, unit_fingerprint

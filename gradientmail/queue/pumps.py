@@ -39,7 +39,7 @@ from gradientmail.queue.batches import Batch, Item, keep_pairs
 from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import Consumption, ProgressTracker
-from gradientmail.queue.telemetry import BatchWatch
+from gradientmail.queue.unit_timing import BatchWatch
 
 __all__ = [
     "Batches",

@@ -36,9 +36,10 @@ from gradientmail.queue.group import (
 )
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
+from gradientmail.queue.progress_display import ProgressDisplay
 from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
 from gradientmail.queue.reclaim import warn_unclean, warn_unfinished
-from gradientmail.queue.telemetry import BatchWatch, ProgressDisplay, unit_times
+from gradientmail.queue.unit_timing import BatchWatch, unit_times
 from gradientmail.session.group import GroupSync
 
 __all__ = ["WITH_HINT", "QueueContext", "shared_queue"]

@@ -16,7 +16,7 @@ import torch
 from gradientmail import LocalMailbox, MemoryMailbox, Session
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.plot import describe_spans, spans_from_run
-from gradientmail.queue.telemetry import BatchWatch, UnitTimes
+from gradientmail.queue.unit_timing import BatchWatch, UnitTimes
 from gradientmail.status import read_run
 
 T0 = 1_700_000_000.0

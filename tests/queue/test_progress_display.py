@@ -13,7 +13,7 @@ import torch
 
 from gradientmail import MemoryMailbox, MissingExtraError
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.telemetry import ProgressDisplay
+from gradientmail.queue.progress_display import ProgressDisplay
 
 
 def load_two(value: int):

@@ -24,7 +24,7 @@ from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import describe
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.pumps import HandOff, wake_loader
-from gradientmail.queue.telemetry import spans_record
+from gradientmail.queue.unit_timing import spans_record
 
 FORK = multiprocessing.get_context("fork")
 
