@@ -190,9 +190,9 @@ def node_cost(size: tuple[int, int]) -> NodeCost:
     builds its ``Claimer``. ``fingerprint_s`` is therefore 0 (kept for the table's shape)."""
     from benchmarks.balance import grid
     from gradientmail.mailbox.memory import MemoryMailbox
+    from gradientmail.queue.claim_index import ClaimIndex
     from gradientmail.queue.claimer import Claimer
     from gradientmail.queue.simulate import rotated_positions
-    from gradientmail.queue.units import ClaimIndex
 
     units, nodes = size
     mapping = grid(units, nodes)

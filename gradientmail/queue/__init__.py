@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 from gradientmail.queue.claim_counter import units_claimed_by
+from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import read_claim, try_claim
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.shared_queue import QueueContext, shared_queue
-from gradientmail.queue.units import ClaimIndex, PositionOrder, Unit, rotated_order, unit_grid
+from gradientmail.queue.units import Unit, rotated_order, unit_grid
 
 __all__ = [
     "ClaimIndex",

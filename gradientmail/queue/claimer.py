@@ -37,9 +37,10 @@ from typing import NamedTuple
 
 from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX, SUMMARY_BODY, parse_summary_key
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
+from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claims import new_token, try_claim
+from gradientmail.queue.order_runs import OrderRuns
 from gradientmail.queue.pacing import BufferGauge
-from gradientmail.queue.units import ClaimIndex, OrderRuns, PositionOrder
 
 __all__ = [
     "CROWD_LIMIT",

@@ -43,6 +43,7 @@ from gradientmail.queue.batches import (
     loaded_batches,
 )
 from gradientmail.queue.claim_counter import register_counter
+from gradientmail.queue.claim_index import ClaimIndex
 from gradientmail.queue.claimer import (
     CROWD_LIMIT,
     DEFAULT_LISTING,
@@ -64,7 +65,6 @@ from gradientmail.queue.reclaim import (
     untracked_record,
     warn_unfinished,
 )
-from gradientmail.queue.units import ClaimIndex
 from gradientmail.records import RunRecord, get_record
 from gradientmail.run_record import check_run_record, unit_fingerprint
 

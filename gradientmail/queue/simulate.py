@@ -57,18 +57,10 @@ from gradientmail.mailbox.base import LIST_PAGE
 from gradientmail.mailbox.keys import validate_max_bytes, validate_prefix
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
+from gradientmail.queue.claim_index import ClaimIndex, IndexedPage, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
-from gradientmail.queue.units import (
-    DEFAULT_BLOCK,
-    DEFAULT_LAG,
-    ClaimIndex,
-    IndexedPage,
-    PositionOrder,
-    Unit,
-    rotated_order,
-    unit_grid,
-)
+from gradientmail.queue.units import DEFAULT_BLOCK, DEFAULT_LAG, Unit, rotated_order, unit_grid
 
 __all__ = [
     "PagedCountingMailbox",

@@ -17,9 +17,9 @@ from gradientmail import rotated_order, unit_grid
 from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.queue import claims
+from gradientmail.queue.claim_index import ClaimIndex
 from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import claim_body, read_claim, try_claim
-from gradientmail.queue.units import ClaimIndex
 
 pytestmark = pytest.mark.timeout(60)
 

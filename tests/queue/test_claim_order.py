@@ -9,9 +9,11 @@ import pytest
 
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
+from gradientmail.queue.claim_index import ClaimIndex
 from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import try_claim
-from gradientmail.queue.units import ClaimIndex, OrderRuns, rotated_order, unit_grid
+from gradientmail.queue.order_runs import OrderRuns
+from gradientmail.queue.units import rotated_order, unit_grid
 
 
 @pytest.fixture

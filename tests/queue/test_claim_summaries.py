@@ -13,9 +13,9 @@ from gradientmail.layout import CLAIMS_PREFIX, SUMMARIES_PREFIX, parse_summary_k
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.queue import claimer as claimer_module
+from gradientmail.queue.claim_index import ClaimIndex
 from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import try_claim
-from gradientmail.queue.units import ClaimIndex
 
 UNITS = [f"u{n:03d}" for n in range(40)]
 SPAN = 8

@@ -413,8 +413,8 @@ def test_simulated_bill_matches_counting_mailbox():
 def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, nodes):
     """The simulator's arithmetic rotation gives every node exactly ``rotated_order``'s preference,
     a shorter last group and more nodes than lanes included."""
+    from gradientmail.queue.claim_index import ClaimIndex
     from gradientmail.queue.simulate import rotated_positions
-    from gradientmail.queue.units import ClaimIndex
 
     mapping = dict(itertools.islice(unit_grid(-(-units // lanes), 1, lanes).items(), units))
     index = ClaimIndex(mapping)
@@ -426,7 +426,7 @@ def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, node
 
 
 def test_claimer_walks_a_position_order(box):
-    from gradientmail.queue.units import ClaimIndex, PositionOrder
+    from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 
     identifiers = [f"u{i}" for i in range(12)]
     index = ClaimIndex(identifiers)
@@ -441,7 +441,7 @@ def test_claimer_walks_a_position_order(box):
 
 def test_dataset_takes_listing_claim_index_and_prepared(box):
     from gradientmail.layout import RUN_KEY
-    from gradientmail.queue.units import ClaimIndex
+    from gradientmail.queue.claim_index import ClaimIndex
 
     units = unit_grid(steps=4, unit_steps=1, lanes=2)
     counting = CountingMailbox(box)
