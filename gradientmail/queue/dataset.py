@@ -31,10 +31,9 @@ from gradientmail.layout import RUN_KEY
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
 from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
-from gradientmail.queue.batches import (
+from gradientmail.queue.batch_checks import (
     Batch,
     Item,
-    TensorTree,
     UnitTag,
     add_note,
     checked_count,
@@ -42,6 +41,7 @@ from gradientmail.queue.batches import (
     describe_value,
     loaded_batches,
 )
+from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claim_counter import register_counter
 from gradientmail.queue.claim_index import ClaimIndex
 from gradientmail.queue.claimer import (

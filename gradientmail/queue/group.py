@@ -18,7 +18,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from gradientmail.errors import GroupError, LoaderError
-from gradientmail.queue.batches import Batch, TensorTree, loaded_batches, map_tensors
+from gradientmail.queue.batch_checks import Batch, loaded_batches
+from gradientmail.queue.batches import TensorTree, map_tensors
 from gradientmail.queue.pumps import HandOff
 from gradientmail.session.group import GroupSync
 

@@ -22,7 +22,7 @@ from gradientmail.fold_gate import UnitMark, gate_for
 from gradientmail.layout import claim_key, done_key, work_key, work_prefix
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.confirmed import replace_confirmed
-from gradientmail.queue.batches import Item, UnitTag
+from gradientmail.queue.batch_checks import Item, UnitTag
 from gradientmail.queue.claims import load_claim
 from gradientmail.queue.lease import OwnLease
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, _utils
 from gradientmail.errors import InProcessMailboxError, UnpicklableError
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.queue.batches import Batch, Item, keep_pairs
+from gradientmail.queue.batch_checks import Batch, Item, keep_pairs
 from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import Consumption, ProgressTracker

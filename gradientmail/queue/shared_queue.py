@@ -22,7 +22,8 @@ from gradientmail.fold_gate import gate_for
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
-from gradientmail.queue.batches import Batch, TensorTree, checked_count
+from gradientmail.queue.batch_checks import Batch, checked_count
+from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.group import (

@@ -10,7 +10,7 @@ from queue_nodes import Item, named_units
 
 from gradientmail import LocalMailbox
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.batches import INLINE_BYTES, Inline, inline
+from gradientmail.queue.inline import INLINE_BYTES, Inline, inline
 
 pytestmark = pytest.mark.timeout(60)
 

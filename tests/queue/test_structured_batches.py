@@ -22,19 +22,10 @@ from torch.utils.data._utils.collate import default_convert
 
 from gradientmail import LoaderError, LocalMailbox, SharedQueueDataset
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.batches import (
-    INLINE_BYTES,
-    MAX_DEPTH,
-    Inline,
-    UnitTag,
-    checked_batch,
-    first_non_tensor,
-    inline,
-    keep_pairs,
-    map_tensors,
-    to_device,
-)
-from gradientmail.queue.batches import Item as QueueItem
+from gradientmail.queue.batch_checks import Item as QueueItem
+from gradientmail.queue.batch_checks import UnitTag, checked_batch, keep_pairs
+from gradientmail.queue.batches import MAX_DEPTH, first_non_tensor, map_tensors, to_device
+from gradientmail.queue.inline import INLINE_BYTES, Inline, inline
 from gradientmail.status import read_run
 
 pytestmark = pytest.mark.timeout(120)
