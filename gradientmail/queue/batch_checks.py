@@ -50,7 +50,7 @@ class Item(NamedTuple):
     """What travels from a loader to the loop inside ``shared_queue``: a batch and its unit.
 
     One type whatever the run records: the loader's side fills the tag, the loop's side
-    (``pumps``) reads it and hands the training loop the plain ``(step, batch)`` pair. It is
+    (``consume.Batches``) reads it and hands the training loop the plain ``(step, batch)`` pair. It is
     a tuple of plain values, so it survives DataLoader's worker pipes, collation and pinning.
 
     Example:

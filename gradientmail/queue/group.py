@@ -20,7 +20,7 @@ import torch
 from gradientmail.errors import GroupError, LoaderError
 from gradientmail.queue.batch_checks import Batch, loaded_batches
 from gradientmail.queue.batches import TensorTree, map_tensors
-from gradientmail.queue.pumps import HandOff
+from gradientmail.queue.handoff import HandOff
 from gradientmail.session.group import GroupSync
 
 __all__ = [

@@ -25,6 +25,7 @@ from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batch_checks import Batch, checked_count
 from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
+from gradientmail.queue.consume import Batches, ElasticBatches
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.group import (
     FollowerBatches,
@@ -35,10 +36,11 @@ from gradientmail.queue.group import (
     refuse,
     split_rows,
 )
+from gradientmail.queue.handoff import ThreadBatches
+from gradientmail.queue.loader import LoaderBatches, check_for_workers
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.progress_display import ProgressDisplay
-from gradientmail.queue.pumps import Batches, ElasticBatches, LoaderBatches, ThreadBatches, check_for_workers
 from gradientmail.queue.reclaim import warn_unclean, warn_unfinished
 from gradientmail.queue.unit_timing import BatchWatch, unit_times
 from gradientmail.session.group import GroupSync

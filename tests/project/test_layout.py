@@ -22,7 +22,7 @@ PUBLIC_BY_CONVENTION = {
     "_asdict",
     "_replace",
     "_make",
-    "_shutdown_workers",  # torch's DataLoader iterator: no public shutdown (queue/pumps.py, one call)
+    "_shutdown_workers",  # torch's DataLoader iterator: no public shutdown (queue/loader.py, one call)
 }
 
 
