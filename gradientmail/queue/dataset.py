@@ -57,14 +57,8 @@ from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.progress_display import queue_figures
-from gradientmail.queue.reclaim import (
-    ElasticClaimer,
-    ElasticOptions,
-    check_elastic,
-    elastic_options,
-    untracked_record,
-    warn_unfinished,
-)
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, elastic_options
+from gradientmail.queue.unfinished import untracked_record, warn_unfinished
 from gradientmail.records import RunRecord, get_record
 from gradientmail.run_record import check_run_record, unit_fingerprint
 

@@ -41,7 +41,7 @@ from gradientmail.queue.loader import LoaderBatches, check_for_workers
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.progress_display import ProgressDisplay
-from gradientmail.queue.reclaim import warn_unclean, warn_unfinished
+from gradientmail.queue.unfinished import warn_unclean, warn_unfinished
 from gradientmail.queue.unit_timing import BatchWatch, unit_times
 from gradientmail.session.group import GroupSync
 

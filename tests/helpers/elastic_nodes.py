@@ -28,7 +28,7 @@ from queue_nodes import RecordingLoad
 from gradientmail.layout import WORK_PREFIX
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.reclaim import take_over
+from gradientmail.queue.takeover import take_over
 
 
 def _append(path: Path, line: str) -> None:

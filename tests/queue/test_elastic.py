@@ -17,7 +17,8 @@ from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.queue.claims import claim_body
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, take_over
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
+from gradientmail.queue.takeover import take_over
 
 
 class FakeClock:

@@ -25,7 +25,8 @@ from gradientmail.queue.claims import parse_claim
 from gradientmail.queue.dataset import prepare_mailbox
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, take_over
+from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
+from gradientmail.queue.takeover import take_over
 from gradientmail.records import (
     CLAIM,
     LEASE,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gradientmail.queue.progress import Consumption, tagged_items
-from gradientmail.queue.reclaim import Assignment
+from gradientmail.queue.takeover import Assignment
 
 
 class Claims:
