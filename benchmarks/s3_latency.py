@@ -46,7 +46,7 @@ from benchmarks.throughput import (
 )
 from gradientmail import Unit, unit_grid
 from gradientmail.mailbox.s3 import S3Mailbox
-from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD, TIED_S
+from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD, TIED_S
 
 SPARSE = {"small"}
 """Sizes run in every other repeat only: small batches reach 3x the baseline's rate (the hand-over

@@ -42,17 +42,12 @@ from gradientmail.queue.batch_checks import (
     loaded_batches,
 )
 from gradientmail.queue.batches import TensorTree
+from gradientmail.queue.claim_ahead import ClaimAhead
 from gradientmail.queue.claim_counter import register_counter
 from gradientmail.queue.claim_index import ClaimIndex
-from gradientmail.queue.claimer import (
-    CROWD_LIMIT,
-    DEFAULT_LISTING,
-    LISTING_POLICIES,
-    SHARED_CROWD_LIMIT,
-    ClaimAhead,
-    Claimer,
-)
+from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
+from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT
 from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items

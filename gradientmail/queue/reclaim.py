@@ -31,8 +31,10 @@ from gradientmail.layout import (
 )
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, supports_replace_if
 from gradientmail.presence import RENEW_S, process_gone
-from gradientmail.queue.claimer import CROWD_LIMIT, ClaimAhead, Claimer, Pick
+from gradientmail.queue.claim_ahead import ClaimAhead
+from gradientmail.queue.claimer import Claimer, Pick
 from gradientmail.queue.claims import try_claim
+from gradientmail.queue.crowd import CROWD_LIMIT
 from gradientmail.queue.lease import UNREADABLE_LEASE, fence
 from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
 from gradientmail.queue.pacing import BufferGauge

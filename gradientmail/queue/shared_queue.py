@@ -24,7 +24,7 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batch_checks import Batch, checked_count
 from gradientmail.queue.batches import TensorTree
-from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
+from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.consume import Batches, ElasticBatches
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.group import (

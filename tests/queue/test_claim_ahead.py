@@ -18,7 +18,8 @@ from gradientmail.errors import MailboxError
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox, MailboxWrapper
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD, ClaimAhead, Claimer, DepthGauge
+from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD, ClaimAhead, DepthGauge
+from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import parse_claim
 from gradientmail.queue.pacing import BufferGauge
 
@@ -228,7 +229,7 @@ def test_units_and_errors_keep_the_pick_order_whatever_order_claims_run_in(box, 
         pools.append(NewestFirstPool(**kwargs))
         return pools[-1]
 
-    monkeypatch.setattr("gradientmail.queue.claimer.ThreadPoolExecutor", pool)
+    monkeypatch.setattr("gradientmail.queue.claim_ahead.ThreadPoolExecutor", pool)
     order = ids(10)
     clock = SlowStoreClock()
     ahead = ClaimAhead(Claimer(failing_claim(box, "u0003"), order, "node-0"), limit=3, clock=clock)

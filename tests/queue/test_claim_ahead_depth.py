@@ -9,17 +9,17 @@ import pytest
 from test_claim_ahead import DryGauge, FixedTimes, SlowStoreClock  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail.mailbox.wrappers import DelayedMailbox
-from gradientmail.queue.claimer import (
+from gradientmail.queue.claim_ahead import (
     CLIMB_GAIN,
     CLIMB_S,
     CLIMB_UNITS,
     HOLD_S,
     TIED_S,
     ClaimAhead,
-    Claimer,
     DepthClimb,
     DepthGauge,
 )
+from gradientmail.queue.claimer import Claimer
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from gradientmail import MemoryMailbox
-from gradientmail.queue.claimer import CROWD_LIMIT, SHARED_CROWD_LIMIT, SPREAD, Claimer
+from gradientmail.queue.claimer import Claimer
+from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT, SPREAD
 from gradientmail.queue.simulate import simulate
 from gradientmail.queue.units import unit_grid
 

@@ -14,8 +14,9 @@ from gradientmail.errors import InvalidKeyError, KeyTypeError, UnsafeStoreError
 from gradientmail.layout import CLAIMS_PREFIX, claim_key
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.queue import claims
-from gradientmail.queue.claimer import STRETCH, Claimer
+from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import claim_body, read_claim, try_claim, validate_identifier, validate_learner_id
+from gradientmail.queue.crowd import STRETCH
 from gradientmail.queue.simulate import fixed_split_makespan, simulate
 
 pytestmark = pytest.mark.timeout(60)
