@@ -1,7 +1,7 @@
 """How close the shared queue comes to perfect balance, against a fixed split, on a virtual clock.
 
 Nodes of unequal speed drain one set of work units. Every node is a real ``SharedQueueDataset``
-claiming through one shared ``MemoryMailbox`` (``gradientmail.queue.simulate``); only the
+claiming through one shared ``MemoryMailbox`` (``gradientmail.sim.queue``); only the
 clock is virtual: the node whose clock is lowest asks for its next batch, so nothing sleeps.
 
 - ``shared_over_bound``: shared-queue makespan / the fluid lower bound (total work / total
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from benchmarks._common import default_jobs, emit, parallel_map, parser, table, verdicts
 from gradientmail import Unit, unit_grid
-from gradientmail.queue.simulate import fixed_split_makespan, simulate
+from gradientmail.sim.queue import fixed_split_makespan, simulate
 
 PATTERN = (1.0, 2.0, 2.0, 4.0)
 """Time per unit of the seed's nodes A, B, C and D, repeated over larger clusters."""

@@ -4,7 +4,7 @@ The claimer lists claims in the store's key order and walks its preference order
 two agree, one listing covers the next units. ``epochs`` shuffles each pass and ``mix``
 interleaves sources, so both put each unit's place in its key (``e0000/0042-{id}``,
 ``0042-{source}/{id}``). This measures that choice on the virtual clock
-(``gradientmail.queue.simulate``: 16 real claimers at times per unit 1, 2, 2, 4 repeated, each
+(``gradientmail.sim.queue``: 16 real claimers at times per unit 1, 2, 2, 4 repeated, each
 batch +-20 % jitter, requests counted as S3 bills them):
 
 - ``epochs_requests_per_claim``: 2 shuffled epochs of 2,000 units, ``epochs``' keys;
@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks._common import emit, parser, table
 from gradientmail.data import epochs, mix
-from gradientmail.queue.simulate import simulate
+from gradientmail.sim.queue import simulate
 
 TIMES = (1.0, 2.0, 2.0, 4.0) * 4
 """Time per unit of the 16 claimers."""

@@ -3,7 +3,7 @@
 The claim protocol alone: each node runs the design note's queue (``resume=False``); the
 default ``resume=None`` adds the progress records of docs/elastic.md, left out here.
 
-Each cell runs ``gradientmail.queue.simulate``: real ``SharedQueueDataset`` claimers of
+Each cell runs ``gradientmail.sim.queue``: real ``SharedQueueDataset`` claimers of
 unequal speed (times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter) on one shared
 ``MemoryMailbox``, each behind a ``CountingMailbox`` that counts requests the way S3 bills them
 (a list page of 1,000 keys is one request; each node's start-up is included). Units are the
@@ -93,7 +93,7 @@ class Outcome:
 def run_cell(job: Cell | tuple[Cell, int]) -> Outcome:
     """One simulation of a cell, or of ``(cell, seed)`` (module-level: cells run in worker processes)."""
     from benchmarks.balance import grid
-    from gradientmail.queue.simulate import simulate
+    from gradientmail.sim.queue import simulate
 
     cell, seed = job if isinstance(job, tuple) else (job, 0)
     times = [PATTERN[rank % len(PATTERN)] for rank in range(cell.learners)]

@@ -1,7 +1,7 @@
 """How the shared queue and its simulation scale, towards 1M units over 1,024 nodes.
 
 The balance and requests benchmarks at growing sizes on the virtual clock
-(``gradientmail.queue.simulate``: real ``SharedQueueDataset`` claimers on one ``MemoryMailbox``,
+(``gradientmail.sim.queue``: real ``SharedQueueDataset`` claimers on one ``MemoryMailbox``,
 times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter, one lane per node with rotation),
 with what the simulation itself costs: its wall time and memory per simulated node.
 
@@ -143,7 +143,7 @@ def run_size(size: tuple[int, ...]) -> Row:
     """One full simulation of ``(units, nodes[, seed])`` (module-level: sizes run in fresh
     worker processes)."""
     from benchmarks.balance import grid
-    from gradientmail.queue.simulate import simulate
+    from gradientmail.sim.queue import simulate
 
     units, nodes, seed = (*size, 0)[:3]
     mapping = grid(units, nodes)
@@ -192,7 +192,7 @@ def node_cost(size: tuple[int, int]) -> NodeCost:
     from gradientmail.mailbox.memory import MemoryMailbox
     from gradientmail.queue.claim_index import ClaimIndex
     from gradientmail.queue.claimer import Claimer
-    from gradientmail.queue.simulate import rotated_positions
+    from gradientmail.sim.queue import rotated_positions
 
     units, nodes = size
     mapping = grid(units, nodes)

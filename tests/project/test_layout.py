@@ -134,7 +134,7 @@ LAYERS = (
     ("gradientmail.verdict", "gradientmail.run_record", "gradientmail.presence"),
     ("gradientmail.session",),
     ("gradientmail.queue",),
-    ("gradientmail.status", "gradientmail.plot", "gradientmail.patterns", "gradientmail.testing"),
+    ("gradientmail.status", "gradientmail.plot", "gradientmail.patterns", "gradientmail.testing", "gradientmail.sim"),
     ("gradientmail.cli",),
 )
 """The package's layers, lowest first: a module imports only from its own layer or below.

@@ -13,8 +13,8 @@ import pytest
 from gradientmail import MemoryMailbox
 from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT, SPREAD
-from gradientmail.queue.simulate import simulate
 from gradientmail.queue.units import unit_grid
+from gradientmail.sim.queue import simulate
 
 
 @pytest.fixture

@@ -178,8 +178,8 @@ def test_summary_span_must_be_a_non_negative_int(store):
 def test_simulated_nodes_skip_summarised_spans_and_pay_for_them(monkeypatch):
     """64 nodes on spans of 64 units: summaries are read and written, every unit is claimed once,
     and the simulator bills their listings and creates like any other request."""
-    from gradientmail.queue.simulate import simulate
     from gradientmail.queue.units import unit_grid
+    from gradientmail.sim.queue import simulate
 
     def run(span: int):
         monkeypatch.setitem(Claimer.__init__.__kwdefaults__, "summary_span", span)

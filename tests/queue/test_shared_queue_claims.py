@@ -17,7 +17,7 @@ from gradientmail.queue import claims
 from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import claim_body, read_claim, try_claim, validate_identifier, validate_learner_id
 from gradientmail.queue.crowd import STRETCH
-from gradientmail.queue.simulate import fixed_split_makespan, simulate
+from gradientmail.sim.queue import fixed_split_makespan, simulate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -384,7 +384,7 @@ def _two_batches(unit: Unit):
 
 
 def test_simulated_bill_matches_counting_mailbox():
-    from gradientmail.queue.simulate import PagedCountingMailbox, PagedMemoryMailbox
+    from gradientmail.sim.paged_memory import PagedCountingMailbox, PagedMemoryMailbox
 
     store = PagedMemoryMailbox(f"bill-{random.getrandbits(64):x}")
     try:
@@ -415,7 +415,7 @@ def test_simulated_rotated_positions_are_rotated_order(shape, units, lanes, node
     """The simulator's arithmetic rotation gives every node exactly ``rotated_order``'s preference,
     a shorter last group and more nodes than lanes included."""
     from gradientmail.queue.claim_index import ClaimIndex
-    from gradientmail.queue.simulate import rotated_positions
+    from gradientmail.sim.queue import rotated_positions
 
     mapping = dict(itertools.islice(unit_grid(-(-units // lanes), 1, lanes).items(), units))
     index = ClaimIndex(mapping)

@@ -20,8 +20,8 @@ import torch
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.queue.dataset import SharedQueueDataset
-from gradientmail.queue.simulate import simulate
 from gradientmail.queue.units import Unit, rotated_order, unit_grid
+from gradientmail.sim.queue import simulate
 
 
 class Recorder:

@@ -1,0 +1,1 @@
+"""Simulations of GradientMail runs on a virtual clock, for benchmarks and tests."""
