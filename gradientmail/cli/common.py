@@ -33,7 +33,7 @@ def open_cli_mailbox(
 ):
     """Open ``url`` for a command; a local directory is never created unless ``create``."""
     from gradientmail.mailbox import open_mailbox
-    from gradientmail.mailbox.url import SCHEMES, backend_for
+    from gradientmail.mailbox.schemes import SCHEMES, backend_for
 
     scheme, sep, rest = url.partition("://")
     backend = backend_for(scheme) if sep else SCHEMES["file"]

@@ -22,7 +22,8 @@ from gradientmail.mailbox.base import (
 from gradientmail.mailbox.keys import is_valid_key, validate_key, validate_prefix
 from gradientmail.mailbox.local import LocalMailbox
 from gradientmail.mailbox.memory import MemoryMailbox
-from gradientmail.mailbox.url import Backend, open_mailbox, register_backend
+from gradientmail.mailbox.schemes import Backend, register_backend
+from gradientmail.mailbox.url import open_mailbox
 
 __all__ = [
     "Backend",

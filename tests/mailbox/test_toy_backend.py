@@ -22,7 +22,8 @@ from gradientmail.cli.main import main as cli_main
 from gradientmail.errors import ValueTooLargeError
 from gradientmail.mailbox import Backend, register_backend
 from gradientmail.mailbox.base import BaseMailbox
-from gradientmail.mailbox.url import open_mailbox, unregister_backend
+from gradientmail.mailbox.schemes import unregister_backend
+from gradientmail.mailbox.url import open_mailbox
 from gradientmail.testing import MailboxConformance
 
 
