@@ -20,7 +20,7 @@ from botocore.httpsession import URLLib3Session  # noqa: E402
 
 from gradientmail import MailboxError, UnsafeStoreError, open_mailbox  # noqa: E402
 from gradientmail.errors import ValueTooLargeError  # noqa: E402
-from gradientmail.mailbox.s3 import S3Mailbox  # noqa: E402
+from gradientmail.mailbox.s3 import S3Mailbox
 from gradientmail.mailbox.s3_common import TOKEN_METADATA  # noqa: E402
 
 

@@ -30,13 +30,9 @@ from s3_fault_proxy import (  # noqa: E402
 )
 
 from gradientmail import MailboxError, UnsafeStoreError, open_mailbox  # noqa: E402
-from gradientmail.mailbox import s3 as s3_backend  # noqa: E402
-from gradientmail.mailbox.s3 import (  # noqa: E402
-    DEFAULT_RETRY_WINDOW,
-    FIRST_CONTACT_ATTEMPTS,
-    RetryBudget,
-    S3Mailbox,  # noqa: E402
-)
+from gradientmail.mailbox import s3_retry  # noqa: E402
+from gradientmail.mailbox.s3 import S3Mailbox
+from gradientmail.mailbox.s3_retry import DEFAULT_RETRY_WINDOW, FIRST_CONTACT_ATTEMPTS, RetryBudget
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -241,14 +237,14 @@ def test_backoff_is_capped_exponential_with_jitter_within_the_window(monkeypatch
         sleeps.append(seconds)
         clock[0] += seconds
 
-    monkeypatch.setattr(s3_backend.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(s3_backend.time, "sleep", sleep)
+    monkeypatch.setattr(s3_retry.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(s3_retry.time, "sleep", sleep)
     budget = RetryBudget(window=60.0, backoff=0.5)
     while budget.spend():
         pass
     assert sum(sleeps) == pytest.approx(60.0), "retries go on until the window is spent, no more"
     for failure, slept in enumerate(sleeps[:-1]):
-        assert 0 <= slept <= min(s3_backend.MAX_BACKOFF, 0.5 * 2**failure)
+        assert 0 <= slept <= min(s3_retry.MAX_BACKOFF, 0.5 * 2**failure)
     assert len(set(sleeps)) > 1, "jittered"
     assert len(sleeps) > 12, "capped: the window holds many retries, not a few huge sleeps"
 
