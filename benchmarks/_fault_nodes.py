@@ -213,10 +213,10 @@ def skew_clock(offset_s: float, host_suffix: str) -> None:
     socket.gethostname = lambda: real_host() + host_suffix  # type: ignore[assignment]
     # Caches a forked parent may have filled, and a default bound at import (``Presence(wall=)``).
     from gradientmail import presence
-    from gradientmail.mailbox import local as local_backend
+    from gradientmail.mailbox import local_temp
 
     presence.machine.cache_clear()
-    local_backend.host_token.cache_clear()
+    local_temp.host_token.cache_clear()
     defaults = presence.Presence.__init__.__kwdefaults__
     if defaults is not None and "wall" in defaults:
         defaults["wall"] = time.time

@@ -228,7 +228,7 @@ def listing_cost(keys: int, repeats: int = 200) -> tuple[float, float, float]:
     """Milliseconds of one listing of ``units/`` in a directory of ``keys`` claims: a full scan
     (what every listing cost before the index), and from the index: resuming after a key and
     reading 1,000 keys (the claimer's page), and reading one; medians of ``repeats``."""
-    from gradientmail.mailbox import local as local_backend
+    from gradientmail.mailbox import local_index
     from gradientmail.mailbox.local import LocalMailbox
 
     path = tempfile.mkdtemp(prefix="gm-local-list-", dir=MEMORY_DIR)
@@ -239,15 +239,15 @@ def listing_cost(keys: int, repeats: int = 200) -> tuple[float, float, float]:
         for name in names:  # by hand: creating them through the mailbox takes minutes
             (box.path / "units" / name).write_bytes(b"{}")
         scan = []
-        rebuild = local_backend.REBUILD_MIN_S, local_backend.REBUILD_FACTOR
-        local_backend.REBUILD_MIN_S = local_backend.REBUILD_FACTOR = 0.0  # every listing scans
+        rebuild = local_index.REBUILD_MIN_S, local_index.REBUILD_FACTOR
+        local_index.REBUILD_MIN_S = local_index.REBUILD_FACTOR = 0.0  # every listing scans
         try:
             for _ in range(5):
                 start = time.perf_counter()
                 next(iter(box.list("units/", f"units/{names[len(names) // 2]}")))
                 scan.append(time.perf_counter() - start)
         finally:
-            local_backend.REBUILD_MIN_S, local_backend.REBUILD_FACTOR = rebuild
+            local_index.REBUILD_MIN_S, local_index.REBUILD_FACTOR = rebuild
         page, one = [], []
         for repeat in range(repeats):
             after = f"units/{names[(repeat * 7919) % len(names)]}"
@@ -258,7 +258,7 @@ def listing_cost(keys: int, repeats: int = 200) -> tuple[float, float, float]:
             next(iter(box.list("units/", after)), None)
             one.append(time.perf_counter() - start)
             assert got and got[0] > after
-        assert local_backend.SCAN_LIMIT <= keys
+        assert local_index.SCAN_LIMIT <= keys
     finally:
         shutil.rmtree(path, ignore_errors=True)
     return 1e3 * median(scan), 1e3 * median(page), 1e3 * median(one)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from gradientmail import LocalMailbox, MailboxError
-from gradientmail.mailbox import local as local_backend
-from gradientmail.mailbox.local import SortedKeys
+from gradientmail.mailbox import local_index
+from gradientmail.mailbox.local_index import SortedKeys
 
 pytestmark = pytest.mark.slow  # most tests here start processes
 
@@ -31,7 +31,7 @@ class Scans:
     """How often this process read each directory of a mailbox whole (``ListingIndex.full_scans``)."""
 
     def __init__(self, box: LocalMailbox) -> None:
-        self.counts = local_backend.listing_index(box.path).full_scans
+        self.counts = local_index.listing_index(box.path).full_scans
 
     def mark(self) -> dict[str, int]:
         return dict(self.counts)
@@ -43,7 +43,7 @@ class Scans:
 @pytest.fixture
 def scans(monkeypatch, local_mailbox) -> Scans:
     """The full scans of ``local_mailbox``, with a small ``SCAN_LIMIT``."""
-    monkeypatch.setattr(local_backend, "SCAN_LIMIT", SMALL_LIMIT)
+    monkeypatch.setattr(local_index, "SCAN_LIMIT", SMALL_LIMIT)
     return Scans(local_mailbox)
 
 
@@ -196,7 +196,7 @@ def test_a_writer_killed_mid_change_is_listed_as_the_directory_is(local_mailbox,
 
 
 def test_keys_created_during_a_listing(local_mailbox, scans, monkeypatch):
-    monkeypatch.setattr(local_backend, "_PAGE", 10)  # the listing copies 10 keys at a time
+    monkeypatch.setattr(local_index, "_PAGE", 10)  # the listing copies 10 keys at a time
     for i in range(0, 200, 2):
         local_mailbox.put_if_absent(f"units/{i:04d}", b"v")
     list(local_mailbox.list("units/"))
@@ -239,8 +239,8 @@ def test_entries_made_by_hand_are_listed_after_the_next_full_scan(local_mailbox,
     built = scans.mark()
     assert "units/by-hand" not in list(local_mailbox.list("units/"))  # the index does not know it yet
     assert scans.since(built) == set()
-    monkeypatch.setattr(local_backend, "REBUILD_MIN_S", 0.0)
-    monkeypatch.setattr(local_backend, "REBUILD_FACTOR", 0.0)
+    monkeypatch.setattr(local_index, "REBUILD_MIN_S", 0.0)
+    monkeypatch.setattr(local_index, "REBUILD_FACTOR", 0.0)
     assert "units/by-hand" in list(local_mailbox.list("units/"))
     assert scans.since(built) == {"units"}
 
@@ -251,7 +251,7 @@ def test_the_journal_holds_a_record_before_and_after_each_change(local_mailbox):
     local_mailbox.put("units/b", b"v")
     local_mailbox.delete("units/a")
     local_mailbox.delete("units/missing")  # no change
-    journals = list((local_mailbox.path / local_backend.INDEX_DIR).iterdir())
+    journals = list((local_mailbox.path / local_index.INDEX_DIR).iterdir())
     assert len(journals) == 1 and journals[0].name.endswith(".log")
     assert journals[0].read_text().splitlines() == [
         "?units/a",
@@ -271,7 +271,7 @@ def test_a_planted_journal_directory_is_refused_and_listings_read_the_directory(
     for i in range(SMALL_LIMIT * 2):
         local_mailbox.put_if_absent(f"units/{i:05d}", b"v")
     list(local_mailbox.list("units/"))
-    index = local_mailbox.path / local_backend.INDEX_DIR
+    index = local_mailbox.path / local_index.INDEX_DIR
     for journal in index.iterdir():
         journal.unlink()
     index.rmdir()
@@ -335,7 +335,7 @@ def test_a_journal_truncated_or_rewritten_in_place_is_not_trusted(local_mailbox,
     for i in range(SMALL_LIMIT * 2):
         local_mailbox.put_if_absent(f"units/{i:05d}", b"v")
     assert len(list(local_mailbox.list("units/"))) == SMALL_LIMIT * 2  # the index is built
-    (journal,) = (local_mailbox.path / local_backend.INDEX_DIR).iterdir()
+    (journal,) = (local_mailbox.path / local_index.INDEX_DIR).iterdir()
     size = journal.stat().st_size
     os.truncate(journal, 0)  # in place: the same inode
     for change, key in (("create", "units/new"), ("delete", "units/00003")):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gradientmail import LocalMailbox, MailboxError, MailSkippedWarning
-from gradientmail.mailbox import local as local_backend
+from gradientmail.mailbox import local_temp
 
 OPERATIONS = {
     "get": lambda box, key: box.get(key),
@@ -246,8 +246,8 @@ def test_temp_files_of_writers_killed_mid_write_are_swept(local_mailbox):
 def test_only_stale_temp_files_are_swept(local_mailbox):
     units = local_mailbox.path / "units"
     local_mailbox.put("units/b", b"v")
-    live = local_backend.temp_name("a")  # this process: alive
-    assert f".{local_backend.host_token()}.{os.getpid()}." in live
+    live = local_temp.temp_name("a")  # this process: alive
+    assert f".{local_temp.host_token()}.{os.getpid()}." in live
     other_host = f".a.{'f' * 12}.1234.{'0' * 32}.tmp"
     old_other_host = f".c.{'f' * 12}.1234.{'1' * 32}.tmp"
     old_format = f".d.{'2' * 32}.tmp"  # written before temp names carried their writer
@@ -255,10 +255,10 @@ def test_only_stale_temp_files_are_swept(local_mailbox):
     finished = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
     )
-    dead = f".e.{local_backend.host_token()}.{int(finished.stdout)}.{'3' * 32}.tmp"  # reaped
+    dead = f".e.{local_temp.host_token()}.{int(finished.stdout)}.{'3' * 32}.tmp"  # reaped
     for name in [live, other_host, old_other_host, old_format, not_a_temp, dead]:
         (units / name).write_bytes(b"partial")
-    past = time.time() - local_backend.STALE_TEMP_SECONDS - 60
+    past = time.time() - local_temp.STALE_TEMP_SECONDS - 60
     for name in [old_other_host, old_format, not_a_temp]:
         os.utime(units / name, (past, past))
     assert list(local_mailbox.list()) == ["units/b"]
@@ -270,12 +270,12 @@ def test_a_lister_whose_clock_runs_an_hour_ahead_sweeps_no_live_writer(local_mai
     clock for other hosts: a lister an hour ahead made 34-58 of 60 writers' puts fail."""
     units = local_mailbox.path / "units"
     local_mailbox.put("units/b", b"v")
-    live = local_backend.temp_name("a")  # this process: alive
+    live = local_temp.temp_name("a")  # this process: alive
     other_host = f".c.{'f' * 12}.1234.{'1' * 32}.tmp"  # written just now on another host
     for name in (live, other_host):
         (units / name).write_bytes(b"partial")
     real = time.time
-    monkeypatch.setattr(local_backend.time, "time", lambda: real() + 3700.0)
+    monkeypatch.setattr(time, "time", lambda: real() + 3700.0)
     assert list(local_mailbox.list()) == ["units/b"]
     assert _hidden(units) == sorted([live, other_host]), "neither file is an hour old by the store's clock"
 
