@@ -17,8 +17,8 @@ The Session stores them in the learner's line of the run's state (past ``MAX_UNI
 object the line names: ``gradientmail.session.marks_store``), and a takeover continues after the
 further of the record and the marks every fragment holds (``gradientmail.session.folded_units``).
 
-One gate per store and learner id in this process: the Session and the queue of one learner
-find each other by those two names (``gate_for``), so the documented loop needs no new argument.
+The Session and the queue of one learner find their gate at their ``MeetingPoint``
+(``gradientmail.meeting_point``), so the documented loop needs no new argument.
 
 Example:
     >>> gate = FoldGate()
@@ -44,15 +44,13 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 __all__ = [
     "MAX_UNIT_MARKS",
     "FoldGate",
     "SessionLink",
     "UnitMark",
-    "gate_for",
     "held_everywhere",
     "unit_marks_from_json",
 ]
@@ -116,16 +114,6 @@ def held_everywhere(marks: Sequence[Sequence[UnitMark]], unit: str, token: str) 
     return everywhere
 
 
-@dataclass(frozen=True)
-class QueueFigures:
-    """What a learner's queue reports to its Session's progress record."""
-
-    units: int | None = None
-    """Units this learner claimed in this process (DataLoader workers included)."""
-    unit_spans: dict[str, Any] | None = None
-    """When and for how long it trained its recent units (``queue.unit_timing.spans_record``)."""
-
-
 class FoldGate:
     """Counts the batches handed to the training loop and how many of them the run holds.
 
@@ -146,7 +134,6 @@ class FoldGate:
         self._owner_check: Callable[[], None] | None = None
         self._owner_confirm: Callable[[], None] | None = None
         self._join_marks: tuple[tuple[UnitMark, ...], ...] | None = None
-        self._figures: Callable[[], QueueFigures] | None = None
         self.pause_limit_s = math.inf  # a Session that stood still this long asks _owner_check
 
     def deliver(self, mark: UnitMark | None = None) -> int:
@@ -207,24 +194,6 @@ class FoldGate:
         with self._lock:
             self._owner_check, self.pause_limit_s = check, pause_limit_s if check is not None else math.inf
             self._owner_confirm = confirm
-
-    def report_figures(self, figures: Callable[[], QueueFigures] | None) -> None:
-        """The queue of this learner hands the Session what its progress record shows (units
-        claimed, recent units' spans): ``figures()`` is asked at each progress write."""
-        with self._lock:
-            self._figures = figures
-
-    def queue_figures(self) -> QueueFigures:
-        """What the learner's queue reports (empty without a queue, or when it fails: a status
-        field must never fail an exchange)."""
-        with self._lock:
-            figures = self._figures
-        if figures is None:
-            return QueueFigures()
-        try:
-            return figures()
-        except Exception:
-            return QueueFigures()
 
     def check_owner(self) -> None:
         """Raise ``LeaseLostError`` if the queue finds this learner's units taken over."""
@@ -362,13 +331,3 @@ class SessionLink:
 
     def landed(self, fragment: int, mark: int) -> None:
         self.gate.landed(self, fragment, mark)
-
-
-_GATES: dict[tuple[str, str], FoldGate] = {}
-_GATES_LOCK = threading.Lock()
-
-
-def gate_for(store: str, learner_id: str) -> FoldGate:
-    """The gate of ``learner_id`` on ``store`` (``describe(mailbox)``) in this process."""
-    with _GATES_LOCK:
-        return _GATES.setdefault((store, learner_id), FoldGate())

@@ -26,10 +26,10 @@ from typing import Any, Generic, TypeVar
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gradientmail.errors import RecordError, UnsafeStoreError
-from gradientmail.fold_gate import gate_for
 from gradientmail.layout import RUN_KEY
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
+from gradientmail.meeting_point import meeting_point
 from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batch_checks import (
     Batch,
@@ -48,10 +48,10 @@ from gradientmail.queue.claim_index import ClaimIndex
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT
+from gradientmail.queue.figures import queue_figures
 from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
-from gradientmail.queue.progress_display import queue_figures
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, elastic_options
 from gradientmail.queue.unfinished import untracked_record, warn_unfinished
 from gradientmail.records import RunRecord, get_record
@@ -268,7 +268,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self._crowd_limit = SHARED_CROWD_LIMIT if order is None else CROWD_LIMIT
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
         self._counter = register_counter(self.learner_id)
-        gate_for(describe(mailbox), self.learner_id).report_figures(queue_figures(describe(mailbox), self.learner_id))
+        point = meeting_point(mailbox, self.learner_id)
+        point.report_figures(queue_figures(point))
         self._listing = listing
         self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
         self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies
@@ -369,7 +370,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             if not self.wiring.prepared:  # a store that cannot create atomically is refused first
                 prepare_mailbox(self.mailbox, len(self.units), self.units)
                 return self.configured(prepared=True).__iter__()
-            joined = gate_for(describe(self.mailbox), self.learner_id).take_join_marks()
+            joined = meeting_point(self.mailbox, self.learner_id).gate.take_join_marks()
             options = dataclasses.replace(self.wiring.elastic, incarnation=uuid.uuid4().hex, joined_marks=joined)
             tracker = ProgressTracker(self.mailbox, self.learner_id, options)
             presence = PresenceShare(

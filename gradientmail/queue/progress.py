@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gradientmail.errors import LeaseLostError, RecordError
-from gradientmail.fold_gate import UnitMark, gate_for
+from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import claim_key, done_key, work_key, work_prefix
-from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.confirmed import replace_confirmed
+from gradientmail.meeting_point import meeting_point
 from gradientmail.queue.batch_checks import Item, UnitTag
 from gradientmail.queue.claims import load_claim
 from gradientmail.queue.lease import OwnLease
@@ -75,7 +75,7 @@ class ProgressTracker:
         # unit -> (token, step, position, gate index) and [(unit, token, gate index)]: to write
         self._progress: dict[str, tuple[str, int, int | None, int]] = {}
         self._finished: list[tuple[str, str, int]] = []
-        self.gate = gate_for(describe(mailbox), learner_id)
+        self.gate = meeting_point(mailbox, learner_id).gate
         self._held: deque[tuple[int, tuple[str, str, int, int | None] | tuple[str, str]]] = deque()
         self._waiting_since: float | None = None  # the loop is inside next() since (monotonic)
         self._handed_at: float | None = None  # when the loop last got a batch (monotonic)

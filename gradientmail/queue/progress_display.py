@@ -20,15 +20,11 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from gradientmail.errors import MissingExtraError
-from gradientmail.fold_gate import QueueFigures
-from gradientmail.queue.claim_counter import units_claimed_by
-from gradientmail.queue.unit_timing import spans_record
 
 __all__ = [
     "LIST_EVERY_S",
     "PLAIN_EVERY_S",
     "ProgressDisplay",
-    "queue_figures",
 ]
 
 
@@ -205,9 +201,3 @@ class ProgressDisplay:
             )
             print(line, file=self._stream, flush=True)
             self.lines += 1
-
-
-def queue_figures(store: str, learner_id: str) -> Callable[[], QueueFigures]:
-    """What this process's queue of ``learner_id`` on ``store`` reports to its Session
-    (``FoldGate.report_figures``): units claimed here, workers included, and recent units' spans."""
-    return lambda: QueueFigures(units=units_claimed_by(learner_id), unit_spans=spans_record(store, learner_id))

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar
 
-from gradientmail.fold_gate import gate_for
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.meeting_point import meeting_point
 from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batch_checks import Batch, checked_count
 from gradientmail.queue.batches import TensorTree
@@ -254,7 +254,7 @@ def shared_queue(
             warn_unfinished(mailbox, dataset.learner_id, dataset.incarnation)
         else:
             warn_unclean(dataset.learner_id, presence.previous)
-    watch = BatchWatch(unit_times(describe(mailbox), dataset.learner_id))
+    watch = BatchWatch(unit_times(meeting_point(mailbox, dataset.learner_id)))
     display: ProgressDisplay | None = None
     began = time.monotonic()
     try:
@@ -273,7 +273,7 @@ def shared_queue(
         tracker: ProgressTracker | None = None
         if elastic is not None:
             # Its own earlier units continue from the marks its Session's counts continue from.
-            joined = gate_for(describe(mailbox), dataset.learner_id).take_join_marks()
+            joined = meeting_point(mailbox, dataset.learner_id).gate.take_join_marks()
             elastic = dataclasses.replace(elastic, joined_marks=joined)
             # The lease exists before the first claim.
             tracker = ProgressTracker(mailbox, dataset.learner_id, elastic)

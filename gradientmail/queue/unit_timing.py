@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gradientmail.meeting_point import MeetingPoint
+
 __all__ = [
     "BatchWatch",
     "KEEP_UNITS",
@@ -99,25 +101,25 @@ class UnitTimes:
         return {"recent": kept, "older": older}
 
 
-_TIMES: dict[tuple[str, str], UnitTimes] = {}
+_TIMES: dict[MeetingPoint, UnitTimes] = {}
 _TIMES_LOCK = threading.Lock()
 
 
-def unit_times(store: str, learner_id: str) -> UnitTimes:
-    """The spans of ``learner_id`` in the mailbox ``store`` (``describe(mailbox)``) timed in this
-    process: created on first use, shared by its queues; another run (mailbox) starts afresh."""
+def unit_times(point: MeetingPoint) -> UnitTimes:
+    """The spans timed in this process by the learner of ``point`` on its store: created on
+    first use, shared by its queues; another run (store) starts afresh."""
     with _TIMES_LOCK:
-        times = _TIMES.get((store, learner_id))
+        times = _TIMES.get(point)
         if times is None:
-            times = _TIMES[(store, learner_id)] = UnitTimes()
+            times = _TIMES[point] = UnitTimes()
         return times
 
 
-def spans_record(store: str, learner_id: str) -> dict[str, Any] | None:
-    """The ``unit_spans`` field for ``learner_id``'s progress record in ``store``; None when
-    this process timed nothing there."""
+def spans_record(point: MeetingPoint) -> dict[str, Any] | None:
+    """The ``unit_spans`` field of the progress record of ``point``'s learner on its store; None
+    when this process timed nothing there."""
     with _TIMES_LOCK:
-        times = _TIMES.get((store, learner_id))
+        times = _TIMES.get(point)
     return None if times is None else times.record()
 
 

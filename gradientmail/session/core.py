@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import GradientMailError, LeaseLostError, SessionError
-from gradientmail.fold_gate import FoldGate, gate_for
+from gradientmail.fold_gate import FoldGate
 from gradientmail.layout import member_key, pending_key, progress_key
 from gradientmail.learner_id import default_learner_id
 from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
+from gradientmail.meeting_point import meeting_point
 from gradientmail.presence import SESSION, PresenceShare
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
@@ -363,7 +364,7 @@ class Session:
             raise
         # The queue of this learner in this process records a batch as done once folded.
         # (Another rank of a sharded group has no queue: a gate of its own, never shared.)
-        gate = gate_for(describe(self.mailbox), self.learner_id) if registers else FoldGate()
+        gate = meeting_point(self.mailbox, self.learner_id).gate if registers else FoldGate()
         self._guard = QueueGuard(gate, self.learner_id)
         self._guard.attach(self._fold_now, len(plan), self._wait_for_fold, exchanger.joined_marks)
         self._marks.earlier = exchanger.joined_marks_object

@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 
 from gradientmail.errors import GradientMailError, SessionError
-from gradientmail.fold_gate import UnitMark, gate_for
+from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import member_key, progress_key
 from gradientmail.mailbox.base import Mailbox, describe
+from gradientmail.meeting_point import meeting_point
 from gradientmail.records import MemberRecord, ProgressRecord
 from gradientmail.session.chain import ABSORB, FragmentChain, View
 from gradientmail.session.fragments import Fragment, FragmentPlan, Piece, widen
@@ -371,7 +372,7 @@ class Exchanger:
 
     def put_progress(self, progress: dict[str, Any]) -> None:
         """Write this learner's progress record (what ``gradientmail status`` shows)."""
-        figures = gate_for(describe(self.mailbox), self.learner_id).queue_figures()  # from its queue, if any
+        figures = meeting_point(self.mailbox, self.learner_id).queue_figures()  # from its queue, if any
         record = ProgressRecord.new(
             progress,
             units=figures.units,

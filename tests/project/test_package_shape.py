@@ -152,7 +152,7 @@ def test_no_import_circle() -> None:
 LAYERS = (
     ("gradientmail.errors", "gradientmail.learner_id"),
     ("gradientmail.mailbox", "gradientmail.data"),
-    ("gradientmail.layout", "gradientmail.records", "gradientmail.fold_gate"),
+    ("gradientmail.layout", "gradientmail.records", "gradientmail.fold_gate", "gradientmail.meeting_point"),
     ("gradientmail.verdict", "gradientmail.run_record", "gradientmail.presence"),
     ("gradientmail.session",),
     ("gradientmail.queue",),
@@ -163,7 +163,7 @@ LAYERS = (
 The front door (``gradientmail/__init__.py``) and ``__main__`` entry points sit above them all.
 The Session is below the queue: the elastic queue reads the learners' unit marks from the
 run's state (``session.folded_units``) to continue a dead learner's unit; the Session needs
-nothing from the queue (the queue hands its figures over through ``fold_gate``, and both
+nothing from the queue (the queue hands its figures over through ``meeting_point``, and both
 register their learner through ``presence``, below them)."""
 
 

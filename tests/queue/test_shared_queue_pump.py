@@ -21,7 +21,7 @@ from test_shared_queue import FailingLoad, ProducedCounter, leftovers, load_item
 from torch.utils.data import _utils
 
 from gradientmail.layout import CLAIMS_PREFIX
-from gradientmail.mailbox.base import describe
+from gradientmail.meeting_point import meeting_point
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.handoff import HandOff
 from gradientmail.queue.loader import wake_loader
@@ -359,7 +359,7 @@ def test_each_batch_crosses_the_worker_pipe_naming_its_unit(local_mailbox, resum
         got = list(batches)
     assert all(type(pair) is tuple and len(pair) == 2 for pair in got)
     assert sorted((int(batch[0]), step) for step, batch in got) == [(u, s) for u in range(3) for s in range(2)]
-    spans = spans_record(describe(local_mailbox), learner)
+    spans = spans_record(meeting_point(local_mailbox, learner))
     assert spans is not None
     assert sorted((entry["unit"], entry["batches"]) for entry in spans["recent"]) == [
         (unit, 2) for unit in sorted(units)

@@ -21,10 +21,9 @@ from elastic_nodes import ElasticSpec, consumed_pairs, run_elastic_nodes, writte
 from queue_nodes import named_units
 
 from gradientmail import LocalMailbox, Session, consensus
-from gradientmail.fold_gate import gate_for
 from gradientmail.layout import WORK_PREFIX, state_key
-from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.wrappers import MailboxWrapper
+from gradientmail.meeting_point import meeting_point
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.status import read_run
@@ -146,7 +145,7 @@ def test_a_clean_exit_folds_before_the_records_are_written(memory_mailbox):
     row = run.learner("node-0")
     assert row is not None and (row.samples, row.samples_in_run) == (12, 12)  # `gradientmail status`
     assert not list(memory_mailbox.list(WORK_PREFIX))
-    assert not gate_for(describe(memory_mailbox), "node-0").attached  # the Session let go
+    assert not meeting_point(memory_mailbox, "node-0").gate.attached  # the Session let go
 
 
 def test_records_wait_for_the_fold_then_follow_it(memory_mailbox):
@@ -245,7 +244,7 @@ def die_after_fold(box_path: str, learner: str, consumed_path: str, fragments: i
     session = Session(model, mailbox=box, learner_id=learner, every=None, every_steps=4, fragments=fragments)
     with session, open(consumed_path, "a", encoding="ascii") as log:
         if kill_at is not None:
-            gate = gate_for(describe(box), learner)
+            gate = meeting_point(box, learner).gate
             gate.listen(
                 lambda folded: folded is not None and folded >= kill_at and os.kill(os.getpid(), signal.SIGKILL)
             )
@@ -392,7 +391,7 @@ def die_after_folding_every_unit(box_path: str, consumed_path: str, fragments: i
     session = Session(model, mailbox=box, learner_id="node-0", every=None, every_steps=every, fragments=fragments)
     with session, open(consumed_path, "a", encoding="ascii") as log:
         if kill:
-            gate = gate_for(describe(box), "node-0")
+            gate = meeting_point(box, "node-0").gate
             gate.listen(lambda folded: folded is not None and folded >= every and os.kill(os.getpid(), signal.SIGKILL))
         with shared_queue(
             SMALL_UNITS,

@@ -1,0 +1,49 @@
+"""A learner's queue and Session meet by their store's identity and learner id, never by how the
+store prints."""
+
+from __future__ import annotations
+
+import uuid
+
+from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset
+from gradientmail.mailbox.base import describe
+from gradientmail.meeting_point import meeting_point
+
+
+class Unnamed(MemoryMailbox):
+    """A store without a URL that prints like every other one of its kind."""
+
+    url = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "Unnamed()"
+
+
+def _queue(mailbox: MemoryMailbox | LocalMailbox, learner: str) -> SharedQueueDataset:
+    return SharedQueueDataset({"a": 0, "b": 1}, mailbox=mailbox, learner_id=learner, load=lambda unit: iter(()))
+
+
+def test_stores_that_print_alike_do_not_meet():
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    queued, other = Unnamed(f"q-{learner}"), Unnamed(f"o-{learner}")
+    assert describe(queued) == describe(other)  # one description, two stores
+    _queue(queued, learner)
+    assert meeting_point(queued, learner).queue_figures().units == 0, "the queue reports where it runs"
+    assert meeting_point(other, learner).queue_figures().units is None, "another store sees no queue"
+    assert meeting_point(other, learner).gate is not meeting_point(queued, learner).gate
+
+
+def test_two_mailbox_objects_over_one_store_meet(tmp_path):
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    _queue(LocalMailbox(tmp_path / "run", create=True), learner)
+    again = LocalMailbox(tmp_path / "run")  # as a Session given its own mailbox object would
+    assert meeting_point(again, learner).queue_figures().units == 0
+    assert meeting_point(again, learner) is meeting_point(LocalMailbox(tmp_path / "run"), learner)
+
+
+def test_each_learner_meets_its_own_queue():
+    run = f"meet-{uuid.uuid4().hex[:8]}"  # units_claimed_by counts per learner id, process-wide
+    box = MemoryMailbox(run)
+    _queue(box, f"{run}-0")
+    assert meeting_point(box, f"{run}-0").queue_figures().units == 0
+    assert meeting_point(box, f"{run}-1").queue_figures().units is None
