@@ -23,6 +23,7 @@ from torch import Tensor
 
 from gradientmail.errors import MailRejectedError, MailSkippedWarning, UnusableStateError
 from gradientmail.fold_gate import UnitMark, unit_marks_from_json
+from gradientmail.records import MAX_COUNT
 from gradientmail.session.marks_store import MarksRef
 
 FORMAT = "gradientmail.session/3"
@@ -36,8 +37,6 @@ OLD_FORMATS = {
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 """Largest safetensors JSON header accepted: tensor entries plus one line per learner."""
 MAX_LEARNERS = 100_000
-MAX_COUNT = 2**62
-"""Upper bound for any count in a header (steps, samples, sequence numbers)."""
 
 
 Spec = dict[str, tuple[tuple[int, ...], "torch.dtype | None"]]
