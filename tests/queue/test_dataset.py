@@ -7,8 +7,8 @@ import json
 import multiprocessing
 
 import pytest
-import torch
-from queue_nodes import Item, claims, named_units
+from queue_loads import load_item
+from queue_nodes import claims, named_units
 from torch.utils.data import DataLoader
 
 import gradientmail
@@ -19,11 +19,6 @@ from gradientmail.patterns.shared_queue import shared_queue
 FORK = multiprocessing.get_context("fork")
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def load_item(item: Item):
-    for step in range(item.steps):
-        yield step, torch.tensor([item.index, step])
 
 
 def test_dataset_iterates_every_unit_in_order(memory_mailbox):

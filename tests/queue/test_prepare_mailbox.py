@@ -7,28 +7,19 @@ import json
 import uuid
 
 import pytest
-import torch
-from queue_nodes import Item, named_units
+from queue_loads import claimed_ids, load_item
+from queue_nodes import named_units
 
 from gradientmail import MemoryMailbox, SharedQueueDataset
 from gradientmail.errors import (
     UnsafeStoreError,
 )
-from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
+from gradientmail.layout import RUN_KEY
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.dataset import prepare_mailbox
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def load_item(item: Item):
-    for step in range(item.steps):
-        yield step, torch.tensor([item.index, step])
-
-
-def _claimed(mailbox) -> list[str]:
-    return [key[len(CLAIMS_PREFIX) :] for key in mailbox.list(CLAIMS_PREFIX)]
 
 
 class IgnoresConditions(MemoryMailbox):
@@ -48,7 +39,7 @@ def test_store_without_conditional_writes_is_refused_before_any_claim(workers):
                 pass
         with pytest.raises(UnsafeStoreError):
             list(SharedQueueDataset(named_units(3), mailbox=mailbox, learner_id="a", load=load_item))
-        assert _claimed(mailbox) == []
+        assert claimed_ids(mailbox) == []
     finally:
         mailbox.clear()
 
@@ -79,7 +70,7 @@ def test_every_node_probes_a_store_that_ignores_conditions_and_is_refused():
             with pytest.raises(UnsafeStoreError, match="second put_if_absent"):
                 list(dataset)
             assert counted.counts["put_if_absent"] == 3, "run.json 'created' again, so the full probe ran"
-        assert _claimed(mailbox) == []
+        assert claimed_ids(mailbox) == []
     finally:
         mailbox.clear()
 

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 import torch
-from queue_nodes import Item, named_units
+from queue_loads import claimed_ids, load_item
+from queue_nodes import named_units
 
 from gradientmail import SharedQueueDataset, units_claimed_by
 from gradientmail.errors import (
@@ -17,20 +18,10 @@ from gradientmail.errors import (
     UnpicklableError,
     WrongProcessError,
 )
-from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.patterns.shared_queue import shared_queue
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def load_item(item: Item):
-    for step in range(item.steps):
-        yield step, torch.tensor([item.index, step])
-
-
-def _claimed(mailbox) -> list[str]:
-    return [key[len(CLAIMS_PREFIX) :] for key in mailbox.list(CLAIMS_PREFIX)]
 
 
 @pytest.mark.parametrize("identifier", [1, None, ("a",), b"bytes"])
@@ -147,7 +138,7 @@ def test_unpicklable_loader_under_spawn(local_mailbox):
             units, mailbox=local_mailbox, learner_id="a", load=load_item, workers=1, multiprocessing_context="spawn"
         ):
             pass
-    assert _claimed(local_mailbox) == []
+    assert claimed_ids(local_mailbox) == []
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from queue_nodes import Item, RecordingLoad, named_units
+from queue_loads import FailingLoad, ProducedCounter, claimed_ids, load_item, wait_until
+from queue_nodes import RecordingLoad, named_units
 
 from gradientmail import LocalMailbox, SharedQueueDataset
 from gradientmail.errors import (
@@ -24,23 +25,6 @@ FORK = multiprocessing.get_context("fork")
 pytestmark = pytest.mark.timeout(60)
 
 
-def load_item(item: Item):
-    for step in range(item.steps):
-        yield step, torch.tensor([item.index, step])
-
-
-def _claimed(mailbox) -> list[str]:
-    return [key[len(CLAIMS_PREFIX) :] for key in mailbox.list(CLAIMS_PREFIX)]
-
-
-def wait_until(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [0, 1, 2])
 def test_shared_queue_delivers_every_batch_once(local_mailbox, workers):
@@ -53,7 +37,7 @@ def test_shared_queue_delivers_every_batch_once(local_mailbox, workers):
     # Each unit's steps arrive in order; with two workers, units interleave.
     for i in range(20):
         assert [s for u, s in got if u == i] == [0, 1, 2]
-    assert sorted(_claimed(local_mailbox)) == sorted(units)
+    assert sorted(claimed_ids(local_mailbox)) == sorted(units)
 
 
 def test_workers_zero_runs_with_memory_mailbox_and_unpicklable_loader(memory_mailbox):
@@ -81,20 +65,6 @@ def test_two_workers_of_one_node_never_load_one_unit(tmp_path, workers):
     assert sorted(loaded) == sorted(units), "each unit loaded exactly once across workers"
 
 
-class ProducedCounter:
-    """A loader that counts batches produced (across worker processes) and records their units."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-        self.produced = FORK.Value("i", 0)
-
-    def __call__(self, item: Item):
-        for step in range(self.steps):
-            with self.produced.get_lock():
-                self.produced.value += 1
-            yield step, torch.tensor([item.index, step])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("workers", "prefetch"), [(0, 3), (1, 3), (2, 4), (2, 2), (2, 5)])
@@ -110,32 +80,17 @@ def test_prefetch_bounds_batches_in_flight_and_claims(local_mailbox, workers, pr
         for _ in range(3):
             # The buffer fills to exactly `prefetch`...
             wait_until(lambda done=consumed: load.produced.value >= done + bound)
-            claimed = len(_claimed(local_mailbox))
+            claimed = len(claimed_ids(local_mailbox))
             # ...and then nothing more is produced or claimed while the loop stalls (a
             # must-not-happen check: an implementation that overran would be caught here).
             time.sleep(0.3)
             assert load.produced.value == consumed + bound <= consumed + prefetch
-            assert len(_claimed(local_mailbox)) == claimed
+            assert len(claimed_ids(local_mailbox)) == claimed
             # No hoarding: units of 3 batches, at most one unit started per worker beyond those.
             assert claimed <= -(-(consumed + bound) // 3) + max(workers, 1) - 1
             for _ in range(4):
                 next(batches)
                 consumed += 1
-
-
-class FailingLoad:
-    """Yields two batches per unit; the unit with index ``bad`` fails after its first batch."""
-
-    def __init__(self, bad: int) -> None:
-        self.bad = bad
-        self.failed = FORK.Event()
-
-    def __call__(self, item: Item):
-        for step in range(2):
-            if item.index == self.bad and step == 1:
-                self.failed.set()
-                raise ValueError(f"boom in unit {item.name}")
-            yield step, torch.tensor([item.index, step])
 
 
 @pytest.mark.timeout(60)

@@ -4,41 +4,19 @@ wait is bounded."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from queue_loads import claimed_ids, leftovers, load_item, wait_until
 from queue_nodes import Item, named_units
 
 from gradientmail import LocalMailbox
-from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.patterns.shared_queue import shared_queue
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def load_item(item: Item):
-    for step in range(item.steps):
-        yield step, torch.tensor([item.index, step])
-
-
-def _claimed(mailbox) -> list[str]:
-    return [key[len(CLAIMS_PREFIX) :] for key in mailbox.list(CLAIMS_PREFIX)]
-
-
-def wait_until(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
-
-
-def leftovers(threads_before: set[threading.Thread]) -> tuple[list, list]:
-    return multiprocessing.active_children(), [t for t in threading.enumerate() if t not in threads_before]
 
 
 @pytest.mark.slow
@@ -63,10 +41,10 @@ def test_early_exit_leaves_nothing_behind(local_mailbox, workers, how):
                     raise Stop
     children, threads = leftovers(threads_before)
     assert children == [] and threads == []
-    claimed = _claimed(local_mailbox)
+    claimed = claimed_ids(local_mailbox)
     assert 3 <= len(claimed) < len(units)
     time.sleep(0.3)  # must-not-happen check: a leftover prefetcher would claim more now
-    assert _claimed(local_mailbox) == claimed
+    assert claimed_ids(local_mailbox) == claimed
     assert list(batches) == [], "the iterator is finished after the block"
 
 
@@ -76,7 +54,7 @@ def test_exit_without_iterating(local_mailbox):
     with shared_queue(named_units(50), mailbox=local_mailbox, learner_id="idle", load=load_item, workers=2, prefetch=2):
         pass
     assert leftovers(threads_before) == ([], [])
-    assert len(_claimed(local_mailbox)) <= 2
+    assert len(claimed_ids(local_mailbox)) <= 2
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ def test_exactly_once_on_s3(tmp_path, s3_target):
     run_nodes(specs, isolated=True, timeout=100)
     # Exactly once is the point here. Which node got which lane depends on who started first,
     # which a loaded machine decides (lane preference is tested on the virtual clock instead:
-    # test_shared_queue_claims.py, test_claim_conflicts.py).
+    # test_claimer.py, test_claim_conflicts.py).
     check_exactly_once(mailbox, tmp_path, units, lambda unit: [unit.first])
     # A clean exit leaves each node's presence record "stopped" (a plain overwrite over S3).
     for spec in specs:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from queue_loads import FailingLoad, ProducedCounter, leftovers, load_item, wait_until
 from queue_nodes import Item, named_units
-from test_shared_queue import FailingLoad, ProducedCounter, leftovers, load_item, wait_until
 from torch.utils.data import _utils
 
 from gradientmail.layout import CLAIMS_PREFIX
