@@ -9,9 +9,9 @@ clock is virtual: the node whose clock is lowest asks for its next batch, so not
 - ``fixed_over_bound``: the same for a fixed split (``DistributedSampler``-style: every node
   owns ``ceil(units / nodes)`` units whatever its speed), at 64 nodes.
 
-Node times per unit repeat the seed's 1, 2, 2, 4 (64 nodes: 16 of each kind). The slowdown run
+Node times per unit repeat the design note's 1, 2, 2, 4 (64 nodes: 16 of each kind). The slowdown run
 has 64 nodes and makes node 0 (a fast one) four times slower from half the ideal makespan on.
-The seed's 24-unit example is reproduced exactly first (fixed split t = 24, shared queue t = 12
+The design note's 24-unit example is reproduced exactly first (fixed split t = 24, shared queue t = 12
 with A 11, B and C 5, D 3 units). ``--quick``: 500 units instead of 10,000, in one process.
 
 Usage: ``python -m benchmarks.balance [--quick]``; the last line is one JSON object.
@@ -30,7 +30,7 @@ from gradientmail import Unit, unit_grid
 from gradientmail.queue.simulate import fixed_split_makespan, simulate
 
 PATTERN = (1.0, 2.0, 2.0, 4.0)
-"""Time per unit of the seed's nodes A, B, C and D, repeated over larger clusters."""
+"""Time per unit of the design note's nodes A, B, C and D, repeated over larger clusters."""
 
 NODE_COUNTS = (4, 64, 256)
 HEADLINE_NODES = 64
@@ -43,7 +43,7 @@ def unit_times(nodes: int) -> list[float]:
 
 
 def grid(units: int, lanes: int) -> dict[str, Unit]:
-    """Exactly ``units`` one-batch units of the seed's grid, one lane per node (for rotation)."""
+    """Exactly ``units`` one-batch units of the design note's grid, one lane per node (for rotation)."""
     full = unit_grid(steps=-(-units // lanes), unit_steps=1, lanes=lanes)
     return dict(itertools.islice(full.items(), units))
 

@@ -1,4 +1,4 @@
-"""``shared_queue(...)``: the seed's context manager over a ``SharedQueueDataset``.
+"""``shared_queue(...)``: the design note's context manager over a ``SharedQueueDataset``.
 
 A bounded prefetch buffer, clean shutdown and errors delivered in order; ``docs/queue.md``
 lists its guarantees in full.
