@@ -79,30 +79,33 @@ def summary_meanings() -> dict[tuple[str, str], str]:
     return {(script, figure): meaning for script, figure, meaning in SUMMARY}
 
 
-def rows_of(name: str, run: Run, meanings: Mapping[tuple[str, str], str]) -> list[Row]:
-    """The rows of one entry: its ``SUMMARY`` figures, then any other figure with a target, or,
-    for an entry that has neither (a script new to the summary), every numeric figure."""
-    chosen = [figure for script, figure in meanings if script == name]
-    chosen += [figure for figure in run.figures if figure in TARGETS and figure not in chosen]
+def rows_of(name: str, run: Run, meanings: Mapping[tuple[str, str], str], chosen: list[str] | None = None) -> list[Row]:
+    """The rows of one entry: the ``chosen`` figures, or by default its ``SUMMARY`` figures, then
+    any other figure with a target, or, for an entry that has neither (a script new to the
+    summary), every numeric figure."""
+    if chosen is None:
+        chosen = [figure for script, figure in meanings if script == name]
+        chosen += [figure for figure in run.figures if figure in TARGETS and figure not in chosen]
     if not chosen:
         chosen = [
             figure for figure, value in run.figures.items() if is_number(value) and not figure.endswith(SPREAD_SUFFIXES)
         ]
-    rows = []
-    for figure in chosen:
-        value, target = run.figures.get(figure), TARGETS.get(figure)
-        if not is_number(value) and target is None:
-            continue  # an optional figure this run did not measure
-        meaning = meanings.get((name, figure)) or (target.meaning if target is not None else "")
-        if is_number(value):
-            low_high = spread(run.figures, figure)
-            shown = number(value)
-            spread_text = "" if low_high is None else f"{number(low_high[0])}–{number(low_high[1])}"
-            verdict = "" if target is None else ("met" if target.met(value) else "**missed**")
-        else:
-            shown, spread_text, verdict = "n/a", "", "not measured"
-        rows.append(Row(name, figure, shown, spread_text, "" if target is None else target.text(), verdict, meaning))
-    return rows
+    rows = [figure_row(name, run, meanings, figure) for figure in chosen]
+    return [row for row in rows if row is not None]
+
+
+def figure_row(name: str, run: Run, meanings: Mapping[tuple[str, str], str], figure: str) -> Row | None:
+    """One figure of entry ``name`` as a row; None for an optional figure this run did not measure."""
+    value, target = run.figures.get(figure), TARGETS.get(figure)
+    if not is_number(value) and target is None:
+        return None
+    meaning = meanings.get((name, figure)) or (target.meaning if target is not None else "")
+    if not is_number(value):
+        return Row(name, figure, "n/a", "", target.text() if target is not None else "", "not measured", meaning)
+    low_high = spread(run.figures, figure)
+    spread_text = "" if low_high is None else f"{number(low_high[0])}–{number(low_high[1])}"
+    verdict = "" if target is None else ("met" if target.met(value) else "**missed**")
+    return Row(name, figure, number(value), spread_text, "" if target is None else target.text(), verdict, meaning)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -125,10 +128,10 @@ def render_all(runs: Mapping[str, Run], meanings: Mapping[tuple[str, str], str])
     return table(["figure", "value", "spread", "target", "", "from", "meaning"], rows)
 
 
-def render_run(name: str, run: Run, meanings: Mapping[tuple[str, str], str]) -> str:
+def render_run(name: str, run: Run, meanings: Mapping[tuple[str, str], str], chosen: list[str] | None = None) -> str:
     rows = [
         [f"`{row.figure}`", row.value, row.spread, row.target, row.verdict, row.meaning]
-        for row in rows_of(name, run, meanings)
+        for row in rows_of(name, run, meanings, chosen)
     ]
     provenance = f"`{run.command}`, {run.date}, {run.machine}" + (f"; {run.note}" if run.note else "")
     return table(["figure", "value", "spread", "target", "", "meaning"], rows) + f"\n\nFrom {provenance}."
@@ -154,21 +157,29 @@ def render_summary(runs: Mapping[str, Run], meanings: Mapping[tuple[str, str], s
 def render_block(name: str, runs: Mapping[str, Run]) -> str:
     """The text of block ``name`` (without its markers), ending in a newline.
 
+    ``name`` is ``summary``, ``sources``, ``all``, an entry of the results file, or an entry
+    followed by the figures of it to show (``session_scale scale_exchange_rate_4 ...``).
+
     Raises:
-        FiguresError: ``name`` is neither a block kind nor an entry of the results file.
+        FiguresError: ``name`` is neither a block kind nor an entry of the results file, or
+            names a figure its entry does not hold.
     """
     meanings = summary_meanings()
+    entry, *chosen = name.split()
     if name == "summary":
         text = render_summary(runs, meanings)
     elif name == "sources":
         text = render_sources(runs)
     elif name == "all":
         text = render_all(runs, meanings)
-    elif name in runs:
-        text = render_run(name, runs[name], meanings)
+    elif entry in runs:
+        missing = [figure for figure in chosen if not is_number(runs[entry].figures.get(figure))]
+        if missing:
+            raise FiguresError(f"{entry!r} holds no figure {', '.join(map(repr, missing))}")
+        text = render_run(entry, runs[entry], meanings, chosen or None)
     else:
         known = ", ".join(["summary", "sources", "all", *runs])
-        raise FiguresError(f"no figures named {name!r} (known: {known})")
+        raise FiguresError(f"no figures named {entry!r} (known: {known})")
     return text + "\n"
 
 

@@ -96,6 +96,15 @@ def test_a_block_naming_nothing_known_or_left_open_is_an_error_naming_its_line()
         figures.rewrite("a\nb\n<!-- figures: balanse -->\n<!-- /figures -->\n", runs, "page.md")
     with pytest.raises(figures.FiguresError, match=r"page\.md:2: .* without its"):
         figures.rewrite("a\n<!-- figures: balance -->\nno end\n", runs, "page.md")
+    with pytest.raises(figures.FiguresError, match=r"page\.md:1: 'balance' holds no figure 'fixed_over_bound'"):
+        figures.rewrite("<!-- figures: balance fixed_over_bound -->\n<!-- /figures -->\n", runs, "page.md")
+
+
+def test_a_block_may_name_the_figures_of_an_entry_it_shows() -> None:
+    runs = {"balance": run({"shared_over_bound": 1.01, "shared_over_bound_256": 1.04, "fixed_over_bound": 2.3})}
+    text = figures.rewrite("<!-- figures: balance shared_over_bound_256 -->\n<!-- /figures -->\n", runs)
+    assert "`shared_over_bound_256` | 1.04" in text
+    assert "`shared_over_bound`" not in text and "`fixed_over_bound`" not in text
 
 
 @pytest.mark.parametrize(
