@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     units = 500 if args.quick else 10_000
     jobs = args.jobs or (1 if args.quick else default_jobs())  # starting a process costs more than a quick case
 
-    seed = run_case("seed example", 4, 24)
+    seed = run_case("design note example", 4, 24)
     seed_units = [seed.units_by_learner[f"node-{rank}"] for rank in range(4)]
     reproduced = seed.shared == 12.0 and seed.fixed == 24.0 and seed.units_by_learner == SEED_UNITS
     todo = [(f"{nodes} nodes", nodes, units, False) for nodes in NODE_COUNTS]
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     names = "ABCD"
     print(
-        f"seed example: shared queue t = {seed.shared:g} with "
+        f"design note example: shared queue t = {seed.shared:g} with "
         + ", ".join(f"{names[rank]} {count}" for rank, count in enumerate(seed_units))
         + f"; fixed split t = {seed.fixed:g}: "
         + ("reproduced exactly" if reproduced else "MISMATCH (expected t = 12 with A 11, B 5, C 5, D 3; fixed 24)")
