@@ -7,6 +7,8 @@ controls (no sleeps, no timing) and check the arithmetic exactly: models hold sm
 
 from __future__ import annotations
 
+import math
+import random
 import threading
 import time
 import warnings
@@ -23,6 +25,7 @@ from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
 from gradientmail.session.fragments import FragmentPlan, auto_fragments
 from gradientmail.session.mail import Contribution, PendingHeader, encode
+from gradientmail.session.schedule import Schedule
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,7 +175,7 @@ def test_a_learner_that_always_loses_never_stops_training_and_loses_nothing(memo
 def test_fragments_folded_in_different_orders_end_exact(memory_mailbox, monkeypatch):
     # One fragment per step (every_steps=3, 3 fragments), each learner starting at another one.
     starts = iter([0, 1, 2])
-    monkeypatch.setattr("gradientmail.session.core.random.randrange", lambda n: next(starts) % n)
+    monkeypatch.setattr(random.Random, "randrange", lambda rng, n: next(starts) % n)
     models = [vector(6) for _ in range(3)]
     sessions = [session(m, memory_mailbox, f"n{i}", every_steps=3) for i, m in enumerate(models)]
     for s in sessions:
@@ -395,16 +398,42 @@ def test_a_peer_whose_clock_is_ten_minutes_behind_counts_from_the_first_fold(mem
 def test_the_first_exchange_falls_at_a_random_phase_of_the_first_slot(memory_mailbox, monkeypatch):
     drawn = []
 
-    def uniform(low, high):
+    def uniform(rng, low, high):
         drawn.append((low, high))
         return low
 
-    monkeypatch.setattr("gradientmail.session.core.random.uniform", uniform)
+    monkeypatch.setattr(random.Random, "uniform", uniform)
     with Session(vector(6), mailbox=memory_mailbox, learner_id="a", every=timedelta(hours=1), fragments=3) as s:
         s.step(samples=1)  # the drawn phase is 0: due at once
         assert s.in_flight
         s.wait()
     assert drawn == [(0, 1200.0)]  # within one slot: an hour / 3 fragments
+
+
+def test_learners_that_join_together_keep_their_own_phases_however_late_they_fold():
+    # Eight learners join at the same instant; the store is slow, so each first step and every
+    # fold after it comes several slots late. Each keeps folding on its own grid (its phase), so
+    # they never line up behind the same slow moments into lock-step.
+    now = [0.0]
+    every, count = 8.0, 4
+    slot = every / count
+    plans = [
+        Schedule(count, every_s=every, every_steps=math.inf, steps=0, clock=lambda: now[0], rng=random.Random(seed))
+        for seed in range(8)
+    ]
+    phases = [plan.phase_s for plan in plans]
+    assert len(set(phases)) == len(plans) and all(0 <= phase < slot for phase in phases)
+    busy = [5.0] * len(plans)  # the first step comes 5 s (2.5 slots) after joining, for everyone
+    for _ in range(20):
+        for index, plan in enumerate(plans):
+            now[0] = max(busy[index], plan.due_time)
+            assert plan.due(steps=0)
+            plan.take(steps=0)
+            busy[index] = now[0] + 3 * slot + 0.5  # each fold takes 3.25 slots of a slow store
+            assert plan.due_time > now[0]
+            on_grid = (plan.due_time - plan.origin - plan.phase_s) / slot
+            assert math.isclose(on_grid, round(on_grid), abs_tol=1e-9)  # still on its own phase
+    assert len({plan.due_time for plan in plans}) == len(plans)  # no two fold together
 
 
 def test_a_session_reads_and_writes_no_more_than_the_fragments_it_exchanges():
