@@ -32,6 +32,7 @@ from torch import Tensor
 from gradientmail.errors import MailRejectedError, SessionError, UnusableStateError, ValueTooLargeError
 from gradientmail.layout import (
     SESSION_PREFIX,
+    ledger_key,
     parse_pending_key,
     parse_state_key,
     pending_key,
@@ -43,7 +44,11 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.records import MAX_RECORD_BYTES
 from gradientmail.session.fragments import to_wire, widen
 from gradientmail.session.mail import (
+    MAX_HEADER_BYTES,
+    RECENT_LINES,
     Contribution,
+    Ledger,
+    LedgerRef,
     Pending,
     PendingHeader,
     Spec,
@@ -138,7 +143,7 @@ class View:
     @property
     def learners(self) -> dict[str, Contribution]:
         """Each learner's newest contribution in this logical state."""
-        table = dict(self.base.header.learners)
+        table = self.base.learners
         for pending in self.absorbed:
             table[pending.header.learner] = pending.header.contribution
         for _, learner, seq in self.empty:
@@ -204,6 +209,7 @@ class FragmentChain:
         # Retiring only what a download proved superseded (see ``_clean_up``):
         self._retirement = Retirement(KEEP, retire_after_s(MIN_AGE_S))
         self._reused = 0  # folds built on a version held in memory since the last download
+        self._ledger: tuple[LedgerRef, Ledger] | None = None  # the last ledger read or written
 
     def __repr__(self) -> str:
         return f"FragmentChain({self.index}/{self.count} on {describe(self.mailbox)})"
@@ -229,7 +235,8 @@ class FragmentChain:
         return pending
 
     def read_version(self, version: int) -> State | None:
-        """One checked version, or None when it was retired (or never written).
+        """One checked version with its ledger's lines, or None when it (or its ledger) was
+        retired (or never written).
 
         Raises:
             UnusableStateError: a corrupt or non-finite version (to be skipped).
@@ -242,7 +249,31 @@ class FragmentChain:
         state = decode(data, key=key, spec=self.spec, fragment=(self.index, self.count, self.shards))
         if state.header.version != version:
             raise UnusableStateError(f"state {key!r} says it is version {state.header.version}")
-        return state
+        if state.header.ledger is None:
+            return state
+        ledger = self.read_ledger(state.header.ledger)
+        return None if ledger is None else replace(state, ledger=ledger.learners)
+
+    def read_ledger(self, ref: LedgerRef) -> Ledger | None:
+        """The checked ledger ``ref`` names (the last one is kept: read once per ledger), or None
+        when it was deleted (the versions that name it are being retired).
+
+        Raises:
+            UnusableStateError: an unreadable, oversized or mismatched ledger (its version is skipped).
+        """
+        held = self._ledger
+        if held is not None and held[0] == ref:
+            return held[1]
+        key = ledger_key(self.index, ref.version, ref.learner)
+        try:
+            data = self.mailbox.get(key, max_bytes=MAX_HEADER_BYTES)
+        except ValueTooLargeError:
+            raise UnusableStateError(f"ledger {key!r} is larger than {MAX_HEADER_BYTES} bytes") from None
+        if data is None:
+            return None
+        ledger = Ledger.from_bytes(data, key=key, fragment=self.index, fragments=self.count, version=ref.version)
+        self._ledger = (ref, ledger)
+        return ledger
 
     def read_usable(self, newest: int, known: State | None = None) -> State | None:
         """The newest usable version at or below ``newest``, skipping unusable ones with a warning.
@@ -334,9 +365,8 @@ class FragmentChain:
     ) -> View | None:
         # The base and the contributions it may not have absorbed yet, read in parallel: those
         # ``known`` already absorbed are not fetched (a newer base may have absorbed more).
-        floor = known.header if known is not None else None
         candidates = {
-            learner: [seqs[seq] for seq in sorted(seqs) if floor is None or seq > floor.absorbed(learner)]
+            learner: [seqs[seq] for seq in sorted(seqs) if known is None or seq > known.absorbed(learner)]
             for learner, seqs in pending.items()
         }
         wanted = candidates.pop(me, []) if me is not None else []
@@ -362,7 +392,7 @@ class FragmentChain:
         empty: list[tuple[str, str, int]] = []
         garbage: list[str] = []
         for learner, seqs in pending.items():
-            seq = base.header.absorbed(learner)
+            seq = base.absorbed(learner)
             garbage += [key for s, key in seqs.items() if s <= seq]
             while (key := seqs.get(seq + 1)) is not None and key in contents:
                 content = contents[key]
@@ -434,18 +464,23 @@ class FragmentChain:
                 summed[name] += value.to(summed[name].dtype)
         learners = view.learners
         learners[me] = entry
+        version = view.newest + 1
+        recent, ledger = self._recent(view, learners, me, version)
         header = StateHeader(
-            version=view.newest + 1,
+            version=version,
             learner=me,
             time=time.time(),
-            learners=learners,
+            learners=recent,
             fragment=self.index,
             fragments=self.count,
             shards=self.shards or 1,
+            ledger=view.base.header.ledger if ledger is None else LedgerRef(version, me),
         )
         key = state_key(header.version, self.index)
         stored = {name: to_wire(value, self.wire_dtype) for name, value in summed.items()}
         data = encode(stored, header)  # before the check: the window from check to create stays short
+        if ledger is not None:  # named by the version: written first
+            self.mailbox.put(ledger_key(self.index, version, me), ledger.to_bytes())
         if before_create is not None:
             before_create(view.listed)
         created = self.mailbox.put_if_absent(key, data)
@@ -453,9 +488,16 @@ class FragmentChain:
             # Created after the chain had moved on and retired that number: nobody will read it.
             self.mailbox.delete(key)
             created = False
+        if ledger is not None and not created:
+            self._drop_ledger(LedgerRef(version, me))  # nobody names it
         if created:
-            written = State(key=key, header=header, tensors=stored)
+            lines = view.base.ledger if ledger is None else ledger.learners
+            written = State(key=key, header=header, tensors=stored, ledger=lines)
             done = [p.key for p in view.absorbed] + [k for k, _, _ in view.empty] + view.garbage
+            if ledger is not None:
+                if ledger.previous is not None:  # the one before it is named by retired versions only
+                    done += self._older_ledger(ledger.previous)
+                self._ledger = (LedgerRef(version, me), ledger)
             self._clean_up(done, header.version)
             # As stored (wire dtype rounded) is what the run holds; without a wire dtype, that is ``summed``.
             held = summed if self.wire_dtype is None else widen(stored)
@@ -492,6 +534,39 @@ class FragmentChain:
             f"{CLOSED_SLOT_ATTEMPTS} times in a row by peers that judged it dead"
         )
 
+    def _recent(
+        self, view: View, learners: dict[str, Contribution], me: str, version: int
+    ) -> tuple[dict[str, Contribution], Ledger | None]:
+        """The lines version ``version`` carries, and the ledger to write first (None: none).
+
+        A version carries the lines absorbed since its base's ledger; once they would be more than
+        ``RECENT_LINES`` (and the ledger is more than ``KEEP`` versions old, so that the versions
+        readers may still read keep theirs), every line goes to a new ledger and the version
+        carries none.
+        """
+        recent = dict(view.base.header.learners)
+        for pending in view.absorbed:
+            recent[pending.header.learner] = learners[pending.header.learner]
+        for _, learner, _ in view.empty:
+            recent[learner] = learners[learner]
+        recent[me] = learners[me]
+        named = view.base.header.ledger
+        if len(recent) <= RECENT_LINES or (named is not None and version - named.version <= KEEP):
+            return recent, None
+        return {}, Ledger(self.index, self.count, version, dict(learners), previous=named)
+
+    def _older_ledger(self, ref: LedgerRef) -> list[str]:
+        """The key of the ledger before ``ref`` (that ``ref``'s own ledger replaced), if known."""
+        held = self._ledger
+        before = held[1].previous if held is not None and held[0] == ref else None
+        return [] if before is None else [ledger_key(self.index, before.version, before.learner)]
+
+    def _drop_ledger(self, ref: LedgerRef) -> None:
+        try:
+            self.mailbox.delete(ledger_key(self.index, ref.version, ref.learner))
+        except Exception as exc:  # best effort: an unnamed ledger is never read
+            logging.getLogger("gradientmail.session").warning("fragment %d: ledger left: %r", self.index, exc)
+
     def _closed_instead(self, key: str, data: bytes) -> bool:
         """Whether this learner's pending slot ``key``, which it was just told it created with
         ``data``, holds a peer's closure instead (a store that told both writers they won).
@@ -519,7 +594,7 @@ class FragmentChain:
             newest = self.read_usable(newer[-1])
         except (UnusableStateError, MailRejectedError):
             return False
-        return newest is not None and newest.header.version > version and newest.header.absorbed(me) < seq
+        return newest is not None and newest.header.version > version and newest.absorbed(me) < seq
 
     def _clean_up(self, absorbed: list[str], version: int) -> None:
         """After writing ``version``: delete what it absorbed, and retire what is due
