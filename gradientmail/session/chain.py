@@ -2,16 +2,20 @@
 
 A learner folds its contribution into fragment ``f`` by reading the newest version ``v`` and the
 contributions pending beside it, and creating ``v + 1`` = ``v`` + every pending contribution +
-its own with ``put_if_absent`` (group commit: one create absorbs many contributions). A learner
-that loses the race does not fold again: it leaves its contribution pending (a create of its own
-key, which nobody contends for), and the next writer of the fragment absorbs it. So the folds a
-fragment takes per second grow with the number of learners instead of being one whole-model
-compare-and-swap at a time, and losing never stops anybody's training.
+its own with ``put_if_absent`` (group commit: one create absorbs many contributions). It first
+claims ``v + 1`` (a small ``put_if_absent``); while a peer holds that claim, it does not race:
+it leaves its contribution pending (a create of its own key, which nobody contends for), as
+does a learner that loses the create, and the next writer of the fragment absorbs it. A claim
+that stands, the chain not moving, from one of a learner's folds of the fragment to its next is
+a dead peer's, and is passed over. So the folds a fragment takes per second grow with the
+number of learners instead of being one whole-model compare-and-swap at a time, and losing
+never stops anybody's training.
 
 The fragment's *logical state* is its newest version plus the contributions still pending; that
 is what learners and ``consensus`` read. Each contribution carries its learner's sequence number,
-a version's header records the newest one absorbed per learner, and contributions are absorbed in
-order, once each: exactly once whoever absorbs it, whenever. Old versions are tombstoned, never
+a version records the newest one absorbed per learner (its header those absorbed since its
+ledger, the ledger every other: ``mail.Ledger``), and contributions are absorbed in order, once
+each: exactly once whoever absorbs it, whenever. Old versions are tombstoned, never
 recreated; unusable versions and contributions are skipped with a ``MailSkippedWarning``.
 Details: ``docs/session.md``.
 """
@@ -32,6 +36,7 @@ from torch import Tensor
 from gradientmail.errors import MailRejectedError, SessionError, UnusableStateError, ValueTooLargeError
 from gradientmail.layout import (
     SESSION_PREFIX,
+    fold_claim_key,
     ledger_key,
     parse_pending_key,
     parse_state_key,
@@ -79,9 +84,8 @@ STALLED_S = 30.0
 without it (a frozen VM, a request retried through a partition): ``RETIRE`` versions later, the
 number it creates may be one the chain retired, which nobody would read."""
 ABSORB = 2
-"""Other learners' pending contributions a writer reads and absorbs per fold (or a quarter of the
-backlog, if more): a learner reads at most about ``1 + ABSORB`` fragment sizes per fold, and a
-fragment absorbs up to ``2 + ABSORB`` contributions per version it gains."""
+"""Other learners' pending contributions a writer that holds no claim reads and absorbs per fold
+(or a quarter of the backlog, if more); a claim holder absorbs every one."""
 BACKLOG_SHARE = 4
 READ_ATTEMPTS = 20
 """Listings a reader makes before concluding that something deletes the run's state."""
@@ -139,6 +143,9 @@ class View:
     newest: int
     listed: float = 0.0
     """When the listing behind this view was made (``time.monotonic()``)."""
+    claimed: bool | None = None
+    """Whether this learner holds the claim to fold the next version (None: it did not ask).
+    False: another learner is folding it, and this learner's contribution waits for the next."""
 
     @property
     def learners(self) -> dict[str, Contribution]:
@@ -210,6 +217,7 @@ class FragmentChain:
         self._retirement = Retirement(KEEP, retire_after_s(MIN_AGE_S))
         self._reused = 0  # folds built on a version held in memory since the last download
         self._ledger: tuple[LedgerRef, Ledger] | None = None  # the last ledger read or written
+        self._blocked: int | None = None  # the newest version when a peer's claim last stood in the way
 
     def __repr__(self) -> str:
         return f"FragmentChain({self.index}/{self.count} on {describe(self.mailbox)})"
@@ -316,7 +324,13 @@ class FragmentChain:
             return error
 
     def view(
-        self, known: State | None = None, *, exact: bool = False, absorb: int | None = None, me: str | None = None
+        self,
+        known: State | None = None,
+        *,
+        exact: bool = False,
+        absorb: int | None = None,
+        me: str | None = None,
+        claim: bool = False,
     ) -> View | None:
         """The fragment's logical state (None when the run has no version of it yet).
 
@@ -326,6 +340,11 @@ class FragmentChain:
         ``absorb`` bounds the other learners' pending contributions read (``me``'s are always
         read): a writer takes that many, chosen at random, or a quarter of the backlog when that
         is more; the rest wait for the next writer. None reads every one, 0 only ``me``'s.
+        ``claim`` (a writer, ``me``): first claim the next version (``fold_claim_key``). Holding it,
+        ``me`` reads every pending contribution, to fold them all; when a peer holds it, only
+        ``me``'s own (``View.claimed`` False: leave the contribution pending). A claim that
+        still stands at ``me``'s next fold of this fragment, the chain not having moved since,
+        is a dead or stalled peer's: ``me`` folds as if it held it.
 
         Raises:
             SessionError: the state kept vanishing for ``READ_ATTEMPTS`` listings.
@@ -343,7 +362,9 @@ class FragmentChain:
             newest = versions[-1] if versions else after
             if newest is None:
                 return None
-            view = self._assemble(newest, known, pending, exact=exact, absorb=absorb, me=me, listed=listed)
+            view = self._assemble(
+                newest, known, pending, exact=exact, absorb=absorb, me=me, listed=listed, claim=claim and me is not None
+            )
             if view is not None:
                 return view
             known = None  # retired or absorbed under us: list again from the start
@@ -362,6 +383,7 @@ class FragmentChain:
         absorb: int | None,
         me: str | None,
         listed: float,
+        claim: bool = False,
     ) -> View | None:
         # The base and the contributions it may not have absorbed yet, read in parallel: those
         # ``known`` already absorbed are not fetched (a newer base may have absorbed more).
@@ -371,7 +393,9 @@ class FragmentChain:
         }
         wanted = candidates.pop(me, []) if me is not None else []
         others = [learner for learner, keys in candidates.items() if keys]
-        if absorb is None:
+        if claim:  # others' contributions are read once the claim is known to be this learner's
+            pass
+        elif absorb is None:
             wanted += [key for learner in others for key in candidates[learner]]
         elif absorb > 0:  # a bounded share, at random: every pending contribution is soon some writer's pick
             budget = max(absorb, math.ceil(sum(len(candidates[learner]) for learner in others) / BACKLOG_SHARE))
@@ -383,10 +407,22 @@ class FragmentChain:
                 budget -= len(candidates[learner][:budget])
         jobs: list[Callable[[], Any]] = [lambda: self.read_usable(newest, known)]
         jobs += [lambda key=key: self._read_pending(key) for key in wanted]
+        if claim:
+            assert me is not None
+            jobs.append(lambda: self.mailbox.put_if_absent(fold_claim_key(self.index, newest + 1), me.encode()))
         results = parallel(lambda job: job(), jobs)
-        base, contents = results[0], dict(zip(wanted, results[1:]))
+        base, contents = results[0], dict(zip(wanted, results[1 : 1 + len(wanted)]))
+        claimed = None
+        if claim:
+            claimed = bool(results[-1])
+            if not claimed and self._blocked == newest:
+                claimed = True  # it stood since this learner's previous fold: a dead or stalled peer's
+            self._blocked = None if claimed else newest
         if base is None:
             return None
+        if claimed:  # this learner folds the next version: every contribution pending goes in
+            rest = [key for learner in others for key in candidates[learner]]
+            contents.update(zip(rest, parallel(self._read_pending, rest)))
         self._reused = self._reused + 1 if base is known else 0
         absorbed: list[Pending] = []
         empty: list[tuple[str, str, int]] = []
@@ -410,7 +446,15 @@ class FragmentChain:
                 else:
                     absorbed.append(content)
                 seq += 1
-        return View(base=base, absorbed=absorbed, empty=empty, garbage=garbage, newest=newest, listed=listed)
+        return View(
+            base=base,
+            absorbed=absorbed,
+            empty=empty,
+            garbage=garbage,
+            newest=newest,
+            listed=listed,
+            claimed=claimed,
+        )
 
     # -- writing ---------------------------------------------------------------------------------
     def create_base(self, tensors: Mapping[str, Tensor], me: str) -> State:
@@ -464,6 +508,8 @@ class FragmentChain:
                 summed[name] += value.to(summed[name].dtype)
         learners = view.learners
         learners[me] = entry
+        if view.claimed is False:  # a peer is folding the next version: no race, no upload lost
+            return self._leave_pending(view, me, contribution, entry, summed, learners, before_create, lost=0)
         version = view.newest + 1
         recent, ledger = self._recent(view, learners, me, version)
         header = StateHeader(
@@ -494,6 +540,8 @@ class FragmentChain:
             lines = view.base.ledger if ledger is None else ledger.learners
             written = State(key=key, header=header, tensors=stored, ledger=lines)
             done = [p.key for p in view.absorbed] + [k for k, _, _ in view.empty] + view.garbage
+            if view.claimed:
+                done.append(fold_claim_key(self.index, version))
             if ledger is not None:
                 if ledger.previous is not None:  # the one before it is named by retired versions only
                     done += self._older_ledger(ledger.previous)
@@ -502,8 +550,26 @@ class FragmentChain:
             # As stored (wire dtype rounded) is what the run holds; without a wire dtype, that is ``summed``.
             held = summed if self.wire_dtype is None else widen(stored)
             return Folded(held, learners, header.version, written, 0)
-        # Lost the race: leave this contribution pending (only this learner writes its key, unless
-        # a peer that judged it dead closed the slot: ``mail.ClosedSlot``).
+        if view.claimed:
+            self._drop(fold_claim_key(self.index, version))
+        return self._leave_pending(view, me, contribution, entry, summed, learners, before_create, lost=1)
+
+    def _leave_pending(
+        self,
+        view: View,
+        me: str,
+        contribution: Mapping[str, Tensor],
+        entry: Contribution,
+        summed: dict[str, Tensor],
+        learners: dict[str, Contribution],
+        before_create: Callable[[float], None] | None,
+        *,
+        lost: int,
+    ) -> Folded:
+        """Leave this contribution pending, for the next writer to absorb (``lost``: 1 after a
+        lost race, 0 when a peer's claim stood in the way)."""
+        # Only this learner writes its key, unless a peer that judged it dead closed the slot
+        # (``mail.ClosedSlot``).
         wire = {name: to_wire(value, self.wire_dtype) for name, value in contribution.items()}
         for _ in range(CLOSED_SLOT_ATTEMPTS):
             pending = PendingHeader(
@@ -518,7 +584,7 @@ class FragmentChain:
             # contribution goes to the next one.
             if self.mailbox.put_if_absent(own, data) and not self._closed_instead(own, data):
                 learners[me] = entry
-                return Folded(summed, learners, None, view.base, 1)
+                return Folded(summed, learners, None, view.base, lost)
             if not isinstance(self._read_pending(own), VoidSlotError):
                 raise SessionError(
                     f"learner {me!r}: its contribution {own!r} already exists; two processes run under "
@@ -562,10 +628,13 @@ class FragmentChain:
         return [] if before is None else [ledger_key(self.index, before.version, before.learner)]
 
     def _drop_ledger(self, ref: LedgerRef) -> None:
+        self._drop(ledger_key(self.index, ref.version, ref.learner))
+
+    def _drop(self, key: str) -> None:
         try:
-            self.mailbox.delete(ledger_key(self.index, ref.version, ref.learner))
-        except Exception as exc:  # best effort: an unnamed ledger is never read
-            logging.getLogger("gradientmail.session").warning("fragment %d: ledger left: %r", self.index, exc)
+            self.mailbox.delete(key)
+        except Exception as exc:  # best effort: an unnamed ledger is never read, a spent claim never read again
+            logging.getLogger("gradientmail.session").warning("fragment %d: %r left: %r", self.index, key, exc)
 
     def _closed_instead(self, key: str, data: bytes) -> bool:
         """Whether this learner's pending slot ``key``, which it was just told it created with

@@ -274,7 +274,7 @@ class Exchanger:
         # The member list changes rarely: listed once per round of fragments, with the first view.
         refresh = self._members is None or self._folds % len(self.chains) == 0
         self._folds += 1
-        reads = [lambda: chain.view(self.known[index], absorb=ABSORB, me=me)]
+        reads = [lambda: chain.view(self.known[index], absorb=ABSORB, me=me, claim=True)]
         if refresh:
             reads.append(lambda: list_members(self.mailbox))
         view, *listed = parallel(lambda read: read(), reads)

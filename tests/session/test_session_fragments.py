@@ -19,7 +19,7 @@ import torch
 from test_session import push  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import MailRejectedError, MailSkippedWarning, MemoryMailbox
-from gradientmail.layout import member_key, pending_key, pending_prefix, state_key, versions_prefix
+from gradientmail.layout import fold_claim_key, member_key, pending_key, pending_prefix, state_key, versions_prefix
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
@@ -56,8 +56,8 @@ def exchange(s: Session, model: torch.nn.Module | None = None, amount: float = 0
 
 
 class RivalFirst(DelayedMailbox):
-    """Once armed, this learner's next version create waits until the test lets it through:
-    the test has a rival write that version first, so this create loses."""
+    """Once armed, this learner's next fold waits at its claim of the next version until the
+    test lets it through: the test has a rival write that version first, so this create loses."""
 
     def __init__(self, inner) -> None:
         super().__init__(inner, latency=0)
@@ -66,7 +66,7 @@ class RivalFirst(DelayedMailbox):
         self.gate = threading.Event()
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        if self.armed.is_set() and "/versions/" in key:
+        if self.armed.is_set() and "/claims/" in key:
             self.armed.clear()
             self.reached.set()
             if not self.gate.wait(30):
@@ -156,6 +156,33 @@ def test_a_fold_that_loses_the_race_leaves_its_contribution_pending_and_the_next
     result = vector(6)
     consensus(memory_mailbox, result)
     assert values(result) == [3.0] * 6
+
+
+def test_a_learner_whose_peer_is_folding_the_next_version_leaves_its_contribution_pending_at_once(
+    memory_mailbox,
+):
+    model = vector(4)
+    with session(model, memory_mailbox, "me", fragments=1) as s:
+        newest = FragmentChain(memory_mailbox, 0, 1, {}).list_versions()[-1]
+        memory_mailbox.put(fold_claim_key(0, newest + 1), b"peer")  # a peer is folding it now
+        exchange(s, model, 2.0)
+        assert s.conflicts == 0  # no race was run, no upload lost
+        assert FragmentChain(memory_mailbox, 0, 1, {}).list_versions()[-1] == newest
+        assert list(memory_mailbox.list(pending_prefix(0))) == [pending_key(0, "me", 0)]
+        assert values(model) == [2.0] * 4
+        result = vector(4)
+        assert consensus(memory_mailbox, result) == {"me": 1}
+        assert values(result) == [2.0] * 4
+        # The claim still stands at this learner's next fold and the chain has not moved: the
+        # peer died or stalled; this learner folds that version itself, its pending one included.
+        exchange(s, model, 1.0)
+        assert FragmentChain(memory_mailbox, 0, 1, {}).list_versions()[-1] == newest + 1
+        assert list(memory_mailbox.list(pending_prefix(0))) == []
+        assert memory_mailbox.get(fold_claim_key(0, newest + 1)) is None
+        assert values(model) == [3.0] * 4
+    result = vector(4)
+    assert consensus(memory_mailbox, result) == {"me": 2}  # two steps, one sample each
+    assert values(result) == [3.0] * 4
 
 
 def test_a_learner_that_always_loses_never_stops_training_and_loses_nothing(memory_mailbox):
