@@ -28,6 +28,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -147,9 +148,9 @@ class View:
     """Whether this learner holds the claim to fold the next version (None: it did not ask).
     False: another learner is folding it, and this learner's contribution waits for the next."""
 
-    @property
-    def learners(self) -> dict[str, Contribution]:
-        """Each learner's newest contribution in this logical state."""
+    @cached_property
+    def table(self) -> Mapping[str, Contribution]:
+        """Each learner's newest contribution in this logical state (built once; not to be changed)."""
         table = self.base.learners
         for pending in self.absorbed:
             table[pending.header.learner] = pending.header.contribution
@@ -158,9 +159,14 @@ class View:
             table[learner] = replace(old, seq=seq) if old is not None else Contribution(seq, 0, 0, 0.0)
         return table
 
+    @property
+    def learners(self) -> dict[str, Contribution]:
+        """Each learner's newest contribution in this logical state (a copy to change)."""
+        return dict(self.table)
+
     def seq_of(self, learner: str) -> int:
         """``learner``'s newest sequence number in this logical state (-1: none)."""
-        entry = self.learners.get(learner)
+        entry = self.table.get(learner)
         return -1 if entry is None else entry.seq
 
 
