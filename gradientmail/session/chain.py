@@ -546,8 +546,6 @@ class FragmentChain:
             lines = view.base.ledger if ledger is None else ledger.learners
             written = State(key=key, header=header, tensors=stored, ledger=lines)
             done = [p.key for p in view.absorbed] + [k for k, _, _ in view.empty] + view.garbage
-            if view.claimed:
-                done.append(fold_claim_key(self.index, version))
             if ledger is not None:
                 if ledger.previous is not None:  # the one before it is named by retired versions only
                     done += self._older_ledger(ledger.previous)
@@ -556,7 +554,7 @@ class FragmentChain:
             # As stored (wire dtype rounded) is what the run holds; without a wire dtype, that is ``summed``.
             held = summed if self.wire_dtype is None else widen(stored)
             return Folded(held, learners, header.version, written, 0)
-        if view.claimed:
+        if view.claimed:  # the version exists (or the create was refused): nobody else holds it
             self._drop(fold_claim_key(self.index, version))
         return self._leave_pending(view, me, contribution, entry, summed, learners, before_create, lost=1)
 
@@ -696,8 +694,11 @@ class FragmentChain:
             self._retire(self._retirement.due(), [], "at the last fold")
 
     def _retire(self, versions: list[int], jobs: list[Callable[[], None]], when: str) -> None:
-        """Run ``jobs``, tombstone each of ``versions`` and delete the one ``RETIRE`` behind each."""
+        """Run ``jobs``, tombstone each of ``versions`` and delete the one ``RETIRE`` behind each,
+        and the claim of each: kept until then, so that a learner whose listing predates the
+        version finds it claimed and leaves its contribution pending instead of racing."""
         for old in versions:
+            jobs.append(lambda old=old: self.mailbox.delete(fold_claim_key(self.index, old)))
             jobs.append(lambda old=old: self.mailbox.put(state_key(old, self.index), TOMBSTONE))
             if old >= RETIRE - KEEP:  # tombstones are kept RETIRE versions behind the newest
                 jobs.append(lambda old=old: self.mailbox.delete(state_key(old - (RETIRE - KEEP), self.index)))
