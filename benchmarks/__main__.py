@@ -112,6 +112,11 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("session_scale", "scale_read_per_exchange_64", "model sizes read per learner per exchange, 64 learners"),
     ("session_scale", "scale_written_per_exchange_64", "model sizes written per learner per exchange, 64 learners"),
     ("session_scale", "scale_errors_64", "learner errors, 64 learners"),
+    (
+        "session_scale",
+        "scale_conflicts_per_exchange_64",
+        "fragment folds lost to a rival's create per exchange, 64 learners",
+    ),
     *(
         (
             "local_scale",
