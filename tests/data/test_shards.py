@@ -85,6 +85,20 @@ def test_a_parquet_file_split_by_rows_reads_every_row_once_in_order(tmp_path):
     assert [n for shard in cut.values() for n in ids_of(reader(shard))] == [row["id"] for row in rows]
 
 
+def test_the_units_of_one_parquet_file_parse_its_footer_once_per_process(tmp_path):
+    from gradientmail.data.tables import FOOTERS
+
+    rows = parquet_dataset(tmp_path, files=2, rows_per_file=57, row_group_rows=8)
+    units = shards(tmp_path, split=20)  # 4 units a file
+    reader = ParquetReader(batch_rows=5)
+    before = FOOTERS.parsed
+    for _ in range(2):  # two passes: the footers are parsed on the first only
+        assert [n for shard in units.values() for n in ids_of(reader(shard))] == [row["id"] for row in rows]
+    assert FOOTERS.parsed - before == 2  # one per file, not one per unit (8) or per unit and pass (16)
+    ids_of(reader(tmp_path / "part-00000.parquet"))  # a plain path pins no version: parsed, not kept
+    assert FOOTERS.parsed - before == 3
+
+
 def test_a_damaged_parquet_file_cannot_be_split_and_says_which(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"\0" * 100)
     with pytest.raises(ShardError, match=r"bad.parquet: not a readable Parquet file"):
