@@ -190,6 +190,9 @@ def test_shards_quick_mode_reports_read_ratios_and_a_second_epoch_fetching_nothi
         assert finite(figures[f"shards_read_cpu_ratio_{case}"]), figures
     # Counted bytes, not speed: the second epoch through the cache fetches nothing, without it all again.
     assert figures["shards_epoch2_bytes_fetched"] == 0, figures
+    # (a) ours on the documented case, every row once; the peers run only with --peers.
+    assert finite(figures["shards_makespan_ours"]) and figures["shards_not_once_ours"] == 0, figures
+    assert "shards_makespan_litdata" not in figures, figures
     assert figures["shards_epoch2_mib_fetched_uncached"] == figures["shards_epoch1_mib_fetched_cached"] > 0, figures
 
 
