@@ -366,6 +366,21 @@ def test_remote_shards_are_listed_read_and_cached_so_a_second_pass_fetches_nothi
     assert ids_of(uncached(units["0.parquet@rows=00-20"])) == list(range(20)) and sum(store_gets) > 0
 
 
+def test_a_listing_with_a_cache_reads_the_footers_from_disk_the_second_time(bucket_shards, store_gets, tmp_path):
+    from gradientmail.data import ShardCache
+
+    prefix, endpoint, _ = bucket_shards
+    options = {"endpoint_url": endpoint}
+    cache = ShardCache(str(tmp_path / "cache"), block_size=1024)
+    first = shards(f"{prefix}/train/*.parquet", split=20, storage_options=options, cache=cache)
+    assert len(store_gets) >= 2 and sum(store_gets) > 0  # the two footers, fetched once
+    store_gets.clear()
+    again = shards(f"{prefix}/train/*.parquet", split=20, storage_options=options, cache=cache)  # a restart
+    assert again == first and store_gets == []  # the footers from the cache directory: no GET
+    assert shards(f"{prefix}/train/*.parquet", split=20, storage_options=options) == first
+    assert len(store_gets) == 2  # without the cache, fetched again
+
+
 def test_a_remote_shard_overwritten_after_listing_is_refused(bucket_shards, s3_client, s3_bucket):
     prefix, endpoint, rows = bucket_shards
     options = {"endpoint_url": endpoint}
