@@ -218,7 +218,11 @@ def main() -> None:
 
 def train(args: argparse.Namespace, options: dict[str, Any]) -> None:
     data = args.data.rstrip("/")
-    sources = {name: shards(f"{data}/{name}/*.parquet", split=args.split, storage_options=options) for name in SOURCES}
+    cache = ShardCache(args.cache_dir)  # shared by this machine's processes: epoch 2 reads from disk
+    sources = {
+        name: shards(f"{data}/{name}/*.parquet", split=args.split, storage_options=options, cache=cache)
+        for name in SOURCES
+    }
     val_units = shards(f"{data}/val/*.parquet", storage_options=options)
     lib, tests = sources["lib"], sources["tests"]
     # Two passes of lib, and as many of tests as its 10 % of the mixture needs: lib is used whole.
@@ -229,7 +233,6 @@ def train(args: argparse.Namespace, options: dict[str, Any]) -> None:
             "tests": (epochs(tests, max(args.epochs, math.ceil(needed / len(tests))), seed=0), SOURCES["tests"]),
         }
     )
-    cache = ShardCache(args.cache_dir)  # shared by this machine's processes: epoch 2 reads from disk
     reader = ParquetReader(batch_rows=args.batch, cache=cache, storage_options=options, shuffle=True)
     per_unit = math.ceil(args.split / args.batch)
     positions = {(item.source, item.unit.epoch, item.unit.identifier): p for p, item in enumerate(mixed.values())}
