@@ -84,23 +84,28 @@ def _fix(name: str) -> str:
 
 
 def rebatched(batches: Iterable[Any], rows: int) -> Iterator[Any]:
-    """Record batches cut and joined into batches of exactly ``rows`` rows (the last one fewer)."""
-    pa = pyarrow_module()
-    pending: list[Any] = []
-    held = 0
+    """Record batches cut and joined into batches of exactly ``rows`` rows (the last one fewer).
+
+    A batch inside one input batch is a zero-copy slice of it; only a batch that straddles two
+    input batches (after a row group's end) is copied.
+    """
+    carry = None  # fewer than ``rows`` rows left over from the previous input batches
     for batch in batches:
-        if not pending and len(batch) == rows:
-            yield batch  # the common case: passed on as it is, no copy
-            continue
-        pending.append(batch)
-        held += len(batch)
-        while held >= rows:
-            table = pa.Table.from_batches(pending)
-            yield _one_batch(table.slice(0, rows))
-            rest = table.slice(rows)
-            pending, held = rest.to_batches(), len(rest)
-    if held:
-        yield _one_batch(pa.Table.from_batches(pending))
+        at = 0
+        if carry is not None:
+            need = rows - len(carry)
+            if len(batch) < need:
+                carry = _joined([carry, batch])
+                continue
+            yield _joined([carry, batch.slice(0, need)])
+            at, carry = need, None
+        while len(batch) - at >= rows:
+            yield batch if (at, len(batch)) == (0, rows) else batch.slice(at, rows)
+            at += rows
+        if at < len(batch):
+            carry = batch.slice(at)
+    if carry is not None and len(carry):
+        yield carry
 
 
 def shuffled(batches: Iterable[Any], permutation: Permutation, rows: int) -> Iterator[Any]:
@@ -120,9 +125,9 @@ def shuffled(batches: Iterable[Any], permutation: Permutation, rows: int) -> Ite
     yield from rebatched(table.take(pa.array(order, type=pa.int64())).to_batches(max_chunksize=rows), rows)
 
 
-def _one_batch(table: Any) -> Any:
-    """A table of at least one row as one record batch (its columns joined into one chunk each)."""
-    return table.combine_chunks().to_batches()[0]
+def _joined(batches: list[Any]) -> Any:
+    """Record batches of one schema as one (their rows copied into one chunk per column)."""
+    return pyarrow_module().Table.from_batches(batches).combine_chunks().to_batches()[0]
 
 
 def _check_rows(batch_rows: int) -> int:
@@ -215,9 +220,8 @@ class ParquetReader(ShardReader):
             parquet = FOOTERS.open(file)
             part = shard.part if isinstance(shard, Shard) else None
             if part is None:
-                yield from rebatched(
-                    parquet.iter_batches(batch_size=self.batch_rows, columns=self.columns), self.batch_rows
-                )
+                found = parquet.iter_batches(batch_size=self.batch_rows, columns=self.columns)
+                yield from rebatched(found, self.batch_rows)
                 return
             groups, offset = [], None
             first = 0
