@@ -142,6 +142,16 @@ FAULTS = [
 SLOW = {
     "faults": FAULTS,  # its quick run: test_quick_kill_trials_lose_no_sample_from_the_model
     "s3_latency": S3_LATENCY,
+    "shards": [  # its quick run: test_shards_quick_mode_reports_read_ratios_and_a_second_epoch_fetching_nothing
+        "shards_makespan_ours",
+        "shards_makespan_litdata",  # where the peers are installed (--peers)
+        "shards_makespan_streaming",
+        "shards_not_once_ours",
+        "shards_read_ratio_parquet",
+        "shards_read_ratio_parquet_split",
+        "shards_read_ratio_jsonl",
+        "shards_epoch2_bytes_fetched",
+    ],
     "training": ["loss_over_ddp", "pass_loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
     "scale": SCALE,
     "local_scale": [  # a full run (--large); its quick run: test_local_scale_quick_mode_runs_both_orders
