@@ -28,6 +28,8 @@ FORMATS: dict[str, str] = {
     ".npy": "tokens",
 }
 """A file's format by its suffix; any other file is ``"other"`` (listed, read by your own loader)."""
+COMPRESSED: dict[str, str] = {".jsonl.gz": "jsonl", ".ndjson.gz": "jsonl"}
+"""Gzipped formats: read whole (a gzip stream cannot be entered mid-way, so never split)."""
 
 GLOB_CHARACTERS = "*?["
 
@@ -85,10 +87,14 @@ def shard_format(path: str) -> str:
     """The format a file name says (``FORMATS``), or ``"other"``.
 
     Example:
-        >>> shard_format("train/part-00001.parquet")
-        'parquet'
+        >>> shard_format("train/part-00001.parquet"), shard_format("web/en-0001.jsonl.gz")
+        ('parquet', 'jsonl')
     """
-    return FORMATS.get(os.path.splitext(path)[1].lower(), "other")
+    lower = path.lower()
+    for suffix, found in COMPRESSED.items():
+        if lower.endswith(suffix):
+            return found
+    return FORMATS.get(os.path.splitext(lower)[1], "other")
 
 
 def shards(
@@ -115,7 +121,8 @@ def shards(
             ``split`` rows (a larger row group is cut), read from the footers when listing (needs
             pyarrow). None: one unit per file.
         split_bytes: bytes per unit of a JSON Lines file (a line belongs to the unit in which it
-            starts, so no line is read twice or missed). None: one unit per file.
+            starts, so no line is read twice or missed). None: one unit per file. A gzipped
+            one (``.jsonl.gz``) stays one unit: a gzip stream cannot be entered mid-way.
         suffixes: keep only files with one of these suffixes (``[".parquet"]``).
         storage_options: passed to fsspec (``{"endpoint_url": ...}`` for s3fs).
         cache: read the footers for ``split`` through this cache (the readers' ``ShardCache``):
@@ -190,6 +197,11 @@ def _listing(url: str, options: dict[str, Any]) -> tuple[Any, str, dict[str, dic
     return fs, base, {name: info for name, info in found.items() if info.get("type") == "file"}
 
 
+def is_gzip(path: str) -> bool:
+    """Whether a shard's name says gzip (``.jsonl.gz``): read whole, decompressed as it streams."""
+    return path.lower().endswith(".gz")
+
+
 def _full_url(fs: Any, name: str) -> str:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return name if protocol in ("file", "local") else fs.unstrip_protocol(name)
@@ -206,7 +218,7 @@ def _parts(
 ) -> list[Shard]:
     if split is not None and whole.format == "parquet":
         parts = row_parts(_row_groups(fs, name, whole, cache, options), split)
-    elif split_bytes is not None and whole.format == "jsonl" and whole.size > split_bytes:
+    elif split_bytes is not None and whole.format == "jsonl" and whole.size > split_bytes and not is_gzip(whole.path):
         parts = [
             Part("bytes", start, min(start + split_bytes, whole.size)) for start in range(0, whole.size, split_bytes)
         ]

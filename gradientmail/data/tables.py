@@ -18,7 +18,7 @@ import torch
 from gradientmail.data.errors import ShardError
 from gradientmail.data.shard_cache import CachedFile, ShardCache
 from gradientmail.data.shard_reader import Permutation, ShardLike, ShardReader
-from gradientmail.data.shard_units import Shard
+from gradientmail.data.shard_units import Shard, is_gzip
 from gradientmail.errors import MissingExtraError
 
 DEFAULT_BATCH_ROWS = 1024
@@ -245,7 +245,8 @@ class ParquetReader(ShardReader):
 
 
 class JsonLinesReader(ShardReader):
-    """A JSON Lines shard's rows as batches (one JSON object a line, parsed by pyarrow).
+    """A JSON Lines shard's rows as batches (one JSON object a line, parsed by pyarrow); a
+    ``.jsonl.gz`` one is decompressed as it is parsed.
 
     A ``Shard`` split by bytes reads the lines that start in its byte range: every line of the
     file once across its units, whatever their boundaries.
@@ -281,22 +282,36 @@ class JsonLinesReader(ShardReader):
         """The shard's rows as ``pyarrow.RecordBatch``es of ``batch_rows`` rows, before ``collate``."""
         json = pyarrow_module("pyarrow.json")
         pa = pyarrow_module()
+        options = json.ParseOptions(explicit_schema=self.schema) if self.schema is not None else None
         file = self.open(shard)
         try:
             part = shard.part if isinstance(shard, Shard) else None
             if file.size == 0:
                 return
-            if part is None and file.local_path:
-                source: Any = file.local_path  # pyarrow reads (and parses, in parallel blocks) the file itself
+            if is_gzip(file.url):
+                if part is not None:
+                    raise ShardError(f"{file.url}: a gzipped file is read whole, not by {part} (list it again)")
+                # Decompressed as pyarrow parses it (the file open until then); the unit's rows are
+                # held at once, as for any unit.
+                raw = pa.OSFile(file.local_path) if file.local_path else pa.PythonFile(file.raw(), mode="r")
+                try:
+                    with pa.CompressedInputStream(raw, "gzip") as stream:
+                        table = json.read_json(stream, parse_options=options)
+                except ShardError:
+                    raise
+                except (OSError, ValueError) as exc:  # zlib's errors, pyarrow.ArrowInvalid
+                    raise ShardError(f"{file.url}: not a readable gzipped JSON Lines file ({exc})") from exc
             else:
-                data = _lines(file, 0 if part is None else part.start, file.size if part is None else part.stop)
-                if not data.strip():
-                    return
-                source = pa.BufferReader(data)
+                if part is None and file.local_path:
+                    source: Any = file.local_path  # pyarrow reads (and parses, in parallel blocks) the file itself
+                else:
+                    data = _lines(file, 0 if part is None else part.start, file.size if part is None else part.stop)
+                    if not data.strip():
+                        return
+                    source = pa.BufferReader(data)
+                table = json.read_json(source, parse_options=options)
         finally:
             file.close()
-        options = json.ParseOptions(explicit_schema=self.schema) if self.schema is not None else None
-        table = json.read_json(source, parse_options=options)
         yield from rebatched(table.to_batches(max_chunksize=self.batch_rows), self.batch_rows)
 
 

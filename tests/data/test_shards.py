@@ -135,6 +135,21 @@ def test_json_lines_split_by_bytes_read_every_line_once(tmp_path, split_bytes):
         assert first[1]["tokens"].shape[1] == 32
 
 
+def test_a_gzipped_json_lines_shard_is_one_unit_read_whole_and_a_damaged_one_named(tmp_path):
+    import gzip
+
+    rows = corpus_rows(40)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(jsonl_bytes(rows)))
+    (tmp_path / "b.jsonl").write_bytes(jsonl_bytes(rows))
+    units = shards(tmp_path, split_bytes=64)  # the plain file is split, the gzipped one cannot be
+    assert units["a.jsonl.gz"].format == "jsonl" and units["a.jsonl.gz"].part is None
+    reader = JsonLinesReader(batch_rows=6)
+    assert ids_of(reader(units["a.jsonl.gz"])) == list(range(40))
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"\x1f\x8b" + b"not gzip" * 10)
+    with pytest.raises(ShardError, match=r"bad.jsonl.gz: not a readable gzipped JSON Lines file"):
+        list(reader(tmp_path / "bad.jsonl.gz"))
+
+
 def test_a_json_line_longer_than_a_parse_block_is_read(tmp_path):
     rows = [{"id": 0, "tokens": [7] * 400_000}, *({"id": n, "tokens": [n]} for n in range(1, 5))]  # 1.2 MB line
     (tmp_path / "long.jsonl").write_bytes(jsonl_bytes(rows))
@@ -379,6 +394,22 @@ def test_a_listing_with_a_cache_reads_the_footers_from_disk_the_second_time(buck
     assert again == first and store_gets == []  # the footers from the cache directory: no GET
     assert shards(f"{prefix}/train/*.parquet", split=20, storage_options=options) == first
     assert len(store_gets) == 2  # without the cache, fetched again
+
+
+def test_a_remote_gzipped_json_lines_shard_is_read_through_the_cache(bucket_shards, s3_client, s3_bucket, tmp_path):
+    import gzip
+
+    from gradientmail.data import ShardCache
+
+    prefix, endpoint, rows = bucket_shards
+    s3_client.put_object(Bucket=s3_bucket, Key="shards/gz/a.jsonl.gz", Body=gzip.compress(jsonl_bytes(rows)))
+    options = {"endpoint_url": endpoint}
+    units = shards(f"{prefix}/gz/", split_bytes=100, storage_options=options)
+    assert list(units) == ["a.jsonl.gz"]
+    reader = JsonLinesReader(
+        batch_rows=7, cache=ShardCache(str(tmp_path / "cache"), block_size=1024), storage_options=options
+    )
+    assert ids_of(reader(units["a.jsonl.gz"])) == [row["id"] for row in rows]
 
 
 def test_a_remote_shard_overwritten_after_listing_is_refused(bucket_shards, s3_client, s3_bucket):
