@@ -85,7 +85,10 @@ def peers_python() -> tuple[str | None, str]:
 
 def _imports_peers(python: str) -> bool:
     check = "import litdata, polars, streaming"
-    return subprocess.run([python, "-c", check], capture_output=True, timeout=120).returncode == 0
+    try:
+        return subprocess.run([python, "-c", check], capture_output=True, timeout=300).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def install_peers() -> tuple[str | None, str]:
@@ -94,6 +97,13 @@ def install_peers() -> tuple[str | None, str]:
     python, reason = peers_python()
     if python is not None:
         return python, reason
+    try:
+        return _install_peers()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"installing {', '.join(PEERS)} in {PEERS_DIR} failed: {exc}"
+
+
+def _install_peers() -> tuple[str | None, str]:
     import torch
 
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(PEERS_DIR)], check=True)
@@ -128,18 +138,26 @@ def documented_case(python: str | None, reason: str, time_unit: float) -> tuple[
         (data / "parquet").mkdir(parents=True)
         write_files(data / "parquet", FILES, FILE_ROWS, row_group_rows=FILE_ROWS, jsonl=False)
         if python is not None:
-            subprocess.run(
+            prepared = subprocess.run(
                 [python, "-m", "benchmarks._shard_peers", "prepare", str(data)],
-                check=True,
                 cwd=ROOT,
                 env=_env(),
                 capture_output=True,
+                text=True,
             )
+            if prepared.returncode != 0:
+                python, reason = None, f"converting the files for them failed: {prepared.stderr.strip()[-300:]}"
         for library in LIBRARIES:
             if library != "ours" and python is None:
                 rows.append((library, "n/a", reason, ""))
                 continue
-            result = _run_case(python if library != "ours" else sys.executable, library, data, Path(tmp), time_unit)
+            try:
+                result = _run_case(python if library != "ours" else sys.executable, library, data, Path(tmp), time_unit)
+            except RuntimeError as exc:
+                if library == "ours":
+                    raise
+                rows.append((library, "failed", str(exc)[-300:], ""))  # theirs: reported, the run goes on
+                continue
             figures[f"shards_makespan_{library}"] = result["makespan"]
             figures[f"shards_not_once_{library}"] = result["not_once"]
             rows.append(
