@@ -45,7 +45,7 @@ TARGETS: dict[str, Target] = {
     "requests_per_claim_no_rotation": Target(
         "<=", 2.5, "the same in the mapping's order (every node wants the same unit)"
     ),
-    "conflicts_per_claim": Target("<=", 0.05, "lost claims per claimed unit, same run"),
+    "conflicts_per_claim": Target("<=", 0.02, "lost claims per claimed unit, same run"),
     "small_units_makespan": Target(
         "<=", 13.0, "the documented case in 4 processes, one-batch units, shared_queue's defaults: time units"
     ),

@@ -14,7 +14,7 @@ mailbox requests per claimed unit about constant however long the run. Details: 
 Section ``claim_ahead`` below: Claiming ahead: a slow store's round trips overlap loading instead of standing between units.
 
 ``ClaimAhead`` keeps up to ``depth`` claims running on background threads while the current
-unit loads and hands their units out in order. ``depth`` stays 0 (the seed's on-demand claims)
+unit loads and hands their units out in order. ``depth`` stays 0 (the design note's on-demand claims)
 until the loader waits for a claim while the training loop starves, and never exceeds
 ``limit`` nor ``TIED_S`` of work: units claimed ahead are this node's. Details: docs/queue.md.
 """
@@ -261,7 +261,7 @@ class Claimer:
     Claims are permanent, so it remembers every unit known claimed and lists ``units/`` only
     where it has not looked yet, a page at a time. ``listing`` says when a listing comes before
     a create: ``"adaptive"`` (default: when the candidate is likely taken, judged from what it
-    has seen), ``"always"`` (the seed's list, create, read back), ``"conflict"`` (after a lost
+    has seen), ``"always"`` (the design note's list, create, read back), ``"conflict"`` (after a lost
     create) or ``"never"``. The policies in full: docs/queue.md.
 
     Args:
@@ -986,7 +986,7 @@ class ClaimAhead:
 
         A claim's error is raised here, after the units picked before it.
         """
-        if not self._limit:  # the seed's claims on demand: no depth to measure or adapt
+        if not self._limit:  # the design note's claims on demand: no depth to measure or adapt
             identifier = None if self._exhausted else self._claim()
             self._exhausted = identifier is None
             return identifier

@@ -29,8 +29,8 @@ FORMAT = "gradientmail.session/3"
 """Value of the ``format`` metadata field. Any other value is refused with ``MailRejectedError``."""
 
 OLD_FORMATS = {
-    "gradientmail.session/1": "gradientmail 0.1 (position mail, before Session v2)",
-    "gradientmail.session/2": "gradientmail 0.1 (Session v2: one chain of whole-model versions)",
+    "gradientmail.session/1": "gradientmail 0.1 (position mail, before fragment chains)",
+    "gradientmail.session/2": "gradientmail 0.1 (one chain of whole-model versions)",
 }
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024

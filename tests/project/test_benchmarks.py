@@ -270,21 +270,6 @@ def test_a_full_run_measures_the_1m_simulation_directly() -> None:
     assert script_command("throughput", quick=False, full=True)[-1] == "--disk"
 
 
-def test_results_table_marks_targets() -> None:
-    from benchmarks.__main__ import Outcome, render
-
-    outcomes = {
-        "balance": Outcome("balance", 0, 1.0, ["a table"], {"shared_over_bound": 1.01, "fixed_over_bound": 2.3}),
-        "stall": Outcome("stall", 0, 1.0, ["a table"], {"stall_fraction": 0.5}),
-        "session": Outcome("session", 1, 1.0, ["Traceback ..."], None),
-    }
-    text = render(outcomes, 3.0, quick=True)
-    assert "| `shared_over_bound` | 1.0100 | <= 1.02 | met |" in text
-    assert "| `stall_fraction` | 0.5000 | < 0.01 | **missed** |" in text
-    assert "| `step_overhead` | n/a | < 0.01 | not measured |" in text
-    assert "`python -m benchmarks.session` **failed (exit code 1)**" in text
-
-
 @pytest.mark.slow
 def test_quick_kill_trials_lose_no_sample_from_the_model() -> None:
     """One trial of each fault kind (benchmarks.faults: kill, freeze, clock, hour_ahead,

@@ -383,7 +383,7 @@ def test_first_non_tensor_accepts_tensors_and_empty_containers():
     assert first_non_tensor({"a": [T, {1: b"x"}]}) == "batch['a'][1][1] is a bytes b'x'"
 
 
-# -- counting samples (issue #25, item 3) --------------------------------------------------------
+# -- counting samples --------------------------------------------------------
 def test_batch_size_counts_rows_not_keys():
     """``session.step(samples=len(batch))`` counted a dict batch's keys; ``batch_size`` its rows."""
     from gradientmail.queue.batches import batch_size

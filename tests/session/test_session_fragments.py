@@ -1,4 +1,4 @@
-"""The run's state as fragments with pending contributions (issue #22): small deterministic cases.
+"""The run's state as fragments with pending contributions: small deterministic cases.
 
 A fold that loses the race for a version leaves its contribution pending instead of folding
 again; the next writer absorbs it. These tests force each path with a store wrapper the test
