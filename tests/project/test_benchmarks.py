@@ -150,6 +150,9 @@ SLOW = {
         "shards_read_ratio_parquet",
         "shards_read_ratio_parquet_split",
         "shards_read_ratio_jsonl",
+        "shards_read_cpu_ratio_parquet",
+        "shards_read_cpu_ratio_parquet_split",
+        "shards_read_ratio_litdata",  # where the peers are installed
         "shards_epoch2_bytes_fetched",
     ],
     "training": ["loss_over_ddp", "pass_loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
