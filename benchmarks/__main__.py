@@ -41,8 +41,10 @@ SCRIPTS = (
     "session_figures",
 )
 """What ``python -m benchmarks`` runs (within its budget, ``BUDGET_S``)."""
-FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
-"""What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
+FULL_SCRIPTS = (*SCRIPTS, "shards", "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
+"""What ``--full`` runs: also the shards benchmark (the documented case on Parquet files against
+litdata and MosaicML streaming where their environment is installed, readers' throughput, a
+second epoch's bytes: about 3 minutes), the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
 with the 1M-unit, 1,024-node simulation itself (``--direct``: about 4 minutes a run, 3 runs), and the Session at
 4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), and
@@ -72,6 +74,17 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("small_units", "demo_units_makespan", "the same with 4 batches a unit, the demo's options"),
     ("small_units", "small_units_over_bound_240", "240 one-batch units, defaults: makespan / fluid bound"),
     ("small_units", "epochs_makespan", "the documented case over 2 epochs as one run (epochs()), defaults (ideal 22)"),
+    ("shards", "shards_makespan_ours", "the documented case on 24 Parquet files, 4 processes: ours (ideal 12)"),
+    ("shards", "shards_makespan_litdata", "the same with litdata's StreamingDataset (where --peers installed it)"),
+    ("shards", "shards_makespan_streaming", "the same with MosaicML streaming's StreamingDataset (likewise)"),
+    ("shards", "shards_not_once_ours", "rows read twice or never, ours"),
+    ("shards", "shards_read_ratio_parquet", "ParquetReader / pyarrow rows per second, whole files"),
+    ("shards", "shards_read_cpu_ratio_parquet", "the same per second of CPU time (steadier on a busy machine)"),
+    ("shards", "shards_read_ratio_parquet_split", "the same, files split by rows (split=)"),
+    ("shards", "shards_read_cpu_ratio_parquet_split", "the same per second of CPU time"),
+    ("shards", "shards_read_ratio_jsonl", "JsonLinesReader / pyarrow rows per second"),
+    ("shards", "shards_read_ratio_litdata", "litdata's reader on its own format / pyarrow rows per second"),
+    ("shards", "shards_epoch2_bytes_fetched", "bytes the second epoch fetches from the bucket with a ShardCache"),
     ("requests", "requests_per_claim", "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
     ("requests", "conflicts_per_claim", "lost claims per claimed unit, same (virtual clock: atomic steps)"),
     ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),

@@ -142,6 +142,19 @@ FAULTS = [
 SLOW = {
     "faults": FAULTS,  # its quick run: test_quick_kill_trials_lose_no_sample_from_the_model
     "s3_latency": S3_LATENCY,
+    "shards": [  # its quick run: test_shards_quick_mode_reports_read_ratios_and_a_second_epoch_fetching_nothing
+        "shards_makespan_ours",
+        "shards_makespan_litdata",  # where the peers are installed (--peers)
+        "shards_makespan_streaming",
+        "shards_not_once_ours",
+        "shards_read_ratio_parquet",
+        "shards_read_ratio_parquet_split",
+        "shards_read_ratio_jsonl",
+        "shards_read_cpu_ratio_parquet",
+        "shards_read_cpu_ratio_parquet_split",
+        "shards_read_ratio_litdata",  # where the peers are installed
+        "shards_epoch2_bytes_fetched",
+    ],
     "training": ["loss_over_ddp", "pass_loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
     "scale": SCALE,
     "local_scale": [  # a full run (--large); its quick run: test_local_scale_quick_mode_runs_both_orders
@@ -190,6 +203,9 @@ def test_shards_quick_mode_reports_read_ratios_and_a_second_epoch_fetching_nothi
         assert finite(figures[f"shards_read_cpu_ratio_{case}"]), figures
     # Counted bytes, not speed: the second epoch through the cache fetches nothing, without it all again.
     assert figures["shards_epoch2_bytes_fetched"] == 0, figures
+    # (a) ours on the documented case, every row once; the peers run only with --peers.
+    assert finite(figures["shards_makespan_ours"]) and figures["shards_not_once_ours"] == 0, figures
+    assert "shards_makespan_litdata" not in figures, figures
     assert figures["shards_epoch2_mib_fetched_uncached"] == figures["shards_epoch1_mib_fetched_cached"] > 0, figures
 
 
