@@ -1,4 +1,4 @@
-"""Run every benchmark, print each one's table, then the summary, and write ``RESULTS.md``.
+"""Run every benchmark, print each one's table, then merge their figures into ``results.json``.
 
 Usage: ``python -m benchmarks [--quick] [--full] [--only NAME ...] [--output PATH]``. ``--full``
 adds the training benchmark (about 6 minutes: real training in four processes, three repeats)
@@ -6,9 +6,11 @@ and the scale benchmark (3 to 4 minutes: up to 256k units over 256 nodes on the 
 extrapolated to 1M units over 1,024 nodes).
 Each script runs in
 its own process, one after another (the timing ones must not share the cores with the others).
-The full run writes ``benchmarks/RESULTS.md`` (the table the README shows); ``--quick`` writes
-nothing unless ``--output`` is given. The last line printed is one JSON object: every script's
-figures by name, and the wall time.
+A run merges into ``benchmarks/results.json`` (``benchmarks.results``): each script it ran
+replaces its own entry, with its command, date and machine; the others keep theirs. It then
+renders ``benchmarks/RESULTS.md`` and the figure blocks of the README and ``docs/`` from that file
+(``benchmarks.figures``). ``--quick`` writes nothing unless ``--output`` is given. The last line
+printed is one JSON object: every script's figures by name, and the wall time.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks._common import TARGETS
+from benchmarks import figures, results
+from benchmarks.results import RESULTS_JSON, Run
 
 SCRIPTS = (
     "balance",
@@ -38,8 +41,10 @@ SCRIPTS = (
     "session_figures",
 )
 """What ``python -m benchmarks`` runs (within its budget, ``BUDGET_S``)."""
-FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
-"""What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
+FULL_SCRIPTS = (*SCRIPTS, "shards", "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
+"""What ``--full`` runs: also the shards benchmark (the documented case on Parquet files against
+litdata and MosaicML streaming where their environment is installed, readers' throughput, a
+second epoch's bytes: about 3 minutes), the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
 with the 1M-unit, 1,024-node simulation itself (``--direct``: about 4 minutes a run, 3 runs), and the Session at
 4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), and
@@ -69,6 +74,17 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("small_units", "demo_units_makespan", "the same with 4 batches a unit, the demo's options"),
     ("small_units", "small_units_over_bound_240", "240 one-batch units, defaults: makespan / fluid bound"),
     ("small_units", "epochs_makespan", "the documented case over 2 epochs as one run (epochs()), defaults (ideal 22)"),
+    ("shards", "shards_makespan_ours", "the documented case on 24 Parquet files, 4 processes: ours (ideal 12)"),
+    ("shards", "shards_makespan_litdata", "the same with litdata's StreamingDataset (where --peers installed it)"),
+    ("shards", "shards_makespan_streaming", "the same with MosaicML streaming's StreamingDataset (likewise)"),
+    ("shards", "shards_not_once_ours", "rows read twice or never, ours"),
+    ("shards", "shards_read_ratio_parquet", "ParquetReader / pyarrow rows per second, whole files"),
+    ("shards", "shards_read_cpu_ratio_parquet", "the same per second of CPU time (steadier on a busy machine)"),
+    ("shards", "shards_read_ratio_parquet_split", "the same, files split by rows (split=)"),
+    ("shards", "shards_read_cpu_ratio_parquet_split", "the same per second of CPU time"),
+    ("shards", "shards_read_ratio_jsonl", "JsonLinesReader / pyarrow rows per second"),
+    ("shards", "shards_read_ratio_litdata", "litdata's reader on its own format / pyarrow rows per second"),
+    ("shards", "shards_epoch2_bytes_fetched", "bytes the second epoch fetches from the bucket with a ShardCache"),
     ("requests", "requests_per_claim", "mailbox requests per claimed unit, 100k units, 64 learners, rotation"),
     ("requests", "conflicts_per_claim", "lost claims per claimed unit, same (virtual clock: atomic steps)"),
     ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),
@@ -109,6 +125,11 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("session_scale", "scale_read_per_exchange_64", "model sizes read per learner per exchange, 64 learners"),
     ("session_scale", "scale_written_per_exchange_64", "model sizes written per learner per exchange, 64 learners"),
     ("session_scale", "scale_errors_64", "learner errors, 64 learners"),
+    (
+        "session_scale",
+        "scale_conflicts_per_exchange_64",
+        "fragment folds lost to a rival's create per exchange, 64 learners",
+    ),
     *(
         (
             "local_scale",
@@ -153,7 +174,6 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
 )
 """The figures the summary table shows, with what each means; targets come from ``TARGETS``."""
 
-DEFAULT_OUTPUT = Path(__file__).with_name("RESULTS.md")
 BUDGET_S = 480.0
 
 
@@ -205,67 +225,50 @@ def run_script(name: str, quick: bool, full: bool = False) -> Outcome:
     return outcome
 
 
-def summary_rows(outcomes: dict[str, Outcome]) -> list[list[str]]:
-    rows = []
-    for script, figure, meaning in SUMMARY:
-        outcome = outcomes.get(script)
-        if outcome is None:
-            continue
-        value = (outcome.figures or {}).get(figure)
-        target = TARGETS.get(figure)
-        if isinstance(value, (int, float)):
-            shown = f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
-            verdict = "" if target is None else ("met" if target.met(value) else "**missed**")
-        else:
-            shown, verdict = "n/a", "" if target is None else "not measured"
-        rows.append([f"`{figure}`", shown, "" if target is None else target.text(), verdict, meaning])
-    return rows
-
-
-def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] * len(headers)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def machine() -> str:
+    """This machine in a few words, with its load when the run began (shared cores move the timings)."""
     try:
         import torch
 
         torch_version = torch.__version__
     except ImportError:  # pragma: no cover - torch is a dependency
         torch_version = "?"
+    try:
+        load = f", load average {os.getloadavg()[0]:.1f} at the start"
+    except OSError:  # pragma: no cover - no load average on this platform
+        load = ""
     return (
         f"{os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, "
-        f"torch {torch_version}, {platform.system()}"
+        f"torch {torch_version}, {platform.system()}{load}"
     )
 
 
-def render(outcomes: dict[str, Outcome], wall: float, quick: bool) -> str:
-    """The RESULTS.md text: the summary table, then each script's own table."""
-    command = "python -m benchmarks" + (" --quick" if quick else "")
-    parts = [
-        "# Benchmark results",
-        "",
-        f"Written by `{command}` on {datetime.date.today().isoformat()}: {machine()}; "
-        f"{wall:.0f} s in all ({', '.join(f'{o.name} {o.seconds:.0f} s' for o in outcomes.values())}).",
-        "",
-        markdown_table(["figure", "value", "target", "", "meaning"], summary_rows(outcomes)),
-        "",
-    ]
-    for outcome in outcomes.values():
-        parts += [
-            f"## {outcome.name}",
-            "",
-            f"`python -m benchmarks.{outcome.name}`"
-            + ("" if outcome.ok else f" **failed (exit code {outcome.returncode})**"),
-            "",
-            "```text",
-            *outcome.lines,
-            "```",
-            "",
-        ]
-    return "\n".join(parts)
+def runs_of(outcomes: dict[str, Outcome], quick: bool, full: bool) -> dict[str, Run]:
+    """The results-file entries of the scripts that succeeded: each with its own command."""
+    where, today = machine(), datetime.date.today().isoformat()
+    return {
+        name: Run(
+            command="python " + " ".join(script_command(name, quick, full)[1:]),
+            date=today,
+            machine=where,
+            figures=outcome.figures or {},
+            seconds=round(outcome.seconds, 1),
+            lines=outcome.lines,
+        )
+        for name, outcome in outcomes.items()
+        if outcome.ok
+    }
+
+
+def in_script_order(runs: dict[str, Run]) -> dict[str, Run]:
+    """``runs`` in ``FULL_SCRIPTS``' order, an entry such as ``training_long`` after its script."""
+
+    def rank(name: str) -> tuple[int, str]:
+        owners = [script for script in FULL_SCRIPTS if name == script or name.startswith(script + "_")]
+        owner = max(owners, key=len, default=None)
+        return (FULL_SCRIPTS.index(owner) if owner is not None else len(FULL_SCRIPTS), name)
+
+    return dict(sorted(runs.items(), key=lambda item: rank(item[0])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,24 +282,33 @@ def main(argv: list[str] | None = None) -> int:
         "--output",
         type=Path,
         default=None,
-        help=f"where to write the results (default {DEFAULT_OUTPUT.name}; --quick: nowhere)",
+        help=f"the results file to merge into (default {RESULTS_JSON.name}, which also refreshes RESULTS.md, "
+        "the README and docs/; --quick: none unless given), RESULTS.md-style text beside it",
     )
     args = parser.parse_args(argv)
-    output = args.output or (None if args.quick else DEFAULT_OUTPUT)
+    output = args.output or (None if args.quick else RESULTS_JSON)
     start = time.perf_counter()
     chosen = args.only or (FULL_SCRIPTS if args.full else SCRIPTS)
     outcomes = {name: run_script(name, args.quick, args.full) for name in chosen}
     wall = time.perf_counter() - start
-    text = render(outcomes, wall, args.quick)
+    fresh = runs_of(outcomes, args.quick, args.full)
+    print(figures.render_all(fresh, figures.summary_meanings()))
+    written = ""
     if output is not None:
-        output.write_text(text)
-    summary = markdown_table(["figure", "value", "target", "", "meaning"], summary_rows(outcomes))
-    print(summary)
+        merged = in_script_order(results.merge(results.load(output), fresh))
+        results.save(merged, output)
+        if output.resolve() == RESULTS_JSON.resolve():
+            pages = figures.write_all(merged)
+        else:
+            page = output.with_suffix(".md")
+            page.write_text(figures.render_results_md(merged, output))
+            pages = [page]
+        written = f"; merged {len(fresh)} script(s) into {output}" + "".join(f", wrote {page}" for page in pages)
     over = "" if args.quick or args.full or args.only or wall <= BUDGET_S else f" (over the {BUDGET_S:.0f} s budget)"
-    print(f"\n{wall:.0f}s in all{over}" + (f"; wrote {output}" if output is not None else ""))
+    print(f"\n{wall:.0f}s in all{over}{written}")
     failed = [name for name, outcome in outcomes.items() if not outcome.ok]
     if failed:
-        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        print(f"FAILED (their earlier figures kept): {', '.join(failed)}", file=sys.stderr)
     print(json.dumps({**{name: outcome.figures for name, outcome in outcomes.items()}, "wall_s": round(wall, 1)}))
     return 1 if failed else 0
 

@@ -1,6 +1,6 @@
 """An 8-bit wire for the Session's state, simulated at the store: what it would cost in loss.
 
-Issue #22 asks whether 8-bit values (a scale per block, error feedback if needed) keep the
+It measures whether 8-bit values (a scale per block, error feedback if needed) keep the
 model's quality. ``Int8Wire`` wraps the mailbox of one node: every fragment version and pending
 contribution it writes is rounded as an 8-bit encoding would round it (per block of
 ``BLOCK`` values: ``scale = absmax / 127``, each value ``round(x / scale)`` stochastically, so

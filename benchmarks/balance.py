@@ -9,9 +9,9 @@ clock is virtual: the node whose clock is lowest asks for its next batch, so not
 - ``fixed_over_bound``: the same for a fixed split (``DistributedSampler``-style: every node
   owns ``ceil(units / nodes)`` units whatever its speed), at 64 nodes.
 
-Node times per unit repeat the seed's 1, 2, 2, 4 (64 nodes: 16 of each kind). The slowdown run
+Node times per unit repeat the design note's 1, 2, 2, 4 (64 nodes: 16 of each kind). The slowdown run
 has 64 nodes and makes node 0 (a fast one) four times slower from half the ideal makespan on.
-The seed's 24-unit example is reproduced exactly first (fixed split t = 24, shared queue t = 12
+The design note's 24-unit example is reproduced exactly first (fixed split t = 24, shared queue t = 12
 with A 11, B and C 5, D 3 units). ``--quick``: 500 units instead of 10,000, in one process.
 
 Usage: ``python -m benchmarks.balance [--quick]``; the last line is one JSON object.
@@ -30,7 +30,7 @@ from gradientmail import Unit, unit_grid
 from gradientmail.sim.queue import fixed_split_makespan, simulate
 
 PATTERN = (1.0, 2.0, 2.0, 4.0)
-"""Time per unit of the seed's nodes A, B, C and D, repeated over larger clusters."""
+"""Time per unit of the design note's nodes A, B, C and D, repeated over larger clusters."""
 
 NODE_COUNTS = (4, 64, 256)
 HEADLINE_NODES = 64
@@ -43,7 +43,7 @@ def unit_times(nodes: int) -> list[float]:
 
 
 def grid(units: int, lanes: int) -> dict[str, Unit]:
-    """Exactly ``units`` one-batch units of the seed's grid, one lane per node (for rotation)."""
+    """Exactly ``units`` one-batch units of the design note's grid, one lane per node (for rotation)."""
     full = unit_grid(steps=-(-units // lanes), unit_steps=1, lanes=lanes)
     return dict(itertools.islice(full.items(), units))
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     units = 500 if args.quick else 10_000
     jobs = args.jobs or (1 if args.quick else default_jobs())  # starting a process costs more than a quick case
 
-    seed = run_case("seed example", 4, 24)
+    seed = run_case("design note example", 4, 24)
     seed_units = [seed.units_by_learner[f"node-{rank}"] for rank in range(4)]
     reproduced = seed.shared == 12.0 and seed.fixed == 24.0 and seed.units_by_learner == SEED_UNITS
     todo = [(f"{nodes} nodes", nodes, units, False) for nodes in NODE_COUNTS]
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     names = "ABCD"
     print(
-        f"seed example: shared queue t = {seed.shared:g} with "
+        f"design note example: shared queue t = {seed.shared:g} with "
         + ", ".join(f"{names[rank]} {count}" for rank, count in enumerate(seed_units))
         + f"; fixed split t = {seed.fixed:g}: "
         + ("reproduced exactly" if reproduced else "MISMATCH (expected t = 12 with A 11, B 5, C 5, D 3; fixed 24)")

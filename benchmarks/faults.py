@@ -51,7 +51,7 @@ stopped on their own after the fault: ``LeaseLostError``, the transient error), 
 ``faults_store``. A node its peers judged dead (a lease of 1 s on a busy machine) stops with
 ``LeaseLostError`` and is restarted like a victim: an outcome, not an error.
 
-Before issue #23 item 1 a killed node's batches since its last exchange were lost; the
+A killed node's batches since its last exchange are trained again, not lost: the
 ``FoldGate`` records a batch only once the run holds its progress. A fold that landed just before
 a kill or a freeze, its records not yet written, carries the node's unit marks, from which a
 takeover continues; a frozen node checks its claims before each write of a fold; a queue that
@@ -62,7 +62,7 @@ its last batches in some fragments only, which the next node trains again (see d
 Usage: ``python -m benchmarks.faults [--quick] [--trials N] [--faults kill,freeze,clock,hour_ahead,...,duplicate]
 [--store local|seaweedfs] [--seed S] [--start I] [--fragments F]`` (default 50 trials of every kind,
 about 4 minutes on 2 cores on local; ``--quick``: one trial of each kind, CI). A trial depends on
-the seed and its number only: ``--start 37 --trials 1`` runs trial 37 again. The last line printed
+its random seed and its number only: ``--start 37 --trials 1`` runs trial 37 again. The last line printed
 is one JSON object.
 """
 

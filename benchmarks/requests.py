@@ -7,12 +7,14 @@ Each cell runs ``gradientmail.sim.queue``: real ``SharedQueueDataset`` claimers 
 unequal speed (times per unit 1, 2, 2, 4 repeated, each batch +-20 % jitter) on one shared
 ``MemoryMailbox``, each behind a ``CountingMailbox`` that counts requests the way S3 bills them
 (a list page of 1,000 keys is one request; each node's start-up is included). Units are the
-seed's grid with one lane per learner; "rotation" means node ``r`` prefers lane ``r`` first
+design note's grid with one lane per learner; "rotation" means node ``r`` prefers lane ``r`` first
 (``rotated_order``), "none" that every node walks the mapping's order.
 
 - ``requests_per_claim``: mailbox requests / units claimed, at 100k units, 64 learners,
-  rotation; target <= 3.
-- ``conflicts_per_claim``: claims lost to another node / units claimed, same run; target <= 0.05.
+  rotation.
+- ``conflicts_per_claim``: claims lost to another node / units claimed, same run.
+
+Their targets are ``benchmarks._common.TARGETS``, the one place every table reads them from.
 
 The virtual clock runs each ``next()`` atomically, so no node ever acts between another's
 listing and its create: a conflict there needs knowledge gone stale while a node was busy. The

@@ -1,6 +1,6 @@
 """Batches per second of ``shared_queue`` against a plain DataLoader over the same load.
 
-Both sides read the same units (20 batches each, the seed's ``unit_steps``) with the same
+Both sides read the same units (20 batches each, the design note's ``unit_steps``) with the same
 ``load``, which builds each batch in the worker (``torch.full``: the cost of copying it out of
 a page cache, no disk). The baseline is ``DataLoader(num_workers=1, prefetch_factor=8)`` over a
 plain ``IterableDataset`` of those units, without claims; the shared queue is
@@ -26,7 +26,7 @@ machine's rates drift by +-20 % between runs, so it takes eight pairs or more to
   run of every benchmark within its 3 minutes).
 
 The table also shows the mailbox time per claimed unit, measured where the requests run, and
-the ratio that time would predict if claims were made on demand between two units (the seed's
+the ratio that time would predict if claims were made on demand between two units (the design note's
 design, ``claim_ahead=0``): ``shared_queue`` claims ahead on background threads once the loop
 runs dry during claims (``gradientmail.queue.claimer``), so the measured ratio beats it.
 
@@ -55,7 +55,7 @@ from gradientmail.mailbox.wrappers import DelayedMailbox
 from gradientmail.patterns.shared_queue import shared_queue
 
 SIZES = {"small": (16, 128), "large": (256, 2048)}
-"""Batch shapes (int64): 16 KiB, and the seed's 256 sequences of 2,048 tokens (4 MiB)."""
+"""Batch shapes (int64): 16 KiB, and the design note's 256 sequences of 2,048 tokens (4 MiB)."""
 
 LATENCIES = {"local": 0.0, "disk": 0.0, "20ms": 0.020, "100ms": 0.100}
 SPARSE = {"disk", "100ms"}

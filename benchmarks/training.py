@@ -17,7 +17,7 @@ starts from the same initial parameters with Adam (lr 2e-3) on the same units of
 - time to quality: GradientMail again over two passes of the data while a monitor process
   evaluates ``consensus`` every 0.5 s and stops the nodes once DDP's final loss is reached.
 
-Exchange cadence (issue #22): about 25 local steps of the fastest node per exchange, by time, so
+Exchange cadence: about 25 local steps of the fastest node per exchange, by time, so
 slower nodes take proportionally fewer (about 25/12/12/6 steps at 12/24/24/48 ms). The
 parent measures one unpadded training step of this model (median of 40, one thread) and sets
 ``every_s = 25 x max(fastest pad, step)``: the pad counts the step inside it (a batch takes at
@@ -104,7 +104,7 @@ GROUP_SIZE = 2
 GROUP_SLEEPS = {"quick": (0.001, 0.001, 0.002, 0.002), "pass": (0.012, 0.012, 0.024, 0.024)}
 """``--groups``: speeds 1:1:2:2, group 0 the two fast processes, group 1 the two slow ones."""
 EXCHANGE_STEPS = 25
-"""Issue #22: exchange at about 25 local steps of the fastest node (by time: slower nodes take fewer)."""
+"""Exchange at about 25 local steps of the fastest node (by time: slower nodes take fewer)."""
 VERDICTS: dict[str, dict[str, str]] = {
     "pass": {
         "pass_loss_over_ddp": "loss_over_ddp",

@@ -1,6 +1,6 @@
 """Train a small GPT on the Python standard library's source with GradientMail.
 
-The seed's loop, complete: work units through ``shared_queue``, progress through ``Session``,
+The documented loop, complete: work units through ``shared_queue``, progress through ``Session``,
 the run's model from ``consensus`` at the end. Every process is one learner; a fast one simply
 takes more units. Each run needs a fresh mailbox (claims are permanent).
 
@@ -98,7 +98,7 @@ class GPT(nn.Module):
 
 
 def load_unit(reader: TokenReader, batch: int, unit: Unit):
-    """The seed's loader: lane ``unit.lane`` of each of the unit's steps (module level: workers pickle it)."""
+    """The design note's loader: lane ``unit.lane`` of each of the unit's steps (module level: workers pickle it)."""
     share = batch // unit.lanes
     for step in range(unit.first, unit.first + unit.count):
         yield step, reader.sequences(step * batch + unit.lane * share, share)

@@ -148,6 +148,27 @@ def parse_state_key(key: str, fragment: int = 0) -> int | None:
     return None
 
 
+def fold_claim_key(fragment: int, version: int) -> str:
+    """``session/fragments/{fragment}/claims/{version}``: who is folding that version now.
+
+    Example:
+        >>> fold_claim_key(1, 40)
+        'session/fragments/0001/claims/000000000040'
+    """
+    return f"{fragment_prefix(fragment)}claims/{version:0{SEQ_DIGITS}d}"
+
+
+def ledger_key(fragment: int, version: int, learner: str) -> str:
+    """``session/fragments/{fragment}/ledgers/{version}.{learner}.json``: every learner's line
+    as of ``version``, written by ``learner`` (who created that version, or lost the race to).
+
+    Example:
+        >>> ledger_key(1, 40, "node-1")
+        'session/fragments/0001/ledgers/000000000040.node-1.json'
+    """
+    return f"{fragment_prefix(fragment)}ledgers/{version:0{SEQ_DIGITS}d}.{learner}.json"
+
+
 def pending_key(fragment: int, learner: str, seq: int) -> str:
     """``session/fragments/{fragment}/pending/{learner}.{seq}.safetensors``: one contribution.
 

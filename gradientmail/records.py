@@ -641,7 +641,7 @@ class ClaimRecord(Record):
         return self.get("worker")
 
     claimed_at = Field(float)
-    state = Field(str, "``ACTIVE`` or ``RELEASED`` for elastic claims, None for the seed's.")
+    state = Field(str, "``ACTIVE`` or ``RELEASED`` for elastic claims, None for the design note's.")
     incarnation = Field(str)
     step = Field(int)
     position = Field(int, at_least=0)

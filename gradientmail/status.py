@@ -93,7 +93,7 @@ class Claim:
     pid: int | None = None
     worker: Any = None
     state: str | None = None
-    """``"active"`` or ``"released"`` for claims of elastic runs, None for the seed's claims."""
+    """``"active"`` or ``"released"`` for claims of elastic runs, None for the design note's claims."""
     incarnation: str | None = None
 
     @classmethod
@@ -175,7 +175,7 @@ class RunStatus:
     learners: list[LearnerStatus] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
     done: list[str] = field(default_factory=list)
-    """Units with a ``done/`` record (elastic runs; empty for the seed's queue)."""
+    """Units with a ``done/`` record (elastic runs; empty for the design note's queue)."""
     released: list[str] = field(default_factory=list)
     orphaned: list[str] = field(default_factory=list)
     """Unfinished units whose owner's lease expired (any node running with leases may take them)."""
@@ -195,7 +195,7 @@ class RunStatus:
 
     @property
     def units_in_progress(self) -> int | None:
-        """Claimed units neither done, released nor orphaned (None for the seed's queue)."""
+        """Claimed units neither done, released nor orphaned (None for the design note's queue)."""
         if not self.elastic:
             return None
         return len(self.claims) - len(self.done) - len(self.released) - len(self.orphaned)

@@ -1,6 +1,6 @@
 """One node of ``gradientmail demo``: the documented loop, ``shared_queue`` + ``Session``.
 
-A node trains a small MLP on synthetic data (any node can build any unit from the seed),
+A node trains a small MLP on synthetic data (any node can build any unit from its random seed),
 simulates its speed by sleeping after each batch, and reports ``(rank, event)`` pairs on a
 queue: ``ready``, ``batch``, ``unit`` (the unit's exact training span), then ``done`` or ``error``.
 """

@@ -9,7 +9,7 @@ from gradientmail.errors import DemoError
 from gradientmail.plot import Span
 
 DEFAULT_SPEEDS = (1.0, 2.0, 2.0, 4.0)
-"""Relative time per batch of the default nodes A, B, C, D (the seed's example)."""
+"""Relative time per batch of the default nodes A, B, C, D (the design note's example)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def simulate(plan: Plan, *, shared: bool) -> list[Span]:
         One ``Span`` per unit.
 
     Example:
-        The seed's example: the shared queue ends at t = 12, the fixed split at t = 24.
+        The design note's example: the shared queue ends at t = 12, the fixed split at t = 24.
 
         >>> plan = Plan(("A", "B", "C", "D"), (1.0, 2.0, 2.0, 4.0), units=24, unit_steps=1, batch_time=1.0)
         >>> makespan(simulate(plan, shared=True)), makespan(simulate(plan, shared=False))

@@ -1,4 +1,4 @@
-"""``TokenReader``: the seed's ``sequences(start, count)`` over a flat file of tokens.
+"""``TokenReader``: the design note's ``sequences(start, count)`` over a flat file of tokens.
 
 Sequence ``i`` is the ``seq_len + 1`` tokens from token ``i * seq_len`` on, so ``row[:-1]`` and
 ``row[1:]`` are inputs and targets. See docs/data.md.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from gradientmail.data.errors import ShardError
-from gradientmail.data.shard_cache import Pin
+from gradientmail.data.shard_cache import Pin, ShardCache
 from gradientmail.data.sources import object_version
 from gradientmail.errors import MissingExtraError
 
@@ -28,6 +28,8 @@ FORMATS: dict[str, str] = {
     ".npy": "tokens",
 }
 """A file's format by its suffix; any other file is ``"other"`` (listed, read by your own loader)."""
+COMPRESSED: dict[str, str] = {".jsonl.gz": "jsonl", ".ndjson.gz": "jsonl"}
+"""Gzipped formats: read whole (a gzip stream cannot be entered mid-way, so never split)."""
 
 GLOB_CHARACTERS = "*?["
 
@@ -85,10 +87,14 @@ def shard_format(path: str) -> str:
     """The format a file name says (``FORMATS``), or ``"other"``.
 
     Example:
-        >>> shard_format("train/part-00001.parquet")
-        'parquet'
+        >>> shard_format("train/part-00001.parquet"), shard_format("web/en-0001.jsonl.gz")
+        ('parquet', 'jsonl')
     """
-    return FORMATS.get(os.path.splitext(path)[1].lower(), "other")
+    lower = path.lower()
+    for suffix, found in COMPRESSED.items():
+        if lower.endswith(suffix):
+            return found
+    return FORMATS.get(os.path.splitext(lower)[1], "other")
 
 
 def shards(
@@ -98,6 +104,7 @@ def shards(
     split_bytes: int | None = None,
     suffixes: Iterable[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    cache: ShardCache | None = None,
 ) -> dict[str, Shard]:
     """The files under a prefix, or matching a glob, as units: ``{relative path: Shard}``, sorted.
 
@@ -114,9 +121,13 @@ def shards(
             ``split`` rows (a larger row group is cut), read from the footers when listing (needs
             pyarrow). None: one unit per file.
         split_bytes: bytes per unit of a JSON Lines file (a line belongs to the unit in which it
-            starts, so no line is read twice or missed). None: one unit per file.
+            starts, so no line is read twice or missed). None: one unit per file. A gzipped
+            one (``.jsonl.gz``) stays one unit: a gzip stream cannot be entered mid-way.
         suffixes: keep only files with one of these suffixes (``[".parquet"]``).
         storage_options: passed to fsspec (``{"endpoint_url": ...}`` for s3fs).
+        cache: read the footers for ``split`` through this cache (the readers' ``ShardCache``):
+            with a directory, another listing on the machine (a restarted node, another rank)
+            fetches no footer byte from the store, only checks each file's version.
 
     Raises:
         FileNotFoundError: no file matched.
@@ -151,7 +162,7 @@ def shards(
         if kept and not relative.lower().endswith(tuple(kept)):
             continue
         whole = Shard(_full_url(fs, name), relative, int(info["size"]), object_version(info))
-        for shard in _parts(fs, name, whole, split, split_bytes):
+        for shard in _parts(fs, name, whole, split, split_bytes, cache, options):
             units[shard.id] = shard
     if not units:
         raise FileNotFoundError(
@@ -186,15 +197,28 @@ def _listing(url: str, options: dict[str, Any]) -> tuple[Any, str, dict[str, dic
     return fs, base, {name: info for name, info in found.items() if info.get("type") == "file"}
 
 
+def is_gzip(path: str) -> bool:
+    """Whether a shard's name says gzip (``.jsonl.gz``): read whole, decompressed as it streams."""
+    return path.lower().endswith(".gz")
+
+
 def _full_url(fs: Any, name: str) -> str:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return name if protocol in ("file", "local") else fs.unstrip_protocol(name)
 
 
-def _parts(fs: Any, name: str, whole: Shard, split: int | None, split_bytes: int | None) -> list[Shard]:
+def _parts(
+    fs: Any,
+    name: str,
+    whole: Shard,
+    split: int | None,
+    split_bytes: int | None,
+    cache: ShardCache | None,
+    options: dict[str, Any],
+) -> list[Shard]:
     if split is not None and whole.format == "parquet":
-        parts = row_parts(_row_groups(fs, name), split)
-    elif split_bytes is not None and whole.format == "jsonl" and whole.size > split_bytes:
+        parts = row_parts(_row_groups(fs, name, whole, cache, options), split)
+    elif split_bytes is not None and whole.format == "jsonl" and whole.size > split_bytes and not is_gzip(whole.path):
         parts = [
             Part("bytes", start, min(start + split_bytes, whole.size)) for start in range(0, whole.size, split_bytes)
         ]
@@ -206,20 +230,29 @@ def _parts(fs: Any, name: str, whole: Shard, split: int | None, split_bytes: int
     return [Shard(whole.url, whole.path, whole.size, whole.version, part, width) for part in parts]
 
 
-def _row_groups(fs: Any, name: str) -> list[int]:
-    """The rows of each row group of a Parquet file, from its footer (one or two ranged reads)."""
+def _row_groups(fs: Any, name: str, whole: Shard, cache: ShardCache | None, options: dict[str, Any]) -> list[int]:
+    """The rows of each row group of a Parquet file, from its footer (one or two ranged reads,
+    through ``cache`` when given: pinned to the version listed)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise MissingExtraError(
             f"splitting Parquet files needs pyarrow: pip install 'gradientmail[parquet]' ({exc})"
         ) from exc
-    with fs.open(name, "rb") as stream:
-        try:
-            metadata = pq.ParquetFile(stream).metadata
-        except (OSError, ValueError) as exc:  # pyarrow.ArrowInvalid is a ValueError
-            raise ShardError(f"{name}: not a readable Parquet file, so it cannot be split by rows ({exc})") from exc
-        return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+    if cache is not None:
+        file = cache.open(whole.url, options or None, pin=whole.pin)
+        stream: Any = file.local_path or file.raw()
+        close = file.close
+    else:
+        stream = fs.open(name, "rb")
+        close = stream.close
+    try:
+        metadata = pq.ParquetFile(stream).metadata
+    except (OSError, ValueError) as exc:  # pyarrow.ArrowInvalid is a ValueError
+        raise ShardError(f"{name}: not a readable Parquet file, so it cannot be split by rows ({exc})") from exc
+    finally:
+        close()
+    return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
 
 def row_parts(group_rows: list[int], split: int) -> list[Part]:

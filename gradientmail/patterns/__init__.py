@@ -1,1 +1,1 @@
-"""Home of the seed's documented import path, ``gradientmail.patterns.shared_queue`` (nothing else)."""
+"""Home of the design note's documented import path, ``gradientmail.patterns.shared_queue`` (nothing else)."""

@@ -1,6 +1,6 @@
-"""The seed's documented import path: ``from gradientmail.patterns.shared_queue import shared_queue``.
+"""The design note's documented import path: ``from gradientmail.patterns.shared_queue import shared_queue``.
 
-It names the two entry points the seed and its first issue documented here, ``shared_queue``
+It names the two entry points the design note documents here, ``shared_queue``
 and ``SharedQueueDataset``; they live in ``gradientmail.queue`` and are also ``gradientmail``'s.
 """
 

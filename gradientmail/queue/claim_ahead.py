@@ -1,7 +1,7 @@
 """Claiming ahead: a slow store's round trips overlap loading instead of standing between units.
 
 ``ClaimAhead`` keeps up to ``depth`` claims running on background threads while the current
-unit loads and hands their units out in order. ``depth`` stays 0 (the seed's on-demand claims)
+unit loads and hands their units out in order. ``depth`` stays 0 (the design note's on-demand claims)
 until the loader waits for a claim while the training loop starves, and never exceeds
 ``limit`` nor ``TIED_S`` of work: units claimed ahead are this node's. Details: docs/queue.md.
 """
@@ -230,7 +230,7 @@ class ClaimAhead:
 
         A claim's error is raised here, after the units picked before it.
         """
-        if not self._limit:  # the seed's claims on demand: no depth to measure or adapt
+        if not self._limit:  # the design note's claims on demand: no depth to measure or adapt
             identifier = None if self._exhausted else self._claim()
             self._exhausted = identifier is None
             return identifier

@@ -111,7 +111,7 @@ class Claimer:
     Claims are permanent, so it remembers every unit known claimed and lists ``units/`` only
     where it has not looked yet, a page at a time. ``listing`` says when a listing comes before
     a create: ``"adaptive"`` (default: when the candidate is likely taken, judged from what it
-    has seen), ``"always"`` (the seed's list, create, read back), ``"conflict"`` (after a lost
+    has seen), ``"always"`` (the design note's list, create, read back), ``"conflict"`` (after a lost
     create) or ``"never"``. The policies in full: docs/queue.md.
 
     Args:

@@ -130,7 +130,7 @@ def new_token() -> str:
 
 
 def claim_fields(learner_id: str, token: str, worker: int | None, **extra: Any) -> dict[str, Any]:
-    """The seed's claim fields plus ``extra`` (see ``gradientmail.layout``)."""
+    """The design note's claim fields plus ``extra`` (see ``gradientmail.layout``)."""
     return {
         "learner": learner_id,
         "token": token,
@@ -143,7 +143,7 @@ def claim_fields(learner_id: str, token: str, worker: int | None, **extra: Any) 
 
 
 def claim_record(learner_id: str, token: str, worker: int | None = None, **extra: Any) -> ClaimRecord:
-    """A new claim: the seed's fields plus ``extra`` (see ``gradientmail.layout``)."""
+    """A new claim: the design note's fields plus ``extra`` (see ``gradientmail.layout``)."""
     return ClaimRecord(claim_fields(learner_id, token, worker, **extra))
 
 

@@ -182,7 +182,7 @@ class Wiring:
         control: Stops DataLoader workers between operations.
         tagged: Yield elastic items tagged for a ``ProgressTracker`` in the consumer.
         timed: Batches travel as ``Item``s that name their unit (for ``unit_timing``), not pairs.
-        elastic: The resume/lease options its workers take (None: the seed's queue).
+        elastic: The resume/lease options its workers take (None: the design note's queue).
     """
 
     prepared: bool = False
@@ -325,7 +325,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
 
     @property
     def elastic(self) -> ElasticOptions | None:
-        """The resume/lease options (one incarnation per dataset); None for the seed queue."""
+        """The resume/lease options (one incarnation per dataset); None for the design note's queue."""
         return self.wiring.elastic
 
     @property

@@ -139,7 +139,7 @@ def wake_loader(iterator: Any) -> None:
 def _shutdown_workers(iterator: Any) -> None:
     # DataLoader's iterator has no public shutdown: __del__ calls this same method, but only once
     # the last reference is gone, and the hand-off thread may still hold one. The one use of a
-    # torch private method in the package (issue #15: flagged for the lead).
+    # torch private method in the package.
     iterator._shutdown_workers()
 
 

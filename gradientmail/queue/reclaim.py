@@ -124,7 +124,7 @@ def elastic_options(mailbox: Mailbox, resume: bool | None, lease_s: float | None
 
 
 class _FreshClaimer(Claimer):
-    """The seed's ``Claimer``, writing elastic claim bodies and each won unit's ``work/`` record.
+    """The design note's ``Claimer``, writing elastic claim bodies and each won unit's ``work/`` record.
 
     Attempts may run on ``ClaimAhead``'s threads: each won token is kept by identifier, and the
     work record is written before the unit is handed out, so a unit claimed ahead is already
@@ -174,7 +174,7 @@ class ElasticClaimer:
     Order of preference: units handed over by ``restore`` (``load_state_dict``) and, with
     ``resume``, this learner's units of an earlier incarnation (one listing of
     ``work/{learner}/``); then units found by a *scan* (released units, and with leases units
-    whose owner's lease expired); then fresh units through the seed's claim protocol. A scan
+    whose owner's lease expired); then fresh units through the design note's claim protocol. A scan
     lists ``units/`` and ``done/`` and reads the claims of unfinished units; it runs when the
     claimer starts, with leases at most every ``lease/2`` while fresh units last, and once more
     when they run out.

@@ -1,4 +1,4 @@
-"""``shared_queue(...)``: the seed's context manager over a ``SharedQueueDataset``.
+"""``shared_queue(...)``: the design note's context manager over a ``SharedQueueDataset``.
 
 A bounded prefetch buffer, clean shutdown and errors delivered in order; ``docs/queue.md``
 lists its guarantees in full.
@@ -390,7 +390,7 @@ def _warn_if_nothing_claimed(dataset: SharedQueueDataset[Any]) -> Callable[[], N
 
 def _mode(dataset: SharedQueueDataset[Any]) -> str:
     if dataset.elastic is None:
-        return "seed queue"
+        return "plain queue (resume=False)"
     if dataset.elastic.automatic and dataset.lease_s is None:
         return "resume (automatic)"
     parts = ["resume"] if dataset.resume else []

@@ -1,4 +1,4 @@
-"""Work units for the shared queue: the seed's grid of (step group, lane) units, and orders.
+"""Work units for the shared queue: the design note's grid of (step group, lane) units, and orders.
 
 A unit's *identifier* is what nodes agree on in the mailbox; its *value* is whatever the local
 loader needs (here a ``Unit``). The queue never interprets values.
@@ -43,7 +43,7 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def unit_grid(steps: int, unit_steps: int, lanes: int) -> dict[str, Unit]:
-    """The seed's grid: every group of ``unit_steps`` steps split into ``lanes`` units.
+    """The design note's grid: every group of ``unit_steps`` steps split into ``lanes`` units.
 
     Identifiers are ``f"{first // unit_steps:06d}-{lane}.json"``, in group-major order, so the
     mapping's order (and the mailbox's sorted listing) walks the run from its first step::

@@ -2,16 +2,20 @@
 
 A learner folds its contribution into fragment ``f`` by reading the newest version ``v`` and the
 contributions pending beside it, and creating ``v + 1`` = ``v`` + every pending contribution +
-its own with ``put_if_absent`` (group commit: one create absorbs many contributions). A learner
-that loses the race does not fold again: it leaves its contribution pending (a create of its own
-key, which nobody contends for), and the next writer of the fragment absorbs it. So the folds a
-fragment takes per second grow with the number of learners instead of being one whole-model
-compare-and-swap at a time, and losing never stops anybody's training.
+its own with ``put_if_absent`` (group commit: one create absorbs many contributions). It first
+claims ``v + 1`` (a small ``put_if_absent``); while a peer holds that claim, it does not race:
+it leaves its contribution pending (a create of its own key, which nobody contends for), as
+does a learner that loses the create, and the next writer of the fragment absorbs it. A claim
+that stands, the chain not moving, from one of a learner's folds of the fragment to its next is
+a dead peer's, and is passed over. So the folds a fragment takes per second grow with the
+number of learners instead of being one whole-model compare-and-swap at a time, and losing
+never stops anybody's training.
 
 The fragment's *logical state* is its newest version plus the contributions still pending; that
 is what learners and ``consensus`` read. Each contribution carries its learner's sequence number,
-a version's header records the newest one absorbed per learner, and contributions are absorbed in
-order, once each: exactly once whoever absorbs it, whenever. Old versions are tombstoned, never
+a version records the newest one absorbed per learner (its header those absorbed since its
+ledger, the ledger every other: ``mail.Ledger``), and contributions are absorbed in order, once
+each: exactly once whoever absorbs it, whenever. Old versions are tombstoned, never
 recreated; unusable versions and contributions are skipped with a ``MailSkippedWarning``.
 Details: ``docs/session.md``.
 """
@@ -24,6 +28,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +37,8 @@ from torch import Tensor
 from gradientmail.errors import MailRejectedError, SessionError, UnusableStateError, ValueTooLargeError
 from gradientmail.layout import (
     SESSION_PREFIX,
+    fold_claim_key,
+    ledger_key,
     parse_pending_key,
     parse_state_key,
     pending_key,
@@ -43,7 +50,11 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.records import MAX_RECORD_BYTES
 from gradientmail.session.fragments import to_wire, widen
 from gradientmail.session.mail import (
+    MAX_HEADER_BYTES,
+    RECENT_LINES,
     Contribution,
+    Ledger,
+    LedgerRef,
     Pending,
     PendingHeader,
     Spec,
@@ -74,9 +85,8 @@ STALLED_S = 30.0
 without it (a frozen VM, a request retried through a partition): ``RETIRE`` versions later, the
 number it creates may be one the chain retired, which nobody would read."""
 ABSORB = 2
-"""Other learners' pending contributions a writer reads and absorbs per fold (or a quarter of the
-backlog, if more): a learner reads at most about ``1 + ABSORB`` fragment sizes per fold, and a
-fragment absorbs up to ``2 + ABSORB`` contributions per version it gains."""
+"""Other learners' pending contributions a writer that holds no claim reads and absorbs per fold
+(or a quarter of the backlog, if more); a claim holder absorbs every one."""
 BACKLOG_SHARE = 4
 READ_ATTEMPTS = 20
 """Listings a reader makes before concluding that something deletes the run's state."""
@@ -134,11 +144,14 @@ class View:
     newest: int
     listed: float = 0.0
     """When the listing behind this view was made (``time.monotonic()``)."""
+    claimed: bool | None = None
+    """Whether this learner holds the claim to fold the next version (None: it did not ask).
+    False: another learner is folding it, and this learner's contribution waits for the next."""
 
-    @property
-    def learners(self) -> dict[str, Contribution]:
-        """Each learner's newest contribution in this logical state."""
-        table = dict(self.base.header.learners)
+    @cached_property
+    def table(self) -> Mapping[str, Contribution]:
+        """Each learner's newest contribution in this logical state (built once; not to be changed)."""
+        table = self.base.learners
         for pending in self.absorbed:
             table[pending.header.learner] = pending.header.contribution
         for _, learner, seq in self.empty:
@@ -146,9 +159,14 @@ class View:
             table[learner] = replace(old, seq=seq) if old is not None else Contribution(seq, 0, 0, 0.0)
         return table
 
+    @property
+    def learners(self) -> dict[str, Contribution]:
+        """Each learner's newest contribution in this logical state (a copy to change)."""
+        return dict(self.table)
+
     def seq_of(self, learner: str) -> int:
         """``learner``'s newest sequence number in this logical state (-1: none)."""
-        entry = self.learners.get(learner)
+        entry = self.table.get(learner)
         return -1 if entry is None else entry.seq
 
 
@@ -204,6 +222,8 @@ class FragmentChain:
         # Retiring only what a download proved superseded (see ``_clean_up``):
         self._retirement = Retirement(KEEP, retire_after_s(MIN_AGE_S))
         self._reused = 0  # folds built on a version held in memory since the last download
+        self._ledger: tuple[LedgerRef, Ledger] | None = None  # the last ledger read or written
+        self._blocked: int | None = None  # the newest version when a peer's claim last stood in the way
 
     def __repr__(self) -> str:
         return f"FragmentChain({self.index}/{self.count} on {describe(self.mailbox)})"
@@ -229,7 +249,8 @@ class FragmentChain:
         return pending
 
     def read_version(self, version: int) -> State | None:
-        """One checked version, or None when it was retired (or never written).
+        """One checked version with its ledger's lines, or None when it (or its ledger) was
+        retired (or never written).
 
         Raises:
             UnusableStateError: a corrupt or non-finite version (to be skipped).
@@ -242,7 +263,31 @@ class FragmentChain:
         state = decode(data, key=key, spec=self.spec, fragment=(self.index, self.count, self.shards))
         if state.header.version != version:
             raise UnusableStateError(f"state {key!r} says it is version {state.header.version}")
-        return state
+        if state.header.ledger is None:
+            return state
+        ledger = self.read_ledger(state.header.ledger)
+        return None if ledger is None else replace(state, ledger=ledger.learners)
+
+    def read_ledger(self, ref: LedgerRef) -> Ledger | None:
+        """The checked ledger ``ref`` names (the last one is kept: read once per ledger), or None
+        when it was deleted (the versions that name it are being retired).
+
+        Raises:
+            UnusableStateError: an unreadable, oversized or mismatched ledger (its version is skipped).
+        """
+        held = self._ledger
+        if held is not None and held[0] == ref:
+            return held[1]
+        key = ledger_key(self.index, ref.version, ref.learner)
+        try:
+            data = self.mailbox.get(key, max_bytes=MAX_HEADER_BYTES)
+        except ValueTooLargeError:
+            raise UnusableStateError(f"ledger {key!r} is larger than {MAX_HEADER_BYTES} bytes") from None
+        if data is None:
+            return None
+        ledger = Ledger.from_bytes(data, key=key, fragment=self.index, fragments=self.count, version=ref.version)
+        self._ledger = (ref, ledger)
+        return ledger
 
     def read_usable(self, newest: int, known: State | None = None) -> State | None:
         """The newest usable version at or below ``newest``, skipping unusable ones with a warning.
@@ -285,7 +330,13 @@ class FragmentChain:
             return error
 
     def view(
-        self, known: State | None = None, *, exact: bool = False, absorb: int | None = None, me: str | None = None
+        self,
+        known: State | None = None,
+        *,
+        exact: bool = False,
+        absorb: int | None = None,
+        me: str | None = None,
+        claim: bool = False,
     ) -> View | None:
         """The fragment's logical state (None when the run has no version of it yet).
 
@@ -295,6 +346,11 @@ class FragmentChain:
         ``absorb`` bounds the other learners' pending contributions read (``me``'s are always
         read): a writer takes that many, chosen at random, or a quarter of the backlog when that
         is more; the rest wait for the next writer. None reads every one, 0 only ``me``'s.
+        ``claim`` (a writer, ``me``): first claim the next version (``fold_claim_key``). Holding it,
+        ``me`` reads every pending contribution, to fold them all; when a peer holds it, only
+        ``me``'s own (``View.claimed`` False: leave the contribution pending). A claim that
+        still stands at ``me``'s next fold of this fragment, the chain not having moved since,
+        is a dead or stalled peer's: ``me`` folds as if it held it.
 
         Raises:
             SessionError: the state kept vanishing for ``READ_ATTEMPTS`` listings.
@@ -312,7 +368,9 @@ class FragmentChain:
             newest = versions[-1] if versions else after
             if newest is None:
                 return None
-            view = self._assemble(newest, known, pending, exact=exact, absorb=absorb, me=me, listed=listed)
+            view = self._assemble(
+                newest, known, pending, exact=exact, absorb=absorb, me=me, listed=listed, claim=claim and me is not None
+            )
             if view is not None:
                 return view
             known = None  # retired or absorbed under us: list again from the start
@@ -331,17 +389,19 @@ class FragmentChain:
         absorb: int | None,
         me: str | None,
         listed: float,
+        claim: bool = False,
     ) -> View | None:
         # The base and the contributions it may not have absorbed yet, read in parallel: those
         # ``known`` already absorbed are not fetched (a newer base may have absorbed more).
-        floor = known.header if known is not None else None
         candidates = {
-            learner: [seqs[seq] for seq in sorted(seqs) if floor is None or seq > floor.absorbed(learner)]
+            learner: [seqs[seq] for seq in sorted(seqs) if known is None or seq > known.absorbed(learner)]
             for learner, seqs in pending.items()
         }
         wanted = candidates.pop(me, []) if me is not None else []
         others = [learner for learner, keys in candidates.items() if keys]
-        if absorb is None:
+        if claim:  # others' contributions are read once the claim is known to be this learner's
+            pass
+        elif absorb is None:
             wanted += [key for learner in others for key in candidates[learner]]
         elif absorb > 0:  # a bounded share, at random: every pending contribution is soon some writer's pick
             budget = max(absorb, math.ceil(sum(len(candidates[learner]) for learner in others) / BACKLOG_SHARE))
@@ -353,16 +413,28 @@ class FragmentChain:
                 budget -= len(candidates[learner][:budget])
         jobs: list[Callable[[], Any]] = [lambda: self.read_usable(newest, known)]
         jobs += [lambda key=key: self._read_pending(key) for key in wanted]
+        if claim:
+            assert me is not None
+            jobs.append(lambda: self.mailbox.put_if_absent(fold_claim_key(self.index, newest + 1), me.encode()))
         results = parallel(lambda job: job(), jobs)
-        base, contents = results[0], dict(zip(wanted, results[1:]))
+        base, contents = results[0], dict(zip(wanted, results[1 : 1 + len(wanted)]))
+        claimed = None
+        if claim:
+            claimed = bool(results[-1])
+            if not claimed and self._blocked == newest:
+                claimed = True  # it stood since this learner's previous fold: a dead or stalled peer's
+            self._blocked = None if claimed else newest
         if base is None:
             return None
+        if claimed:  # this learner folds the next version: every contribution pending goes in
+            rest = [key for learner in others for key in candidates[learner]]
+            contents.update(zip(rest, parallel(self._read_pending, rest)))
         self._reused = self._reused + 1 if base is known else 0
         absorbed: list[Pending] = []
         empty: list[tuple[str, str, int]] = []
         garbage: list[str] = []
         for learner, seqs in pending.items():
-            seq = base.header.absorbed(learner)
+            seq = base.absorbed(learner)
             garbage += [key for s, key in seqs.items() if s <= seq]
             while (key := seqs.get(seq + 1)) is not None and key in contents:
                 content = contents[key]
@@ -380,7 +452,15 @@ class FragmentChain:
                 else:
                     absorbed.append(content)
                 seq += 1
-        return View(base=base, absorbed=absorbed, empty=empty, garbage=garbage, newest=newest, listed=listed)
+        return View(
+            base=base,
+            absorbed=absorbed,
+            empty=empty,
+            garbage=garbage,
+            newest=newest,
+            listed=listed,
+            claimed=claimed,
+        )
 
     # -- writing ---------------------------------------------------------------------------------
     def create_base(self, tensors: Mapping[str, Tensor], me: str) -> State:
@@ -434,18 +514,25 @@ class FragmentChain:
                 summed[name] += value.to(summed[name].dtype)
         learners = view.learners
         learners[me] = entry
+        if view.claimed is False:  # a peer is folding the next version: no race, no upload lost
+            return self._leave_pending(view, me, contribution, entry, summed, learners, before_create, lost=0)
+        version = view.newest + 1
+        recent, ledger = self._recent(view, learners, me, version)
         header = StateHeader(
-            version=view.newest + 1,
+            version=version,
             learner=me,
             time=time.time(),
-            learners=learners,
+            learners=recent,
             fragment=self.index,
             fragments=self.count,
             shards=self.shards or 1,
+            ledger=view.base.header.ledger if ledger is None else LedgerRef(version, me),
         )
         key = state_key(header.version, self.index)
         stored = {name: to_wire(value, self.wire_dtype) for name, value in summed.items()}
         data = encode(stored, header)  # before the check: the window from check to create stays short
+        if ledger is not None:  # named by the version: written first
+            self.mailbox.put(ledger_key(self.index, version, me), ledger.to_bytes())
         if before_create is not None:
             before_create(view.listed)
         created = self.mailbox.put_if_absent(key, data)
@@ -453,15 +540,40 @@ class FragmentChain:
             # Created after the chain had moved on and retired that number: nobody will read it.
             self.mailbox.delete(key)
             created = False
+        if ledger is not None and not created:
+            self._drop_ledger(LedgerRef(version, me))  # nobody names it
         if created:
-            written = State(key=key, header=header, tensors=stored)
+            lines = view.base.ledger if ledger is None else ledger.learners
+            written = State(key=key, header=header, tensors=stored, ledger=lines)
             done = [p.key for p in view.absorbed] + [k for k, _, _ in view.empty] + view.garbage
+            if ledger is not None:
+                if ledger.previous is not None:  # the one before it is named by retired versions only
+                    done += self._older_ledger(ledger.previous)
+                self._ledger = (LedgerRef(version, me), ledger)
             self._clean_up(done, header.version)
             # As stored (wire dtype rounded) is what the run holds; without a wire dtype, that is ``summed``.
             held = summed if self.wire_dtype is None else widen(stored)
             return Folded(held, learners, header.version, written, 0)
-        # Lost the race: leave this contribution pending (only this learner writes its key, unless
-        # a peer that judged it dead closed the slot: ``mail.ClosedSlot``).
+        if view.claimed:  # the version exists (or the create was refused): nobody else holds it
+            self._drop(fold_claim_key(self.index, version))
+        return self._leave_pending(view, me, contribution, entry, summed, learners, before_create, lost=1)
+
+    def _leave_pending(
+        self,
+        view: View,
+        me: str,
+        contribution: Mapping[str, Tensor],
+        entry: Contribution,
+        summed: dict[str, Tensor],
+        learners: dict[str, Contribution],
+        before_create: Callable[[float], None] | None,
+        *,
+        lost: int,
+    ) -> Folded:
+        """Leave this contribution pending, for the next writer to absorb (``lost``: 1 after a
+        lost race, 0 when a peer's claim stood in the way)."""
+        # Only this learner writes its key, unless a peer that judged it dead closed the slot
+        # (``mail.ClosedSlot``).
         wire = {name: to_wire(value, self.wire_dtype) for name, value in contribution.items()}
         for _ in range(CLOSED_SLOT_ATTEMPTS):
             pending = PendingHeader(
@@ -476,7 +588,7 @@ class FragmentChain:
             # contribution goes to the next one.
             if self.mailbox.put_if_absent(own, data) and not self._closed_instead(own, data):
                 learners[me] = entry
-                return Folded(summed, learners, None, view.base, 1)
+                return Folded(summed, learners, None, view.base, lost)
             if not isinstance(self._read_pending(own), VoidSlotError):
                 raise SessionError(
                     f"learner {me!r}: its contribution {own!r} already exists; two processes run under "
@@ -491,6 +603,42 @@ class FragmentChain:
             f"learner {me!r}: its pending contribution slots of fragment {self.index} were closed "
             f"{CLOSED_SLOT_ATTEMPTS} times in a row by peers that judged it dead"
         )
+
+    def _recent(
+        self, view: View, learners: dict[str, Contribution], me: str, version: int
+    ) -> tuple[dict[str, Contribution], Ledger | None]:
+        """The lines version ``version`` carries, and the ledger to write first (None: none).
+
+        A version carries the lines absorbed since its base's ledger; once they would be more than
+        ``RECENT_LINES`` (and the ledger is more than ``KEEP`` versions old, so that the versions
+        readers may still read keep theirs), every line goes to a new ledger and the version
+        carries none.
+        """
+        recent = dict(view.base.header.learners)
+        for pending in view.absorbed:
+            recent[pending.header.learner] = learners[pending.header.learner]
+        for _, learner, _ in view.empty:
+            recent[learner] = learners[learner]
+        recent[me] = learners[me]
+        named = view.base.header.ledger
+        if len(recent) <= RECENT_LINES or (named is not None and version - named.version <= KEEP):
+            return recent, None
+        return {}, Ledger(self.index, self.count, version, dict(learners), previous=named)
+
+    def _older_ledger(self, ref: LedgerRef) -> list[str]:
+        """The key of the ledger before ``ref`` (that ``ref``'s own ledger replaced), if known."""
+        held = self._ledger
+        before = held[1].previous if held is not None and held[0] == ref else None
+        return [] if before is None else [ledger_key(self.index, before.version, before.learner)]
+
+    def _drop_ledger(self, ref: LedgerRef) -> None:
+        self._drop(ledger_key(self.index, ref.version, ref.learner))
+
+    def _drop(self, key: str) -> None:
+        try:
+            self.mailbox.delete(key)
+        except Exception as exc:  # best effort: an unnamed ledger is never read, a spent claim never read again
+            logging.getLogger("gradientmail.session").warning("fragment %d: %r left: %r", self.index, key, exc)
 
     def _closed_instead(self, key: str, data: bytes) -> bool:
         """Whether this learner's pending slot ``key``, which it was just told it created with
@@ -519,7 +667,7 @@ class FragmentChain:
             newest = self.read_usable(newer[-1])
         except (UnusableStateError, MailRejectedError):
             return False
-        return newest is not None and newest.header.version > version and newest.header.absorbed(me) < seq
+        return newest is not None and newest.header.version > version and newest.absorbed(me) < seq
 
     def _clean_up(self, absorbed: list[str], version: int) -> None:
         """After writing ``version``: delete what it absorbed, and retire what is due
@@ -546,8 +694,11 @@ class FragmentChain:
             self._retire(self._retirement.due(), [], "at the last fold")
 
     def _retire(self, versions: list[int], jobs: list[Callable[[], None]], when: str) -> None:
-        """Run ``jobs``, tombstone each of ``versions`` and delete the one ``RETIRE`` behind each."""
+        """Run ``jobs``, tombstone each of ``versions`` and delete the one ``RETIRE`` behind each,
+        and the claim of each: kept until then, so that a learner whose listing predates the
+        version finds it claimed and leaves its contribution pending instead of racing."""
         for old in versions:
+            jobs.append(lambda old=old: self.mailbox.delete(fold_claim_key(self.index, old)))
             jobs.append(lambda old=old: self.mailbox.put(state_key(old, self.index), TOMBSTONE))
             if old >= RETIRE - KEEP:  # tombstones are kept RETIRE versions behind the newest
                 jobs.append(lambda old=old: self.mailbox.delete(state_key(old - (RETIRE - KEEP), self.index)))

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import math
 import os
-import random
 import threading
 import time
 import warnings
@@ -50,6 +49,7 @@ from gradientmail.session.options import (
 )
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
 from gradientmail.session.queue_guard import QueueGuard
+from gradientmail.session.schedule import Schedule
 from gradientmail.session.shards import NoPresence, PendingShardStep, ShardProgress, ShardSync, shard_layout, shard_plan
 
 LATEST_JOIN = 10**13 - 0.001
@@ -183,9 +183,7 @@ class Session:
         self._guard = QueueGuard(FoldGate(), learner_id)  # to this learner's queue, once entered
         self._presence: PresenceShare | NoPresence | None = None  # this process registers the learner, once entered
         self._stuck = False
-        self._due_step: float = math.inf
-        self._due_time: float = math.inf
-        self._next_fragment = 0
+        self._schedule: Schedule | None = None  # when to exchange which fragment, once entered
         self._last_weights: dict[str, int] = {}
         self._buffers: list[dict[str, Tensor]] = []  # per fragment, the snapshot, reused
         self._marks = MarksWriter(mailbox, learner_id)  # used on the exchange thread only
@@ -370,10 +368,7 @@ class Session:
         self._marks.earlier = exchanger.joined_marks_object
         exchanger.before_create = self._guard.before_write
         # A random phase: learners that joined together do not exchange (and collide) together.
-        self._next_fragment = random.randrange(len(plan))
-        self._due_step = self._steps + self._every_steps / len(plan)
-        slot_s = self._every_s / len(plan)
-        self._due_time = time.monotonic() + (random.uniform(0, slot_s) if math.isfinite(slot_s) else math.inf)
+        self._schedule = Schedule(len(plan), every_s=self._every_s, every_steps=self._every_steps, steps=self._steps)
         self._state = "active"
         how = "caught up" if self.catch_up else "own parameters"
         what = "%s joined the run on %s at version %s (%s, %d fragments, outer %s)"
@@ -527,7 +522,7 @@ class Session:
             self._apply(job, "a background exchange")
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
-        if self._steps >= self._due_step or time.monotonic() >= self._due_time:
+        if self._schedule.due(self._steps):
             self._presence.check()  # replaced by another process of this learner (after a freeze)?
             if self._pending is not None:  # a sharded group: the fold records the group's samples to this step
                 self._count(self._pending)
@@ -580,7 +575,7 @@ class Session:
             return
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
-        if self._job is None and (self._steps >= self._due_step or time.monotonic() >= self._due_time):
+        if self._job is None and self._schedule.due(self._steps):
             self._count(self._pending)  # the fold records the group's samples to this step
             self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
 
@@ -695,22 +690,9 @@ class Session:
         self._wait(now, "folding the progress of the queue's last batches", apply=True)
 
     def _due_fragments(self) -> list[int]:
-        """The fragments to exchange now, and the schedule moved past them.
-
-        By time: one fragment per slot of ``every / fragments``; slots missed while the store
-        was slow are dropped (exchanges get rarer and carry more progress). By steps: every
-        fragment whose slot has come, so that ``every_steps`` exchanges the whole model.
-        """
-        count = len(self._plan)
-        slot_steps, slot_s = self._every_steps / count, self._every_s / count
-        due = 1
-        if self._steps >= self._due_step:
-            due = min(count, 1 + int((self._steps - self._due_step) / slot_steps))
-        self._due_step += due * slot_steps
-        now = time.monotonic()
-        self._due_time = max(self._due_time + slot_s, now) if self._due_time <= now else self._due_time
-        first, self._next_fragment = self._next_fragment, (self._next_fragment + due) % count
-        return [(first + i) % count for i in range(due)]
+        """The fragments to exchange now, and the schedule moved past them (``session.schedule``)."""
+        assert self._schedule is not None
+        return self._schedule.take(self._steps)
 
     def _progress(self, *, finished: bool) -> dict[str, Any]:
         elapsed, done = time.monotonic() - self._started, self._samples - self._samples_at_enter

@@ -275,7 +275,7 @@ class Exchanger:
         # The member list changes rarely: listed once per round of fragments, with the first view.
         refresh = self._members is None or self._folds % len(self.chains) == 0
         self._folds += 1
-        reads = [lambda: chain.view(self.known[index], absorb=ABSORB, me=me)]
+        reads = [lambda: chain.view(self.known[index], absorb=ABSORB, me=me, claim=True)]
         if refresh:
             reads.append(lambda: list_members(self.mailbox))
         view, *listed = parallel(lambda read: read(), reads)
@@ -311,9 +311,9 @@ class Exchanger:
         # N for the progress made between the previous snapshot and this one, however late
         # this fold runs: learners that left since still count for it.
         since, self._since[index] = self._since[index], taken
-        self._life.read(index, view.learners, now)
+        self._life.read(index, view.table, now)
         staleness = self._staleness(now - since)
-        active = self._life.counted(members, view.learners, staleness=staleness, since=since, now=now)
+        active = self._life.counted(members, view.table, staleness=staleness, since=since, now=now)
         seq = self._seqs[index]
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))

@@ -26,16 +26,20 @@ from gradientmail.fold_gate import UnitMark, unit_marks_from_json
 from gradientmail.records import MAX_COUNT
 from gradientmail.session.marks_store import MarksRef
 
-FORMAT = "gradientmail.session/3"
+FORMAT = "gradientmail.session/4"
 """Value of the ``format`` metadata field. Any other value is refused with ``MailRejectedError``."""
 
 OLD_FORMATS = {
-    "gradientmail.session/1": "gradientmail 0.1 (position mail, before Session v2)",
-    "gradientmail.session/2": "gradientmail 0.1 (Session v2: one chain of whole-model versions)",
+    "gradientmail.session/1": "gradientmail 0.1 (position mail, before fragment chains)",
+    "gradientmail.session/2": "gradientmail 0.1 (one chain of whole-model versions)",
+    "gradientmail.session/3": "gradientmail 0.1 (every version listing every learner's line)",
 }
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
-"""Largest safetensors JSON header accepted: tensor entries plus one line per learner."""
+"""Largest safetensors JSON header (or ledger) accepted: tensor entries plus lines of learners."""
+RECENT_LINES = 64
+"""Learners' lines a version carries at most (those absorbed since its ledger) before its writer
+folds them into a new ledger: a version's header does not grow with the number of learners."""
 MAX_LEARNERS = 100_000
 
 
@@ -106,10 +110,12 @@ class StateHeader:
         learner: who wrote this version (folded contributions into the previous one).
         time: the writer's wall clock (unix seconds) when it wrote it.
         learners: ``{learner: Contribution}``, the newest contribution of each learner this
-            fragment has absorbed (its ``seq`` says which; older ones are absorbed too).
+            fragment absorbed since ``ledger`` (its ``seq`` says which; older ones are absorbed
+            too); without a ledger, of every learner.
         fragment: which fragment of the state this is.
         fragments: how many fragments the run's state is cut into.
         shards: how many shards the state is cut into first (``session.shards``; 1: none).
+        ledger: the ledger holding every other learner's line (``Ledger``), or None.
     """
 
     version: int
@@ -119,6 +125,7 @@ class StateHeader:
     fragment: int = 0
     fragments: int = 1
     shards: int = 1
+    ledger: LedgerRef | None = None
 
     def to_metadata(self) -> dict[str, str]:
         return {
@@ -129,12 +136,8 @@ class StateHeader:
             "learner": self.learner,
             "time": repr(float(self.time)),
             "learners": json.dumps({k: v.to_json() for k, v in sorted(self.learners.items())}, separators=(",", ":")),
+            **({} if self.ledger is None else {"ledger": f"{self.ledger.version}/{self.ledger.learner}"}),
         }
-
-    def absorbed(self, learner: str) -> int:
-        """The sequence number of ``learner``'s newest contribution in this version (-1: none)."""
-        entry = self.learners.get(learner)
-        return -1 if entry is None else entry.seq
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, object], *, key: str) -> StateHeader:
@@ -151,21 +154,118 @@ class StateHeader:
             raise UnusableStateError(f"state {key!r} has an unreadable metadata header: {exc!r}") from exc
         if not math.isfinite(time):
             raise UnusableStateError(f"state {key!r} has a non-finite time {time!r}")
-        if not isinstance(table, dict) or len(table) > MAX_LEARNERS:
-            raise UnusableStateError(f"state {key!r}: 'learners' is not a table of at most {MAX_LEARNERS}")
-        learners = {}
-        for name, value in table.items():
-            if not name or "/" in name or name.startswith("."):
-                raise UnusableStateError(f"state {key!r}: learner id {name!r} is not one key segment")
-            learners[name] = Contribution.from_json(value, where=f"state {key!r}, learner {name!r}")
+        ledger = None
+        if "ledger" in metadata:
+            ledger = LedgerRef.parse(metadata["ledger"], where=f"state {key!r}")
+            if ledger.version > version:
+                raise UnusableStateError(f"state {key!r} (version {version}) names a later ledger {ledger}")
         return cls(
             version=version,
             learner=learner,
             time=time,
-            learners=learners,
+            learners=lines_of(table, where=f"state {key!r}"),
             fragment=fragment,
             fragments=fragments,
             shards=shards,
+            ledger=ledger,
+        )
+
+
+def lines_of(table: object, *, where: str) -> dict[str, Contribution]:
+    """Checked ``{learner: Contribution}`` from parsed JSON (a header's or a ledger's table)."""
+    if not isinstance(table, dict) or len(table) > MAX_LEARNERS:
+        raise UnusableStateError(f"{where}: 'learners' is not a table of at most {MAX_LEARNERS}")
+    learners = {}
+    for name, value in table.items():
+        if not name or "/" in name or name.startswith("."):
+            raise UnusableStateError(f"{where}: learner id {str(name)[:80]!r} is not one key segment")
+        learners[name] = Contribution.from_json(value, where=f"{where}, learner {name!r}")
+    return learners
+
+
+@dataclass(frozen=True)
+class LedgerRef:
+    """Which ledger a version's header names: the version it was written for, and by whom."""
+
+    version: int
+    learner: str
+
+    def __str__(self) -> str:
+        return f"{self.version}/{self.learner}"
+
+    @classmethod
+    def parse(cls, text: object, *, where: str) -> LedgerRef:
+        version, slash, learner = str(text).partition("/")
+        try:
+            number = _count(version, "ledger version")
+        except ValueError:
+            number = -1
+        if number < 0 or not slash or not learner or "/" in learner or learner.startswith(".") or len(learner) > 255:
+            raise UnusableStateError(f"{where}: unreadable ledger reference {str(text)[:80]!r}")
+        return cls(number, learner)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Every learner's line in one fragment as of one version, kept beside the chain.
+
+    A version carries only the lines absorbed since its ledger (at most about ``RECENT_LINES``):
+    whoever needs a learner's line reads the ledger once (readers keep the last one) instead of
+    every version repeating one line per learner. The writer of a version whose recent lines
+    would exceed ``RECENT_LINES`` writes a new ledger first and names it.
+
+    Attributes:
+        fragment, fragments: where in the run's cut.
+        version: the version it was written for.
+        learners: ``{learner: Contribution}`` of every learner absorbed up to ``version``.
+        previous: the ledger it replaced (deleted by the writer of the next one), or None.
+    """
+
+    fragment: int
+    fragments: int
+    version: int
+    learners: dict[str, Contribution]
+    previous: LedgerRef | None = None
+
+    def to_bytes(self) -> bytes:
+        record = {
+            "format": FORMAT,
+            "kind": "ledger",
+            "fragment": f"{self.fragment}/{self.fragments}",
+            "version": self.version,
+            "learners": {k: v.to_json() for k, v in sorted(self.learners.items())},
+            "previous": None if self.previous is None else str(self.previous),
+        }
+        return json.dumps(record, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, key: str, fragment: int, fragments: int, version: int) -> Ledger:
+        """A checked ledger of ``version`` of fragment ``fragment``/``fragments``.
+
+        Raises:
+            MailRejectedError: a ledger of another format.
+            UnusableStateError: anything else unreadable or not what the version named.
+        """
+        try:
+            record = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise UnusableStateError(f"ledger {key!r} is not readable JSON") from exc
+        if not isinstance(record, dict):
+            raise UnusableStateError(f"ledger {key!r} is not a JSON object")
+        if record.get("format") != FORMAT:
+            raise MailRejectedError(format_refusal(key, record.get("format")))
+        where = f"ledger {key!r}"
+        if record.get("kind") != "ledger" or record.get("fragment") != f"{fragment}/{fragments}":
+            raise UnusableStateError(f"{where} is not the ledger of fragment {fragment}/{fragments}")
+        if record.get("version") != version:
+            raise UnusableStateError(f"{where} says it is of version {str(record.get('version'))[:40]}")
+        previous = record.get("previous")
+        return cls(
+            fragment=fragment,
+            fragments=fragments,
+            version=version,
+            learners=lines_of(record.get("learners"), where=where),
+            previous=None if previous is None else LedgerRef.parse(previous, where=where),
         )
 
 
@@ -316,11 +416,25 @@ def format_refusal(key: str, found: object) -> str:
 
 @dataclass(frozen=True)
 class State:
-    """One checked version of one fragment: its key, header and tensors (as stored)."""
+    """One checked version of one fragment: its key, header and tensors (as stored), and the
+    lines of the ledger its header names (read by ``FragmentChain``; empty without one)."""
 
     key: str
     header: StateHeader
     tensors: dict[str, Tensor]
+    ledger: Mapping[str, Contribution] = field(default_factory=dict)
+
+    @property
+    def learners(self) -> dict[str, Contribution]:
+        """``{learner: Contribution}``: the newest contribution of every learner this version absorbed."""
+        return {**self.ledger, **self.header.learners}
+
+    def absorbed(self, learner: str) -> int:
+        """The sequence number of ``learner``'s newest contribution in this version (-1: none)."""
+        entry = self.header.learners.get(learner)
+        if entry is None:
+            entry = self.ledger.get(learner)
+        return -1 if entry is None else entry.seq
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def simulate(
         unit_times: Virtual time each node needs for one unit (its batches share it equally).
         rotate_lanes: Node ``r`` prefers ``rotated_order(units, r, rotate_lanes, block=block,
             lag=lag)``; None keeps the mapping's order on every node.
-        block, lag: ``rotated_order``'s (None: its defaults; 1 and 0: the seed's plain
+        block, lag: ``rotated_order``'s (None: its defaults; 1 and 0: the design note's plain
             rotation).
         orders: Explicit preference order per node (instead of ``rotate_lanes``).
         listing: The claimer's listing policy (``claims.LISTING_POLICIES``).
@@ -362,7 +362,7 @@ ORDERS: dict[str, dict[str, int] | None] = {
     "default": {},
     "block=8": {"block": 8, "lag": 1},
 }
-"""The preference orders ``main`` compares: every node in the mapping's order, the seed's plain
+"""The preference orders ``main`` compares: every node in the mapping's order, the design note's plain
 rotation, ``rotated_order``'s default, and longer own stretches."""
 
 

@@ -32,14 +32,14 @@ STATUS_KEYS = {
     "units_total",
     "units_claimed",
     "learners",
-    # added by the elastic queue (issue 7); None / [] for the seed's queue
+    # added by the elastic queue; None / [] for the design note's queue
     "elastic",
     "units_done",
     "units_in_progress",
     "units_released",
     "units_orphaned",
     "orphaned",
-    # added by issue 12: records skipped as unusable, [] when none
+    # records skipped as unusable, [] when none
     "unreadable",
     # learner -> units claimed and not finished ({} when none)
     "unfinished",
@@ -48,7 +48,7 @@ LEARNER_KEYS = {
     "learner",
     "units",
     "samples",
-    # added by issue 23: of those, the samples the run's state holds (a Session's learners)
+    # of those, the samples the run's state holds (a Session's learners)
     "samples_in_run",
     "samples_per_s",
     "steps",
@@ -372,8 +372,8 @@ def test_unreachable_s3_endpoint_is_an_error(s3_endpoint):
 
 @pytest.mark.slow
 def test_bucket_creates_once_and_is_safe_to_run_again(s3_endpoint):
-    """Issue #25 item 5: the recipe's "once" bucket command tracebacked the second time
-    (``BucketAlreadyOwnedByYou``); ``gradientmail bucket`` is idempotent."""
+    """The recipe's "once" bucket command runs a second time without a traceback
+    (``BucketAlreadyOwnedByYou``): ``gradientmail bucket`` is idempotent."""
     import uuid
 
     url = f"s3://gm-bucket-{uuid.uuid4().hex[:8]}/runs/x"

@@ -128,7 +128,7 @@ def test_a_failing_node_is_one_line(tmp_path):
 
 
 def test_simulated_schedules_are_the_seed_s():
-    """The demo's ideal and fixed-split numbers: the seed's 11/5/5/3 at t=12 vs t=24."""
+    """The demo's ideal and fixed-split numbers: the design note's 11/5/5/3 at t=12 vs t=24."""
     from collections import Counter
 
     from gradientmail.cli.demo_plan import Plan, makespan, simulate

@@ -1,4 +1,4 @@
-"""Issue 12, items 3 and 10: ``gradientmail status`` on odd records never tracebacks.
+"""``gradientmail status`` on odd records never tracebacks.
 
 Odd records (a progress ``last_seen`` of -1e300, a nested JSON claim, fields of the wrong type,
 NaN) are listed as unreadable, one line each; ``--json`` is strict JSON (no NaN or Infinity).

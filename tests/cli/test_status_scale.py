@@ -1,4 +1,4 @@
-"""Issue 25, item 7: ``status`` and ``plot`` of a many-unit run.
+"""``status`` and ``plot`` of a many-unit run.
 
 A 100k-unit run took ``status`` 15.6 s and 428 MB, ``plot`` minutes and 1.67 GB for a chart of
 100k illegible bars. What is pinned here is the shape of the work, never its time: a chart of

@@ -1,4 +1,4 @@
-"""Issue 25, item 2: ``gradientmail status`` readable at 80 columns (a pipe, a default terminal).
+"""``gradientmail status`` readable at 80 columns (a pipe, a default terminal).
 
 Learner ids default to ``{hostname}-{rank}``, so names share long prefixes: cutting them at the
 right edge made four learners read ``machine…``. Names are shortened from the middle and stay
@@ -123,7 +123,7 @@ def test_short_names_are_distinct_or_whole():
 
 @pytest.mark.slow
 def test_status_at_80_columns_names_every_learner_distinctly(tmp_path):
-    """The done-when of issue 25: ``COLUMNS=80 gradientmail status URL`` names every learner."""
+    """``COLUMNS=80 gradientmail status URL`` names every learner."""
     box = LocalMailbox(tmp_path / "run")
     names = write_big_run(box, units=40, learners=4)
     result = run_cli("status", str(tmp_path / "run"), env=cli_env(COLUMNS="80"))

@@ -85,6 +85,20 @@ def test_a_parquet_file_split_by_rows_reads_every_row_once_in_order(tmp_path):
     assert [n for shard in cut.values() for n in ids_of(reader(shard))] == [row["id"] for row in rows]
 
 
+def test_the_units_of_one_parquet_file_parse_its_footer_once_per_process(tmp_path):
+    from gradientmail.data.tables import FOOTERS
+
+    rows = parquet_dataset(tmp_path, files=2, rows_per_file=57, row_group_rows=8)
+    units = shards(tmp_path, split=20)  # 4 units a file
+    reader = ParquetReader(batch_rows=5)
+    before = FOOTERS.parsed
+    for _ in range(2):  # two passes: the footers are parsed on the first only
+        assert [n for shard in units.values() for n in ids_of(reader(shard))] == [row["id"] for row in rows]
+    assert FOOTERS.parsed - before == 2  # one per file, not one per unit (8) or per unit and pass (16)
+    ids_of(reader(tmp_path / "part-00000.parquet"))  # a plain path pins no version: parsed, not kept
+    assert FOOTERS.parsed - before == 3
+
+
 def test_a_damaged_parquet_file_cannot_be_split_and_says_which(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"\0" * 100)
     with pytest.raises(ShardError, match=r"bad.parquet: not a readable Parquet file"):
@@ -119,6 +133,21 @@ def test_json_lines_split_by_bytes_read_every_line_once(tmp_path, split_bytes):
     first = next(reader(next(iter(units.values()))), None)
     if first is not None:
         assert first[1]["tokens"].shape[1] == 32
+
+
+def test_a_gzipped_json_lines_shard_is_one_unit_read_whole_and_a_damaged_one_named(tmp_path):
+    import gzip
+
+    rows = corpus_rows(40)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(jsonl_bytes(rows)))
+    (tmp_path / "b.jsonl").write_bytes(jsonl_bytes(rows))
+    units = shards(tmp_path, split_bytes=64)  # the plain file is split, the gzipped one cannot be
+    assert units["a.jsonl.gz"].format == "jsonl" and units["a.jsonl.gz"].part is None
+    reader = JsonLinesReader(batch_rows=6)
+    assert ids_of(reader(units["a.jsonl.gz"])) == list(range(40))
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"\x1f\x8b" + b"not gzip" * 10)
+    with pytest.raises(ShardError, match=r"bad.jsonl.gz: not a readable gzipped JSON Lines file"):
+        list(reader(tmp_path / "bad.jsonl.gz"))
 
 
 def test_a_json_line_longer_than_a_parse_block_is_read(tmp_path):
@@ -350,6 +379,37 @@ def test_remote_shards_are_listed_read_and_cached_so_a_second_pass_fetches_nothi
     assert store_gets == []  # 0 bytes from the store
     uncached = ParquetReader(storage_options=options)
     assert ids_of(uncached(units["0.parquet@rows=00-20"])) == list(range(20)) and sum(store_gets) > 0
+
+
+def test_a_listing_with_a_cache_reads_the_footers_from_disk_the_second_time(bucket_shards, store_gets, tmp_path):
+    from gradientmail.data import ShardCache
+
+    prefix, endpoint, _ = bucket_shards
+    options = {"endpoint_url": endpoint}
+    cache = ShardCache(str(tmp_path / "cache"), block_size=1024)
+    first = shards(f"{prefix}/train/*.parquet", split=20, storage_options=options, cache=cache)
+    assert len(store_gets) >= 2 and sum(store_gets) > 0  # the two footers, fetched once
+    store_gets.clear()
+    again = shards(f"{prefix}/train/*.parquet", split=20, storage_options=options, cache=cache)  # a restart
+    assert again == first and store_gets == []  # the footers from the cache directory: no GET
+    assert shards(f"{prefix}/train/*.parquet", split=20, storage_options=options) == first
+    assert len(store_gets) == 2  # without the cache, fetched again
+
+
+def test_a_remote_gzipped_json_lines_shard_is_read_through_the_cache(bucket_shards, s3_client, s3_bucket, tmp_path):
+    import gzip
+
+    from gradientmail.data import ShardCache
+
+    prefix, endpoint, rows = bucket_shards
+    s3_client.put_object(Bucket=s3_bucket, Key="shards/gz/a.jsonl.gz", Body=gzip.compress(jsonl_bytes(rows)))
+    options = {"endpoint_url": endpoint}
+    units = shards(f"{prefix}/gz/", split_bytes=100, storage_options=options)
+    assert list(units) == ["a.jsonl.gz"]
+    reader = JsonLinesReader(
+        batch_rows=7, cache=ShardCache(str(tmp_path / "cache"), block_size=1024), storage_options=options
+    )
+    assert ids_of(reader(units["a.jsonl.gz"])) == [row["id"] for row in rows]
 
 
 def test_a_remote_shard_overwritten_after_listing_is_refused(bucket_shards, s3_client, s3_bucket):

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 SEED_SPEEDS = {"node-A": 1, "node-B": 2, "node-C": 2, "node-D": 4}
-"""The seed's example: time units per unit of work; 24 units give A 11, B 5, C 5, D 3."""
+"""The design note's example: time units per unit of work; 24 units give A 11, B 5, C 5, D 3."""
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -86,7 +86,7 @@ def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str)
 def write_seed_run(
     mailbox, *, t0: float = 1_700_000_000.0, units: int = 24, run_json: bool = True, progress: bool = True
 ) -> dict[str, int]:
-    """The seed's schedule written as claims: each learner claims the next unit when ready.
+    """The design note's schedule written as claims: each learner claims the next unit when ready.
 
     Returns the expected units per learner.
     """

@@ -1,4 +1,4 @@
-"""Node processes for the test of a paused learner that was replaced (issue #23, item 10).
+"""Node processes for the test of a paused learner that was replaced.
 
 A ``Replaceable`` node runs ``shared_queue`` (``resume=True``, a short lease) over
 ``handover_nodes.LabelledLoad`` units and leaves everything it did in files in ``out_dir``, one

@@ -1,4 +1,4 @@
-"""The seed's training loop (``../shared/seed/shared-queue.txt``), verbatim, once for every test that runs it."""
+"""The documented loop (``../shared/seed/shared-queue.txt``), verbatim, once for every test that runs it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def run_seed_loop(
     box: Any,
     rank: int,
     nodes: int,
-    BATCH: int,  # noqa: N803  (the seed's name)
+    BATCH: int,  # noqa: N803  (the design note's name)
     load_unit: Callable[[Any], Any],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -22,9 +22,9 @@ def run_seed_loop(
     learning_rate: Callable[[int], float],
     device: Any,
 ) -> torch.Tensor | None:
-    """Run the seed's loop as written, with the names it uses; returns the last loss (None: no unit)."""
+    """Run the documented loop as written, with the names it uses; returns the last loss (None: no unit)."""
     loss = None
-    # ---- the seed's loop, verbatim -------------------------------------------------------------
+    # ---- the documented loop, verbatim -------------------------------------------------------------
     from gradientmail.patterns.shared_queue import shared_queue
 
     micro_batch = 8
@@ -56,5 +56,5 @@ def run_seed_loop(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             session.step(samples=share * 2048)
-    # ---- end of the seed's loop -------------------------------------------------------------
+    # ---- end of the documented loop -------------------------------------------------------------
     return loss

@@ -1,6 +1,6 @@
 """Node processes for ``test_session_processes.py``: ``python tests/helpers/session_nodes.py KIND JSON``.
 
-``seed``: the seed's complete training example (``shared_queue`` + ``Session``), its loop
+``seed``: the documented example (``shared_queue`` + ``Session``), its loop
 verbatim, with a tiny language model on the CPU and small constants.
 
 ``regression``: linear regression with a known weight vector; each node sleeps ``delay`` seconds
@@ -27,7 +27,7 @@ from gradientmail import LocalMailbox, Session
 
 torch.set_num_threads(1)  # several nodes share two cores
 
-# -- the seed's example, with small constants ----------------------------------------------------
+# -- the design note's example, with small constants ----------------------------------------------------
 
 VOCAB = 16
 LENGTH = 12

@@ -1,4 +1,4 @@
-"""``LocalMailbox``'s listing index (issue #24, item 4) against writers in other processes.
+"""``LocalMailbox``'s listing index against writers in other processes.
 
 A directory of ``SCAN_LIMIT`` keys or more is listed from the index, not read again: these tests
 build the index once, count the full scans, and check every listing against the directory's

@@ -1,4 +1,4 @@
-"""LocalMailbox against hostile or broken directory contents and failing disks (issue #12: 5, 9).
+"""LocalMailbox against hostile or broken directory contents and failing disks.
 
 Symlinks, FIFOs and stray names are planted the way anyone with write access to the mailbox
 could; the disk fills up through a real ``RLIMIT_FSIZE`` in a child process (and an injected

@@ -1,7 +1,7 @@
 """S3Mailbox through a real fault-injecting HTTP proxy in front of moto's server.
 
 Bodies cut off mid-way, connections reset or stalled, outages shorter and longer than the retry
-window, and an endpoint that never answers (issue #12, items 1 and 2). Every fault is decided
+window, and an endpoint that never answers. Every fault is decided
 per request by the test's rule (``s3_fault_proxy``), never by timing.
 """
 
@@ -308,7 +308,7 @@ def test_replace_if_loses_once_when_the_object_really_changed(proxy, s3_bucket):
     assert box.get("lease") == b"changed"
 
 
-# -- a refusal that hides a missing bucket (issue #25, item 5) -----------------------------------
+# -- a refusal that hides a missing bucket -----------------------------------
 def is_object_request(request: Request) -> bool:
     return "/run/" in request.path
 

@@ -1,4 +1,4 @@
-"""Every code block in README.md and docs/ runs as written, or says what it needs (issue #25, item 3).
+"""Every code block in README.md and docs/ runs as written, or says what it needs.
 
 A newcomer copies blocks: ``NameError: start`` in docs/data.md's first block and ``KeyError:
 'RANK'`` in docs/queue.md's were found that way. So:

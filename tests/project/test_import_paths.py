@@ -1,9 +1,9 @@
 """One import path per name: every import names the module that defines the name.
 
-Nothing but the seed's API ever shipped, so no module re-exports another's names for old
+Nothing but the design note's API has shipped, so no module re-exports another's names for old
 callers: an import ``from gradientmail.X import name`` is allowed when ``X`` defines ``name``
 (assigns it, or defines a function or class of that name), when ``X`` is a package whose
-``__init__`` exports it (``gradientmail`` for the user's API), or when it is the seed's
+``__init__`` exports it (``gradientmail`` for the user's API), or when it is the design note's
 documented ``from gradientmail.patterns.shared_queue import shared_queue`` (and
 ``SharedQueueDataset``, which the queue's first issue documented there). Checked in the package,
 tests, benchmarks, examples, notebooks and the code blocks of README.md and docs/.

@@ -1,7 +1,7 @@
 """Every notebook under ``notebooks/`` runs top to bottom (nbclient), so examples cannot rot.
 
 Notebooks are committed without outputs; their own ``assert`` cells check the numbers they
-show (the seed's t = 24 vs t = 12), so a library change that breaks them fails here.
+show (the design note's t = 24 vs t = 12), so a library change that breaks them fails here.
 """
 
 from __future__ import annotations

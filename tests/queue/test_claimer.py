@@ -111,7 +111,7 @@ def test_claimers_listing_before_every_claim_never_conflict(box):
 
 
 def test_claimers_in_a_crowd_jump_ahead_and_list_far_less(box):
-    # Four claimers with the same order: the seed's adaptive claimer listed before every claim.
+    # Four claimers with the same order: a claimer that lists before every claim.
     identifiers = [f"{i:05d}" for i in range(2000)]
     claimers = [Claimer(box, identifiers, f"node-{rank}") for rank in range(4)]
     assert sorted(take_turns(claimers)) == identifiers
@@ -213,7 +213,7 @@ def test_a_single_learner_pays_two_requests_per_claim():
     ("shape", "most"),
     [
         (None, 3.1),  # every node in the mapping's order: all compete, each claim lists first
-        ({"block": 1, "lag": 0}, 3.1),  # the seed's plain rotation: the same
+        ({"block": 1, "lag": 0}, 3.1),  # the design note's plain rotation: the same
         ({}, 2.8),  # rotated_order's default: stretches of own units, created without listing
         ({"block": 8, "lag": 1}, 2.7),
     ],
@@ -256,7 +256,7 @@ def test_each_claim_costs_less_than_three_requests_in_a_round_of_nodes(box):
     assert served == 2 * len(units)
     requests = sum(mailbox.requests for mailbox in mailboxes)
     assert requests / len(units) < 2.6, [dict(mailbox.counts) for mailbox in mailboxes]
-    # The seed's plain rotation in the same round: nodes compete for the same next units.
+    # The design note's plain rotation in the same round: nodes compete for the same next units.
     store = MemoryMailbox(f"plain-{random.getrandbits(64):x}")
     plain = [CountingMailbox(store) for _ in range(nodes)]
     batches = [

@@ -1,4 +1,4 @@
-"""A default learner id (issue #25, item 1): unique per process across machines, stable across
+"""A default learner id: unique per process across machines, stable across
 restarts of a process slot, used when ``learner_id`` is omitted.
 
 ``f"node-{rank}"`` repeats on every machine that runs its own launcher: the second machine's

@@ -1,4 +1,4 @@
-"""One live process per learner_id (issue #12, item 8): a second one is refused, in every mode,
+"""One live process per learner_id: a second one is refused, in every mode,
 and a restart after a crash is not.
 
 Real node processes (``handover_nodes``) on a ``LocalMailbox``; the first node pauses at a known
@@ -105,7 +105,7 @@ def test_a_restart_after_sigkill_is_allowed(tmp_path, mode):
         in_flight = sum(1 for index, position in dead if position > written.get(index, -1))
         assert sum(seen.values()) - len(seen) <= in_flight
     else:
-        assert max(seen.values()) == 1  # the dead node's claims stay claimed in the seed's mode
+        assert max(seen.values()) == 1  # the dead node's claims stay claimed in the design note's mode
     assert json.loads(box.get(learner_key("node-1")))["state"] == "stopped"
 
 
@@ -233,7 +233,7 @@ def test_an_open_queue_in_this_process_is_alive_until_closed(memory_mailbox):
     second.close()
 
 
-# -- an incarnation that was replaced stops (issue #23, item 10) ---------------------------------
+# -- an incarnation that was replaced stops ---------------------------------
 def test_a_nested_shared_queue_is_told_it_runs_in_this_very_process(memory_mailbox):
     """Not "already running (host h pid <its own pid>)", which reads like another process."""
     load = lambda n: [(0, torch.tensor([n]))]  # noqa: E731

@@ -77,7 +77,7 @@ def test_options_are_checked_and_stores_without_cas_refused(tmp_path):
     from gradientmail.mailbox.filesystem import FsspecMailbox
 
     box = FsspecMailbox.from_url((tmp_path / "fs").as_uri())
-    assert check_elastic(box, False, None) is None  # the seed's queue needs no CAS
+    assert check_elastic(box, False, None) is None  # the design note's queue needs no CAS
     with pytest.raises(UnsafeStoreError, match="lease=.*replace_if.*FsspecMailbox"):
         check_elastic(box, False, 30)
     with pytest.raises(UnsafeStoreError, match="resume=True"):

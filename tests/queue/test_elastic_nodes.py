@@ -1,5 +1,5 @@
 """The elastic shared queue with real node processes: a SIGKILLed node, a stop-and-resume with a
-different number of nodes, and the seed's behaviour when the options are off.
+different number of nodes, and the design note's behaviour when the options are off.
 
 Duplicates are counted exactly from what each training loop appended to its file before
 anything else happened, and bounded by what the killed node had consumed beyond its last
@@ -160,7 +160,7 @@ def _drain_claimer(mailbox, order, learner) -> None:
 
 
 def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
-    """Same requests as the seed's claim protocol plus start-up and one count of the nodes near
+    """Same requests as the design note's claim protocol plus start-up and one count of the nodes near
     the end, and claims stay permanent."""
     monkeypatch.setattr("gradientmail.presence.RENEW_S", 3600.0)  # no renewal mid-test
     monkeypatch.setattr("gradientmail.queue.pacing.ALONE_GRACE_S", 3600.0)  # one count of the nodes

@@ -42,7 +42,7 @@ def test_a_queue_logs_its_start_each_claim_and_its_end(caplog):
     info = messages(caplog, "gradientmail.queue", logging.INFO)
     start = [m for m in info if "shared queue on" in m]
     assert len(start) == 1
-    assert "node-L" in start[0] and "3 units" in start[0] and "mode seed queue" in start[0]
+    assert "node-L" in start[0] and "3 units" in start[0] and "mode plain queue (resume=False)" in start[0]
     assert "memory://" in start[0]
     debug = messages(caplog, "gradientmail.queue", logging.DEBUG)
     assert sorted(m for m in debug if "claimed unit" in m) == [f"node-L claimed unit u{i}" for i in range(3)]

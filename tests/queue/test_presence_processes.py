@@ -1,4 +1,4 @@
-"""A paused learner that was replaced stops, and writes nothing more (issue #23, item 10).
+"""A paused learner that was replaced stops, and writes nothing more.
 
 Real processes on one ``LocalMailbox``: process A (learner ``node-0``, ``resume=True``, a 2 s
 lease, so presence renews every 0.5 s) consumes a few batches and is frozen with SIGSTOP;

@@ -1,4 +1,4 @@
-"""Issue 12, item 3: every record read from the mailbox is bounded, validated, skipped if bad.
+"""Every record read from the mailbox is bounded, validated, skipped if bad.
 
 A claim, work record or lease that is not JSON, too large, nested too deep, or has a field of
 the wrong type (a learner that is not one key segment) must never crash a node: it is counted

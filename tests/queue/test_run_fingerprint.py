@@ -1,4 +1,4 @@
-"""Issue 12, item 11: silent newcomer mistakes get a clear word.
+"""Silent newcomer mistakes get a clear word.
 
 - ``run.json`` records the unit set's fingerprint; a node with another unit set is refused
   (``RunMismatchError``) before it claims anything. Old records without one stay joinable.
@@ -137,7 +137,7 @@ RESUMED_WARNING = (
 
 
 def test_a_finished_elastic_run_warns_too_without_advising_a_fresh_prefix(memory_mailbox):
-    """Issue #25 item 6: a node restarted with resume=True into a finished run is resuming, not
+    """A node restarted with resume=True into a finished run is resuming, not
     starting over: "use a fresh prefix to train again" was the wrong advice."""
     units = _units(2)
     assert len(_drain(memory_mailbox, units, "node-0", workers=0, resume=True)) == 4

@@ -1,8 +1,8 @@
-"""The seed's shared-queue example, as written (smaller constants), on a LocalMailbox.
+"""The design note's shared-queue example, as written (smaller constants), on a LocalMailbox.
 
 Only the surroundings are supplied here: ``sequences`` (the application's reader), a tiny model,
 optimizer, device, learning-rate schedule and a stand-in session. The blocks marked "seed" are
-the seed's text; ``steps`` is 4 instead of 4,000 and ``unit_steps`` 2 instead of 20.
+the design note's text; ``steps`` is 4 instead of 4,000 and ``unit_steps`` 2 instead of 20.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class TinyModel(torch.nn.Module):
 
 
 class StandInSession:
-    """Just what the seed's loop uses of a Session: a context manager with ``step``."""
+    """Just what the documented loop uses of a Session: a context manager with ``step``."""
 
     def __init__(self) -> None:
         self.samples = 0

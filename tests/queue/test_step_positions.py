@@ -1,4 +1,4 @@
-"""A unit that changes hands continues by batch *position*, not by step label (issue #12, item 4).
+"""A unit that changes hands continues by batch *position*, not by step label.
 
 Steps are labels: they may repeat (six batches all labelled 0) or go backwards. Every hand-over
 (``resume=``, a released unit, a reclaim after a lease expired, ``load_state_dict``) must deliver

@@ -1,4 +1,4 @@
-"""Typed records (issue 15: ``ClaimRecord``; issue 26: one class per record) and one liveness verdict.
+"""Typed records (``ClaimRecord`` and one class per record) and one liveness verdict.
 
 The claim's bytes on the store must not change: ``to_bytes`` gives exactly what ``claim_body``
 wrote before, a read-and-rewrite keeps every field and its place, and a bad record is refused

@@ -1,5 +1,4 @@
-"""A fragment chain stays readable by readers far from the store and despite a faulty peer
-(issue #23, items 2 and 6).
+"""A fragment chain stays readable by readers far from the store and despite a faulty peer.
 
 A peer whose uploads reach the store truncated keeps winning versions: each is unusable, and
 every reader walks back past them to the newest good one. Tombstoning ``KEEP`` versions behind

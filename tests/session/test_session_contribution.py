@@ -1,4 +1,4 @@
-"""Issue #23 item 1: a batch counts as done only once the progress trained on it is in the run.
+"""A batch counts as done only once the progress trained on it is in the run.
 
 The elastic queue records consumed batches so that another node continues a dead node's units;
 with a ``Session`` in the same process those records wait (``gradientmail.fold_gate``) until

@@ -1,4 +1,4 @@
-"""The run's state as fragments with pending contributions (issue #22): small deterministic cases.
+"""The run's state as fragments with pending contributions: small deterministic cases.
 
 A fold that loses the race for a version leaves its contribution pending instead of folding
 again; the next writer absorbs it. These tests force each path with a store wrapper the test
@@ -7,6 +7,8 @@ controls (no sleeps, no timing) and check the arithmetic exactly: models hold sm
 
 from __future__ import annotations
 
+import math
+import random
 import threading
 import time
 import warnings
@@ -17,12 +19,13 @@ import torch
 from test_session import push  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import MailRejectedError, MailSkippedWarning, MemoryMailbox
-from gradientmail.layout import member_key, pending_key, pending_prefix, state_key, versions_prefix
+from gradientmail.layout import fold_claim_key, member_key, pending_key, pending_prefix, state_key, versions_prefix
 from gradientmail.mailbox.wrappers import DelayedMailbox, FaultyMailbox
 from gradientmail.session import Session, consensus
 from gradientmail.session.chain import FragmentChain
 from gradientmail.session.fragments import FragmentPlan, auto_fragments
 from gradientmail.session.mail import Contribution, PendingHeader, encode
+from gradientmail.session.schedule import Schedule
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,8 +56,9 @@ def exchange(s: Session, model: torch.nn.Module | None = None, amount: float = 0
 
 
 class RivalFirst(DelayedMailbox):
-    """Once armed, this learner's next version create waits until the test lets it through:
-    the test has a rival write that version first, so this create loses."""
+    """Once armed, this learner's next fold waits at its claim of the next version until the
+    test lets it through: the test has a rival fold that version first, so this fold finds it
+    claimed and leaves its contribution pending."""
 
     def __init__(self, inner) -> None:
         super().__init__(inner, latency=0)
@@ -63,7 +67,7 @@ class RivalFirst(DelayedMailbox):
         self.gate = threading.Event()
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        if self.armed.is_set() and "/versions/" in key:
+        if self.armed.is_set() and "/claims/" in key:
             self.armed.clear()
             self.reached.set()
             if not self.gate.wait(30):
@@ -138,8 +142,8 @@ def test_a_fold_that_loses_the_race_leaves_its_contribution_pending_and_the_next
         assert rival.reached.wait(10)
         exchange(a, a_model, 2.0)  # ... which a creates first: run 0 + 2/2
         rival.gate.set()
-        b.wait()  # b lost version 1: its contribution is pending, never folded twice
-        assert b.conflicts == 1
+        b.wait()  # b found version 1 claimed: its contribution is pending, never folded twice
+        assert b.conflicts == 0  # and no upload was lost to a race
         assert list(memory_mailbox.list(pending_prefix(0))) == [pending_key(0, "b", 0)]
         assert values(b_model) == [2.0] * 6  # b's own 4/2 on the version it read (a's comes next time)
         result = vector(6)
@@ -153,6 +157,32 @@ def test_a_fold_that_loses_the_race_leaves_its_contribution_pending_and_the_next
     result = vector(6)
     consensus(memory_mailbox, result)
     assert values(result) == [3.0] * 6
+
+
+def test_a_learner_whose_peer_is_folding_the_next_version_leaves_its_contribution_pending_at_once(
+    memory_mailbox,
+):
+    model = vector(4)
+    with session(model, memory_mailbox, "me", fragments=1) as s:
+        newest = FragmentChain(memory_mailbox, 0, 1, {}).list_versions()[-1]
+        memory_mailbox.put(fold_claim_key(0, newest + 1), b"peer")  # a peer is folding it now
+        exchange(s, model, 2.0)
+        assert s.conflicts == 0  # no race was run, no upload lost
+        assert FragmentChain(memory_mailbox, 0, 1, {}).list_versions()[-1] == newest
+        assert list(memory_mailbox.list(pending_prefix(0))) == [pending_key(0, "me", 0)]
+        assert values(model) == [2.0] * 4
+        result = vector(4)
+        assert consensus(memory_mailbox, result) == {"me": 1}
+        assert values(result) == [2.0] * 4
+        # The claim still stands at this learner's next fold and the chain has not moved: the
+        # peer died or stalled; this learner folds that version itself, its pending one included.
+        exchange(s, model, 1.0)
+        assert FragmentChain(memory_mailbox, 0, 1, {}).list_versions()[-1] == newest + 1
+        assert list(memory_mailbox.list(pending_prefix(0))) == []
+        assert values(model) == [3.0] * 4
+    result = vector(4)
+    assert consensus(memory_mailbox, result) == {"me": 2}  # two steps, one sample each
+    assert values(result) == [3.0] * 4
 
 
 def test_a_learner_that_always_loses_never_stops_training_and_loses_nothing(memory_mailbox):
@@ -172,7 +202,7 @@ def test_a_learner_that_always_loses_never_stops_training_and_loses_nothing(memo
 def test_fragments_folded_in_different_orders_end_exact(memory_mailbox, monkeypatch):
     # One fragment per step (every_steps=3, 3 fragments), each learner starting at another one.
     starts = iter([0, 1, 2])
-    monkeypatch.setattr("gradientmail.session.core.random.randrange", lambda n: next(starts) % n)
+    monkeypatch.setattr(random.Random, "randrange", lambda rng, n: next(starts) % n)
     models = [vector(6) for _ in range(3)]
     sessions = [session(m, memory_mailbox, f"n{i}", every_steps=3) for i, m in enumerate(models)]
     for s in sessions:
@@ -395,16 +425,42 @@ def test_a_peer_whose_clock_is_ten_minutes_behind_counts_from_the_first_fold(mem
 def test_the_first_exchange_falls_at_a_random_phase_of_the_first_slot(memory_mailbox, monkeypatch):
     drawn = []
 
-    def uniform(low, high):
+    def uniform(rng, low, high):
         drawn.append((low, high))
         return low
 
-    monkeypatch.setattr("gradientmail.session.core.random.uniform", uniform)
+    monkeypatch.setattr(random.Random, "uniform", uniform)
     with Session(vector(6), mailbox=memory_mailbox, learner_id="a", every=timedelta(hours=1), fragments=3) as s:
         s.step(samples=1)  # the drawn phase is 0: due at once
         assert s.in_flight
         s.wait()
     assert drawn == [(0, 1200.0)]  # within one slot: an hour / 3 fragments
+
+
+def test_learners_that_join_together_keep_their_own_phases_however_late_they_fold():
+    # Eight learners join at the same instant; the store is slow, so each first step and every
+    # fold after it comes several slots late. Each keeps folding on its own grid (its phase), so
+    # they never line up behind the same slow moments into lock-step.
+    now = [0.0]
+    every, count = 8.0, 4
+    slot = every / count
+    plans = [
+        Schedule(count, every_s=every, every_steps=math.inf, steps=0, clock=lambda: now[0], rng=random.Random(seed))
+        for seed in range(8)
+    ]
+    phases = [plan.phase_s for plan in plans]
+    assert len(set(phases)) == len(plans) and all(0 <= phase < slot for phase in phases)
+    busy = [5.0] * len(plans)  # the first step comes 5 s (2.5 slots) after joining, for everyone
+    for _ in range(20):
+        for index, plan in enumerate(plans):
+            now[0] = max(busy[index], plan.due_time)
+            assert plan.due(steps=0)
+            plan.take(steps=0)
+            busy[index] = now[0] + 3 * slot + 0.5  # each fold takes 3.25 slots of a slow store
+            assert plan.due_time > now[0]
+            on_grid = (plan.due_time - plan.origin - plan.phase_s) / slot
+            assert math.isclose(on_grid, round(on_grid), abs_tol=1e-9)  # still on its own phase
+    assert len({plan.due_time for plan in plans}) == len(plans)  # no two fold together
 
 
 def test_a_session_reads_and_writes_no_more_than_the_fragments_it_exchanges():

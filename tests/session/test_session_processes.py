@@ -1,4 +1,4 @@
-"""Sessions in real processes on a LocalMailbox: the seed's example, and convergence.
+"""Sessions in real processes on a LocalMailbox: the design note's example, and convergence.
 
 Node code lives in ``session_nodes.py``. Assertions are about outcomes (who trained what, the
 losses and parameter spreads reached), never about how long anything took.

@@ -1,0 +1,90 @@
+"""The README and docs are a manual of the product as it is: short, and free of development history.
+
+History (issue numbers, numbered work periods, protocol generations told as a story, commit
+hashes, dated runs in prose, what was tried and dropped) goes stale and means nothing to a user;
+it belongs in CHANGELOG.md, in user terms. "The seed" is not a word a user knows: the document is
+"the design note", its code "the documented example" or "the documented loop".
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README_MAX_LINES = 200
+SCANNED = ("README.md", "docs", "gradientmail", "tests", "benchmarks", "examples", "notebooks")
+SUFFIXES = (".md", ".py", ".ipynb", ".sh", ".txt", ".toml")
+EXEMPT = ("benchmarks/RESULTS.md", "benchmarks/results.json", "tests/project/test_manual.py")
+"""Written by ``python -m benchmarks`` (their provenance lines carry dates by design), and this
+file, which names the patterns."""
+
+HISTORY = {
+    "an issue number": re.compile(r"\b[Ii]ssues? #?\d|#\d+,? (?:asked|items?)\b|\(#\d+\)"),
+    "a protocol generation told as a story": re.compile(
+        r"(?<![\"'\[])\b[vV][23]\b(?![:\"'])|\b[Vv]ersion [23]\b(?! of the format)|\bthe first Session\b"
+    ),
+    "a numbered work period": re.compile(r"\bwork periods?\b|\b[Ss]essions? \d+\b(?! (?:learners?|nodes?|processes))"),
+    "the seed as product vocabulary": re.compile(r"\b[Tt]he seed\b|\bseed's\b"),
+    "a commit hash": re.compile(r"\bcommits? [0-9a-f]{7,40}\b"),
+    "a dated run in prose": re.compile(
+        r"\b(?:on|of|in|since|before|after|until) 20\d\d-\d\d-\d\d\b|\(20\d\d-\d\d-\d\d\b|, 20\d\d-\d\d-\d\d[):]"
+    ),
+    "what was tried and dropped": re.compile(r"\b[Tt]ried\b.{0,80}\bnot kept\b|\bnot kept\b:|\bflagged for the lead\b"),
+}
+"""What reads as development history, by the words that give it away."""
+
+FIGURE_BLOCK = re.compile(r"<!-- figures: .*?<!-- /figures -->", re.DOTALL)
+
+
+def scanned_files() -> list[Path]:
+    files = []
+    for name in SCANNED:
+        path = ROOT / name
+        candidates = [path] if path.is_file() else sorted(path.rglob("*"))
+        files += [
+            candidate
+            for candidate in candidates
+            if candidate.is_file()
+            and candidate.suffix in SUFFIXES
+            and str(candidate.relative_to(ROOT)) not in EXEMPT
+            and "__pycache__" not in candidate.parts
+        ]
+    return files
+
+
+def history_lines(path: Path, root: Path = ROOT) -> list[str]:
+    """``file:line: what`` for every line of ``path`` that tells history (generated blocks aside)."""
+    text = FIGURE_BLOCK.sub(lambda block: "\n" * block.group().count("\n"), path.read_text(errors="replace"))
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for what, pattern in HISTORY.items():
+            if pattern.search(line):
+                found.append(f"{path.relative_to(root)}:{number}: {what}: {line.strip()[:120]}")
+    return found
+
+
+def test_no_development_history_in_the_manual_the_code_or_the_tests() -> None:
+    found = [line for path in scanned_files() for line in history_lines(path)]
+    assert not found, "development history (it belongs in CHANGELOG.md, in user terms):\n" + "\n".join(found)
+
+
+def test_the_history_scan_names_file_and_line(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "A manual line.\nThe seed's loop (issue #24, item 3).\n<!-- figures: x -->\nrun on 2026-12-05\n"
+        '<!-- /figures -->\nTried a wider window and not kept.\nkeys b"v2" and v2:127.0.0.1 are data\n'
+    )
+    found = [line.split(": ", 2)[:2] for line in history_lines(page, tmp_path)]
+    assert found == [
+        ["page.md:2", "an issue number"],
+        ["page.md:2", "the seed as product vocabulary"],
+        ["page.md:6", "what was tried and dropped"],
+    ]
+
+
+def test_the_readme_is_at_most_200_lines() -> None:
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    )
