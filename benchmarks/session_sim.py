@@ -16,21 +16,21 @@ speed drawn per learner from ``1 ± --speed-spread``.
 
 Figures per learner count N (suffix ``_N``), with ``benchmarks.session_scale``'s definitions:
 
-- ``sim_exchange_rate_N``: completed whole exchanges (fragment exchanges / fragments) per learner
+- ``session_sim_exchange_rate_N``: completed whole exchanges (fragment exchanges / fragments) per learner
   over the window / the intended ``window / every``, the smallest over learners (``_mean``).
-- ``sim_lag_intervals_N``: samples not in the run (``consensus``) when the window closes, in
+- ``session_sim_lag_intervals_N``: samples not in the run (``consensus``) when the window closes, in
   intervals of that learner's own steps, the largest over learners (``_mean``).
-- ``sim_read_per_exchange_N``, ``sim_written_per_exchange_N``: bytes a learner moved per
+- ``session_sim_read_per_exchange_N``, ``session_sim_written_per_exchange_N``: bytes a learner moved per
   completed exchange, in model sizes (the modelled model's bytes in its wire dtype), mean over
   learners, from the first step to the end of the exchange in flight at the window's end;
-  ``sim_requests_per_exchange_N`` the same for requests.
-- ``sim_conflicts_per_fold_N``: versions lost to other writers per completed fragment exchange
-  (``sim_conflicts_per_exchange_N``: per completed whole exchange, as ``session_scale``'s).
-- ``sim_reads_per_s_N``, ``sim_writes_per_s_N``: the most requests one prefix (a fragment's
+  ``session_sim_requests_per_exchange_N`` the same for requests.
+- ``session_sim_conflicts_per_fold_N``: versions lost to other writers per completed fragment exchange
+  (``session_sim_conflicts_per_exchange_N``: per completed whole exchange, as ``session_scale``'s).
+- ``session_sim_reads_per_s_N``, ``session_sim_writes_per_s_N``: the most requests one prefix (a fragment's
   ``versions`` or ``pending`` folder, ``session/members``) received in one second of virtual
-  time; ``sim_queued_s_N``: seconds requests waited behind a prefix's limit, over all requests.
-- ``sim_exact_N``: 1.0 when every learner's samples are in the run exactly once after everyone
-  left (``consensus`` equals the samples trained), else 0.0; ``sim_wall_s_N``: this machine's
+  time; ``session_sim_queued_s_N``: seconds requests waited behind a prefix's limit, over all requests.
+- ``session_sim_exact_N``: 1.0 when every learner's samples are in the run exactly once after everyone
+  left (``consensus`` equals the samples trained), else 0.0; ``session_sim_wall_s_N``: this machine's
   seconds for the row.
 
 Usage: ``python -m benchmarks.session_sim [--quick] [--learners 16 64 256 1024 4096]
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "after the exits; wall s: this machine's seconds"
     )
     figures: dict[str, object] = {
-        f"sim_{key}_{count}": value for count, row in results.items() for key, value in row.items()
+        f"session_sim_{key}_{count}": value for count, row in results.items() for key, value in row.items()
     }
     for line in verdicts({name: value for name, value in figures.items() if isinstance(value, float)}):
         print(line)

@@ -126,6 +126,6 @@ def test_quick_session_sim_benchmark_prints_its_figures_as_json_last() -> None:
     lines, figures = quick_run("session_sim")
     assert any(line.startswith("learners") for line in lines), lines  # the table
     names = ("exchange_rate", "lag_intervals", "read_per_exchange", "written_per_exchange", "conflicts_per_fold")
-    expected = [f"sim_{name}_{count}" for count in (4, 8) for name in (*names, "reads_per_s", "exact")]
+    expected = [f"session_sim_{name}_{count}" for count in (4, 8) for name in (*names, "reads_per_s", "exact")]
     assert all(finite(figures[name]) for name in expected), figures
-    assert figures["sim_exact_4"] == figures["sim_exact_8"] == 1.0
+    assert figures["session_sim_exact_4"] == figures["session_sim_exact_8"] == 1.0
