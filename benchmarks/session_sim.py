@@ -81,6 +81,7 @@ class SimConfig:
         store: the store's costs and limits (its ``body_scale`` is set from the sizes).
         seed: everything random (phases, speeds, which pending contributions a fold reads).
         join_spread: learners join spread over this many intervals (unsynchronised phases).
+        threads: run the tasks as threads even where ``greenlet`` is installed (same figures).
     """
 
     learners: int
@@ -95,6 +96,7 @@ class SimConfig:
     store: StoreModel = field(default_factory=StoreModel)
     seed: int = 0
     join_spread: float = 1.0
+    threads: bool = False
 
     @property
     def fragment_count(self) -> int:
@@ -224,7 +226,7 @@ class Run:
         if config.wire_dtype not in WIRE_BYTES:
             raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16, not {config.wire_dtype}")
         self.config = config
-        self.clock = VirtualClock()
+        self.clock = VirtualClock(threads=config.threads)
         self.inner = MemoryMailbox(f"session-sim-{uuid.uuid4().hex}")
         store = StoreModel(**{**config.store.__dict__, "body_scale": config.body_scale, "seed": config.seed})
         self.store = SimulatedStore(self.inner, self.clock, store)

@@ -20,6 +20,7 @@ from benchmarks._simulated_store import WRITE, SimulatedMailbox, SimulatedStore,
 from benchmarks._virtual_clock import VirtualClock
 from benchmarks.session_sim import SimConfig, simulate
 from gradientmail import MemoryMailbox
+from gradientmail.session.overlap import OVERLAP
 
 pytestmark = pytest.mark.slow  # real sessions for seconds; simulations of a few seconds
 
@@ -53,10 +54,11 @@ def test_a_request_over_its_prefix_limit_waits_its_turn_and_bodies_are_billed_at
     assert StoreModel(body_scale=1000.0).billed(b'{"a record": 1}') == 15.0
 
 
-def test_the_simulation_is_the_same_for_a_seed() -> None:
-    first, second = simulate(SMALL), simulate(SMALL)
+def test_the_simulation_is_the_same_for_a_seed_on_greenlets_or_threads() -> None:
+    first, second = simulate(SMALL), simulate(SimConfig(**{**SMALL.__dict__, "threads": True}))
     first.pop("wall_s"), second.pop("wall_s")
     assert first == second
+    assert OVERLAP.get() is None  # the clock's way to overlap requests stayed inside its tasks
     other = simulate(SimConfig(**{**SMALL.__dict__, "seed": 1}))
     other.pop("wall_s")
     assert other != first
