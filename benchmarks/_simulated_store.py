@@ -84,8 +84,8 @@ def prefix_of(key: str) -> str:
 class SimulatedStore:
     """The shared store: a ``MemoryMailbox`` behind the model's costs and per-prefix limits.
 
-    ``peak_per_s[(prefix, kind)]`` is the most requests of that kind one prefix received within
-    one second of virtual time (the busiest whole second).
+    ``per_second[(prefix, kind, second)]`` counts the requests of that kind that reached one
+    prefix within each whole second of virtual time (``peak`` finds the busiest).
     """
 
     def __init__(self, inner: Mailbox, clock: VirtualClock, model: StoreModel) -> None:
@@ -93,11 +93,10 @@ class SimulatedStore:
         self.clock = clock
         self.model = model
         self.requests: Counter[str] = Counter()
-        self.peak_per_s: Counter[tuple[str, str]] = Counter()
+        self.per_second: Counter[tuple[str, str, int]] = Counter()
         self.waited_s = 0.0  # time requests spent queued behind a prefix's limit
         self._draws = random.Random(model.seed)
         self._free: dict[tuple[str, str], float] = {}  # when the prefix takes its next request
-        self._second: dict[tuple[str, str], tuple[int, int]] = {}  # (second, requests in it)
 
     def request(self, key: str, kind: str, sent: float, apply: Callable[[], T], answer: Callable[[T], float]) -> T:
         """Send a request on the virtual clock: ``sent`` bytes up, ``apply`` at the store, then
@@ -125,16 +124,16 @@ class SimulatedStore:
             self._free[slot] = turn + 1.0 / limit
             self.waited_s += turn - arrives
             arrives = turn
-        second, count = self._second.get(slot, (-1, 0))
-        now = math.floor(arrives)
-        count = count + 1 if now == second else 1
-        self._second[slot] = (now, count)
-        self.peak_per_s[slot] = max(self.peak_per_s[slot], count)
+        self.per_second[(prefix, kind, math.floor(arrives))] += 1
         return arrives
 
-    def peak(self, kind: str) -> tuple[str, int]:
-        """The busiest prefix for ``kind`` and its requests in its busiest second."""
-        best = max(((n, p) for (p, k), n in self.peak_per_s.items() if k == kind), default=(0, ""))
+    def peak(self, kind: str, since: float = -math.inf, until: float = math.inf) -> tuple[str, int]:
+        """The busiest prefix for ``kind`` and its requests in its busiest whole second within
+        ``[since, until)``."""
+        best = max(
+            ((n, p) for (p, k, second), n in self.per_second.items() if k == kind and since <= second < until),
+            default=(0, ""),
+        )
         return best[1], best[0]
 
 
