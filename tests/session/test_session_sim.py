@@ -18,8 +18,10 @@ from benchmark_runs import finite, quick_run  # tests/helpers/ is on sys.path (t
 from benchmarks import session_scale
 from benchmarks._simulated_store import WRITE, SimulatedMailbox, SimulatedStore, StoreModel
 from benchmarks._virtual_clock import VirtualClock
-from benchmarks.session_sim import SimConfig, simulate
+from benchmarks.session_sim import Run, SimConfig, simulate
 from gradientmail import MemoryMailbox
+from gradientmail.layout import FRAGMENTS_PREFIX
+from gradientmail.session.chain import TOMBSTONE
 from gradientmail.session.overlap import OVERLAP
 
 pytestmark = pytest.mark.slow  # real sessions for seconds; simulations of a few seconds
@@ -84,6 +86,19 @@ def reference_run(config: session_scale.Config, seed: int) -> dict[str, float]:
         if real["late_ms"] <= 1000 * LATE_S and real["step_rate"] == 1.0:
             return real
     pytest.skip(f"the real sessions never kept their step schedule on this machine (last: {real})")
+
+
+def test_the_protocol_retires_old_versions_on_virtual_time() -> None:
+    """Retirement waits for a version to be old enough by the node's clock: seconds of virtual
+    time, which a simulation passes in a fraction of a real second."""
+    run = Run(SMALL)
+    try:
+        run.run()
+        versions = [key for key in run.inner.list(FRAGMENTS_PREFIX) if "/versions/" in key]
+        retired = [key for key in versions if run.inner.get(key) == TOMBSTONE]
+    finally:
+        run.inner.clear()
+    assert retired, versions
 
 
 @pytest.mark.parametrize("learners", [4, 8])
