@@ -54,6 +54,7 @@ import torch
 from benchmarks._common import emit, parser, table, verdicts
 from benchmarks._simulated_store import READ, WRITE, SimulatedMailbox, SimulatedStore, StoreModel
 from benchmarks._virtual_clock import Event, Task, VirtualClock
+from benchmarks.session_scale import make_model
 from gradientmail import MemoryMailbox
 from gradientmail.session import consensus
 from gradientmail.session.exchange import Exchanger, Merge
@@ -87,7 +88,7 @@ class SimConfig:
 
     learners: int
     every: float = 60.0
-    intervals: float = 10.0
+    intervals: float = 3.0
     params: float = 1e9
     wire_dtype: torch.dtype = torch.bfloat16
     fragments: int | None = None
@@ -98,6 +99,16 @@ class SimConfig:
     seed: int = 0
     join_spread: float = 1.0
     threads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.learners < 1 or self.every <= 0 or self.intervals <= 0 or self.steps_per_s <= 0:
+            raise ValueError(f"a run needs learners >= 1 and every, intervals, steps_per_s > 0: {self}")
+        if not 1 <= self.real_params <= self.params:
+            raise ValueError(f"real_params must be in [1, params]: {self.real_params} for {self.params:g}")
+        if not 0 <= self.speed_spread < 1:
+            raise ValueError(f"speed_spread must be in [0, 1), not {self.speed_spread}")
+        if self.wire_dtype not in WIRE_BYTES:
+            raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16, not {self.wire_dtype}")
 
     @property
     def fragment_count(self) -> int:
@@ -111,17 +122,6 @@ class SimConfig:
     @property
     def body_scale(self) -> float:
         return self.params / self.real_params
-
-
-def make_model(params: int) -> torch.nn.Module:
-    """A zeroed ``Linear`` with exactly ``params`` weights (``session_scale``'s model)."""
-    rows = math.isqrt(params)
-    while params % rows:
-        rows -= 1
-    model = torch.nn.Linear(params // rows, rows, bias=False)
-    with torch.no_grad():
-        model.weight.zero_()
-    return model
 
 
 @dataclass
@@ -224,8 +224,6 @@ class Run:
     """One simulated run: the clock, the store, the learners, and the figures once done."""
 
     def __init__(self, config: SimConfig) -> None:
-        if config.wire_dtype not in WIRE_BYTES:
-            raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16, not {config.wire_dtype}")
         self.config = config
         self.clock = VirtualClock(threads=config.threads)
         self.inner = MemoryMailbox(f"session-sim-{uuid.uuid4().hex}")

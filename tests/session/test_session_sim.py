@@ -146,3 +146,14 @@ def test_quick_session_sim_benchmark_prints_its_figures_as_json_last() -> None:
     expected = [f"session_sim_{name}_{count}" for count in (4, 8) for name in (*names, "reads_per_s", "exact")]
     assert all(finite(figures[name]) for name in expected), figures
     assert figures["session_sim_exact_4"] == figures["session_sim_exact_8"] == 1.0
+
+
+def test_a_run_or_store_that_cannot_be_simulated_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="learners >= 1"):
+        SimConfig(learners=0)
+    with pytest.raises(ValueError, match="real_params"):
+        SimConfig(learners=4, params=1000, real_params=4096)
+    with pytest.raises(ValueError, match="latency_spread"):
+        StoreModel(latency_spread=2.0)
+    with pytest.raises(ValueError, match="request limit"):
+        StoreModel(writes_per_s=0.0)
