@@ -41,13 +41,26 @@ SCRIPTS = (
     "session_figures",
 )
 """What ``python -m benchmarks`` runs (within its budget, ``BUDGET_S``)."""
-FULL_SCRIPTS = (*SCRIPTS, "shards", "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
+FULL_SCRIPTS = (
+    *SCRIPTS,
+    "shards",
+    "s3_latency",
+    "training",
+    "scale",
+    "session_scale",
+    "session_sim",
+    "faults",
+    "local_scale",
+)
 """What ``--full`` runs: also the shards benchmark (the documented case on Parquet files against
 litdata and MosaicML streaming where their environment is installed, readers' throughput, a
 second epoch's bytes: about 3 minutes), the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
 with the 1M-unit, 1,024-node simulation itself (``--direct``: about 4 minutes a run, 3 runs), and the Session at
-4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), and
+4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), the
+Session at 16 to 4,096 learners with a 1B-parameter model on S3's figures, on a virtual clock
+(``session_sim``: its CPU is the protocol's own, which grows with the learners; see
+docs/benchmarks.md), and
 50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
 about a minute), and two node processes against one on a ``LocalMailbox`` (``local_scale --large``:
 10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes)."""
@@ -149,6 +162,22 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
         for size in ("10k", "40k", "100k")
     ),
     ("local_scale", "local_list_page_ms_100k", "ms to list 1,000 keys after a key, LocalMailbox of 100k claims"),
+    *(
+        (
+            "session_sim",
+            f"session_sim_{figure}_{count}",
+            f"{words}, {count} learners, 1B bf16 every 60 s on S3, virtual clock",
+        )
+        for count in (256, 1024, 4096)
+        for figure, words in (
+            ("exchange_rate", "completed / intended exchanges, slowest learner"),
+            ("lag_intervals", "progress not yet in the run, intervals, worst learner"),
+            ("read_per_exchange", "model sizes read per learner per exchange"),
+            ("written_per_exchange", "model sizes written per learner per exchange"),
+            ("reads_per_s", "reads per second on the busiest prefix (S3: 5,500)"),
+            ("writes_per_s", "writes per second on the busiest prefix (S3: 3,500)"),
+        )
+    ),
     ("faults", "faults_lost", "samples missing from the model after 50 kill-and-restart trials"),
     ("faults", "faults_doubled", "samples the model holds twice, same trials"),
     (

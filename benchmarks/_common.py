@@ -115,6 +115,35 @@ TARGETS: dict[str, Target] = {
     "faults_lost": Target("<=", 0.0, "samples missing from the model after kill-and-restart trials"),
     "faults_doubled": Target("<=", 0.0, "samples the model holds twice after kill-and-restart trials"),
     "scale_errors_64": Target("<=", 0.0, "exceptions raised by the 64 learners' sessions (enter, step, wait, exit)"),
+    **{
+        name: target
+        for count in (256, 1024, 4096)
+        for name, target in {
+            f"session_sim_exchange_rate_{count}": Target(
+                ">=",
+                0.95,
+                f"completed / intended exchanges, slowest of {count} learners, 1B bf16 on S3 (virtual clock)",
+            ),
+            f"session_sim_lag_intervals_{count}": Target(
+                "<=", 2.0, f"progress not yet in the run, in intervals, worst of {count} learners (virtual clock)"
+            ),
+            f"session_sim_read_per_exchange_{count}": Target(
+                "<=", 2.5, f"model sizes read per learner per exchange, {count} learners (virtual clock)"
+            ),
+            f"session_sim_written_per_exchange_{count}": Target(
+                "<=", 1.5, f"model sizes written per learner per exchange, {count} learners (virtual clock)"
+            ),
+            f"session_sim_reads_per_s_{count}": Target(
+                "<=", 5500.0, f"reads in the busiest second of the busiest prefix, {count} learners (S3's limit)"
+            ),
+            f"session_sim_writes_per_s_{count}": Target(
+                "<=", 3500.0, f"writes in the busiest second of the busiest prefix, {count} learners (S3's limit)"
+            ),
+            f"session_sim_exact_{count}": Target(
+                ">=", 1.0, f"1 when every sample is in the run exactly once after the exits, {count} learners"
+            ),
+        }.items()
+    },
 }
 """The issue's targets, by figure name (the figures every script names in its JSON line)."""
 

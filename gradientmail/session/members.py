@@ -97,13 +97,13 @@ class SignsOfLife:
 
     Args:
         me: this learner, which always counts.
-        clock: this learner's clock, in seconds; only its differences matter (``time.monotonic``,
-            so that setting the wall clock changes nothing).
+        clock: this learner's clock, in seconds; only its differences matter (default
+            ``time.monotonic``, so that setting the wall clock changes nothing).
     """
 
-    def __init__(self, me: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, me: str, clock: Callable[[], float] | None = None) -> None:
         self.me = me
-        self.clock = clock
+        self.clock = time.monotonic if clock is None else clock  # looked up now: a virtual clock may stand in
         self._keys: frozenset[str] = frozenset()  # the member keys of the previous listing
         self._lines: dict[tuple[int, str], tuple[int, float]] = {}  # (fragment, learner) -> (seq, time) read
         self._read: set[int] = set()  # fragments read at least once

@@ -37,10 +37,10 @@ MAX_OWED = 1024
 class Retirement:
     """This node's view of which versions of one fragment it may retire now."""
 
-    def __init__(self, keep: int, min_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, keep: int, min_age_s: float, clock: Callable[[], float] | None = None) -> None:
         self.keep = keep
         self.min_age_s = min_age_s
-        self._clock = clock
+        self._clock = time.monotonic if clock is None else clock  # looked up now: a virtual clock may stand in
         self._good = -1  # the newest version this node downloaded and found usable
         self._aged = -1  # the newest version known to have existed for min_age_s
         self._sightings: deque[tuple[float, int]] = deque()  # (when, newest version known then)

@@ -174,6 +174,19 @@ SLOW = {
         "scale_written_per_exchange_64",
         "scale_errors_64",
     ],
+    "session_sim": [  # its quick run: tests/session/test_session_sim.py
+        f"session_sim_{figure}_{count}"
+        for count in (256, 1024, 4096)
+        for figure in (
+            "exchange_rate",
+            "lag_intervals",
+            "read_per_exchange",
+            "written_per_exchange",
+            "reads_per_s",
+            "writes_per_s",
+            "exact",
+        )
+    ],
 }
 """Run by ``--full`` only; training's quick mode is tested in ``test_training_benchmark.py``."""
 
