@@ -172,6 +172,7 @@ SLOW = {
         "scale_lag_intervals_64",
         "scale_read_per_exchange_64",
         "scale_written_per_exchange_64",
+        "scale_conflicts_per_exchange_64",
         "scale_errors_64",
     ],
     "session_sim": [  # its quick run: tests/session/test_session_sim.py
