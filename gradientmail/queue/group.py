@@ -19,20 +19,24 @@ import torch
 
 from gradientmail.errors import GroupError, LoaderError
 from gradientmail.queue.batches import Batch, TensorTree, loaded_batches, map_tensors
-from gradientmail.queue.pumps import HandOff
+from gradientmail.queue.handoff import HandOff
 from gradientmail.session.group import GroupSync
 
 __all__ = [
     "BATCH",
     "END",
     "FAILED",
+    "FOLLOWER_PREFETCH",
     "STOP",
     "FollowerBatches",
     "GroupUnit",
     "LeaderBatches",
     "LeaderLoad",
+    "follower_batches",
+    "leader_batches",
     "refuse",
     "split_rows",
+    "tagged_units",
 ]
 
 V = TypeVar("V")
@@ -43,6 +47,10 @@ Split = Callable[[TensorTree, int, int], TensorTree]
 END, BATCH, FAILED, STOP = 0, 1, 2, 3
 """What rank 0 announces before each step: the batches ran out; a batch (unit, position, step);
 its queue failed; its loop left early (``break``)."""
+
+
+FOLLOWER_PREFETCH = 2
+"""Batches a rank other than 0 reads ahead when nothing says how many (``SharedQueueDataset``)."""
 
 
 def split_rows(batch: TensorTree, rank: int, size: int) -> TensorTree:
@@ -62,6 +70,12 @@ class GroupUnit(Generic[V]):
     identifier: str
     index: int
     value: V
+
+
+def tagged_units(units: Mapping[str, V]) -> dict[str, GroupUnit[V]]:
+    """Rank 0's units: each value tagged with its identifier and place in the mapping, which
+    the other ranks hold alike (the announcement names a unit by that place)."""
+    return {key: GroupUnit(key, index, value) for index, (key, value) in enumerate(units.items())}
 
 
 class LeaderLoad(Generic[V]):
@@ -209,3 +223,30 @@ class FollowerBatches(Iterator[Batch]):
         if pump is not None:
             pump.stop()
             pump.finish(None, lambda: None)
+
+
+def leader_batches(inner: Iterable[Any], sync: GroupSync) -> Iterator[Batch]:
+    """Rank 0's batches from ``inner`` (a queue over ``tagged_units`` with a ``LeaderLoad``),
+    each announced; a queue refused before its first batch is announced as failed."""
+    try:
+        batches = iter(inner)
+    except BaseException:
+        refuse(sync)
+        raise
+    yield from LeaderBatches(batches, sync)
+
+
+def follower_batches(
+    units: Mapping[str, V],
+    load: Callable[[V], Iterable[tuple[int, TensorTree]]],
+    split: Split | None,
+    sync: GroupSync,
+    prefetch: int = FOLLOWER_PREFETCH,
+) -> Iterator[Batch]:
+    """A rank other than 0's batches (``FollowerBatches``), reading ahead stopped however the
+    loop ends (a generator: closed when the loop drops it)."""
+    follower = FollowerBatches(units, load, split, sync, prefetch)
+    try:
+        yield from follower
+    finally:
+        follower.close()

@@ -2,14 +2,12 @@
 
 Section ``consume`` below: The iterator the training loop sees: ends for good, times units, and (elastic) records progress.
 
-Data flows one way: a pump (``handoff.ThreadBatches``, ``loader.LoaderBatches``) delivers
+Data flows one way: a pump (``ThreadBatches``, ``LoaderBatches``) delivers
 ``batches.Item``s (a batch and its unit's ``UnitTag``); ``Batches`` times them per unit, and
 ``ElasticBatches`` on top hands the tags to ``progress.Consumption``: the loop gets plain pairs.
 
-Section ``handoff`` below: The thread pump: ``HandOff`` calls ``next()`` on another thread, a bounded number of items ahead.
-
-``ThreadBatches`` (``workers=0``) runs the dataset's claiming and loading on it;
-``loader.LoaderBatches`` uses it to take DataLoader's batches off the training thread.
+The thread pump: ``ThreadBatches`` (``workers=0``) runs the dataset's claiming and loading on a
+``handoff.HandOff``; ``LoaderBatches`` uses one to take DataLoader's batches off the training thread.
 
 Section ``loader`` below: The DataLoader-worker pump (``workers >= 1``) and its clean shutdown.
 
@@ -23,20 +21,19 @@ import functools
 import inspect
 import multiprocessing.context
 import pickle
-import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, _utils
+from torch.utils.data import DataLoader
 
 from gradientmail.errors import InProcessMailboxError, UnpicklableError
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.queue.batches import Batch, Item, keep_pairs
 from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
+from gradientmail.queue.handoff import HandOff
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import Consumption, ProgressTracker
 from gradientmail.queue.telemetry import BatchWatch
@@ -44,7 +41,6 @@ from gradientmail.queue.telemetry import BatchWatch
 __all__ = [
     "Batches",
     "ElasticBatches",
-    "HandOff",
     "LoaderBatches",
     "ThreadBatches",
     "check_for_workers",
@@ -172,115 +168,7 @@ class ElasticBatches(Batches):
                 self._tracker.close(replaced=replaced, clean=consumed_last and not replaced)
 
 
-# -- handoff -----------------------------------------------------------------------------------------
-
-_END = object()
-
-
-class _Failure:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class HandOff:
-    """Calls ``next()`` on ``iterator`` on a thread of its own, at most ``slots`` items ahead.
-
-    A place is reserved *before* each ``next()``, so the thread never holds an item that has
-    none (with the dataset's iterator, a unit is claimed only when its first batch has a place).
-    The end and an error queue up behind the items before them. Until ``finish`` returns True,
-    no other thread may touch the iterator.
-
-    Example:
-        >>> pump = HandOff(iter([1, 2]), 1, "example")
-        >>> pump.take(), pump.take()
-        (1, 2)
-    """
-
-    def __init__(self, iterator: Any, slots: int, name: str) -> None:
-        self._iterator = iterator
-        self._slots = slots
-        self._ready: deque[Any] = deque()
-        self._room = slots
-        self._stopping = False
-        self._left = False  # the thread no longer touches the iterator
-        self._then: Callable[[], None] | None = None  # cleanup the thread runs if abandoned
-        self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def slots(self) -> int:
-        """Items the thread may hold ahead of ``take``."""
-        return self._slots
-
-    def full(self) -> bool:
-        """Every place holds an item: the thread is outside ``next()`` and asks for no more."""
-        with self._changed:
-            return self._room == 0 and len(self._ready) == self._slots
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._changed:
-                    self._changed.wait_for(lambda: self._stopping or self._room > 0)
-                    if self._stopping:
-                        return
-                    self._room -= 1
-                try:
-                    item: Any = next(self._iterator)
-                except StopIteration:
-                    item = _END
-                except BaseException as exc:  # delivered to the consumer, in order
-                    item = _Failure(exc)
-                with self._changed:
-                    self._ready.append(item)
-                    self._changed.notify_all()
-                if item is _END or isinstance(item, _Failure):
-                    return
-        finally:
-            with self._changed:
-                self._left = True
-                then = self._then
-            if then is not None:
-                then()
-
-    def take(self) -> Any:
-        """The next item, waiting for it; raises StopIteration at the end, or the iterator's error."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._ready)
-            item = self._ready.popleft()
-            if item is not _END and not isinstance(item, _Failure):
-                self._room += 1
-                self._changed.notify_all()
-        if item is _END:
-            raise StopIteration
-        if isinstance(item, _Failure):
-            raise item.error
-        return item
-
-    def stop(self) -> None:
-        """Take no more items; a thread waiting for a free place leaves now."""
-        with self._changed:
-            self._stopping = True
-            self._ready.clear()  # the consumer has left
-            self._changed.notify_all()
-
-    def finish(self, timeout: float | None, then: Callable[[], None], wake: Callable[[], None] | None = None) -> bool:
-        """After ``stop``: wait up to ``timeout`` for the thread to leave the iterator; True when it has.
-
-        If it is still inside ``next()`` then, ``wake`` (if given) tries to free it; if it does
-        not leave, it runs ``then`` itself when ``next()`` returns.
-        """
-        self._thread.join(timeout)
-        if self._thread.is_alive() and wake is not None:
-            wake()
-            self._thread.join(_utils.MP_STATUS_CHECK_INTERVAL)
-        with self._changed:
-            if not self._left:
-                self._then = then
-                return False
-        self._thread.join()  # only its last few lines are left
-        return True
+# -- thread pump ---------------------------------------------------------------------------------------
 
 
 class ThreadBatches(Batches):

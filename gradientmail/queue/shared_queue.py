@@ -27,12 +27,12 @@ from gradientmail.queue.claimer import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.group import (
     FollowerBatches,
-    GroupUnit,
     LeaderBatches,
     LeaderLoad,
     Split,
     refuse,
     split_rows,
+    tagged_units,
 )
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
@@ -171,7 +171,7 @@ def shared_queue(
             finally:
                 follower.close()
             return
-        tagged = {key: GroupUnit(key, index, value) for index, (key, value) in enumerate(units.items())}
+        tagged = tagged_units(units)
         with contextlib.ExitStack() as stack:
             try:
                 inner = stack.enter_context(

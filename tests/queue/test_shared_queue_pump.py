@@ -23,7 +23,8 @@ from torch.utils.data import _utils
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.mailbox.base import describe
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.pumps import HandOff, wake_loader
+from gradientmail.queue.handoff import HandOff
+from gradientmail.queue.pumps import wake_loader
 from gradientmail.queue.telemetry import spans_record
 
 FORK = multiprocessing.get_context("fork")
