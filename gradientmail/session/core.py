@@ -217,7 +217,7 @@ class Session:
                 "a model sharded with FSDP2 needs group= set to the process group it is sharded over "
                 "(the ranks of its device mesh, in the same order)"
             )
-        self._shard_sync = None if self._layout is None else ShardSync(group)
+        self._shard_sync = None if self._layout is None or self._group is None else ShardSync(self._group)
         self._registers = self._group is None or self._group.leads  # presence, member, progress, queue
         # A follower of a replicated (DDP) group never talks to the store: its rank 0 exchanges for it.
         self._follows = self._group is not None and self._layout is None and not self._group.leads

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -142,6 +143,10 @@ class GroupSync:
         group: the ranks training one model in lockstep (DDP), a ``torch.distributed``
             process group this process belongs to. Its device: CUDA for NCCL, the CPU otherwise.
 
+    It holds the group weakly: once the Session or queue has left, nothing of it keeps the
+    process group alive, so ``dist.destroy_process_group()`` destroys it then and there (a
+    group left to die at interpreter exit can abort the process there).
+
     Raises:
         ValueError: ``torch.distributed`` is not initialised, or this process is not in ``group``.
     """
@@ -154,7 +159,7 @@ class GroupSync:
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError("this process is not a member of the group it was given")
-        self.group = group
+        self._group = weakref.ref(group)
         self.rank = rank
         self.size = dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
@@ -162,6 +167,20 @@ class GroupSync:
         self._dist = dist
         self.broken: str | None = None
         """What failed first, once a collective of the group failed: later ones raise at once."""
+
+    @property
+    def group(self) -> Any:
+        """The process group, while it exists."""
+        group = self._group()
+        if group is None:
+            raise GroupError(
+                f"rank {self.rank} of a group of {self.size}: its process group was destroyed while a "
+                "Session or queue of it was still in use; call dist.destroy_process_group() after "
+                "leaving their `with` blocks",
+                rank=self.rank,
+                size=self.size,
+            )
+        return group
 
     def collective(self, what: str, action: Callable[[], T]) -> T:
         """``action()``, a collective of the group; its failure raised as ``GroupError``."""

@@ -183,18 +183,17 @@ def plan_for_run(model: torch.nn.Module, run: RunCut) -> FragmentPlan:
 class ShardSync:
     """The few collectives of a sharded group's enter and exit (every rank calls each, in order)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, sync: GroupSync) -> None:
         import torch.distributed as dist  # only a group needs it
 
-        self.group = group
+        self.sync = sync  # holds the process group weakly
         self._dist = dist
-        backend = str(dist.get_backend(group)).lower()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self.device = sync.device
 
     def least(self, *values: int) -> list[int]:
         """Each of ``values``, the smallest any rank passed."""
         tensor = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self.group)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self.sync.group)
         return tensor.tolist()
 
     def all_ok(self, ok: bool) -> bool:
