@@ -38,14 +38,26 @@ SCRIPTS = (
     "session_figures",
 )
 """What ``python -m benchmarks`` runs (within its budget, ``BUDGET_S``)."""
-FULL_SCRIPTS = (*SCRIPTS, "s3_latency", "training", "scale", "session_scale", "faults", "local_scale")
+FULL_SCRIPTS = (
+    *SCRIPTS,
+    "s3_latency",
+    "training",
+    "scale",
+    "session_scale",
+    "faults",
+    "local_scale",
+    "group_step",
+    "shard_step",
+)
 """What ``--full`` runs: also the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
 with the 1M-unit, 1,024-node simulation itself (``--direct``: about 4 minutes a run, 3 runs), and the Session at
 4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), and
 50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
 about a minute), and two node processes against one on a ``LocalMailbox`` (``local_scale --large``:
-10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes)."""
+10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes), and what
+``Session.step`` costs in a group of two gloo processes, DDP inside (``group_step``) and FSDP2
+(``shard_step``), about a minute each."""
 FULL_OPTIONS: dict[str, tuple[str, ...]] = {
     "scale": ("--direct", "--repeats", "3"),
     "requests": ("--repeats", "3"),
@@ -128,6 +140,13 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
         for size in ("10k", "40k", "100k")
     ),
     ("local_scale", "local_list_page_ms_100k", "ms to list 1,000 keys after a key, LocalMailbox of 100k claims"),
+    ("group_step", "group_step_ratio", "Session.step in a group of 2 (DDP, gloo), amortised / one training step"),
+    ("shard_step", "shard_step_ratio", "the same for a group of 2 sharded with FSDP2 (gloo)"),
+    (
+        "shard_step",
+        "written_models_per_interval",
+        "model sizes one rank of that sharded group writes per exchange interval (its shard)",
+    ),
     ("faults", "faults_lost", "samples missing from the model after 50 kill-and-restart trials"),
     ("faults", "faults_doubled", "samples the model holds twice, same trials"),
     (

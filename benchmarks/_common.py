@@ -104,6 +104,8 @@ TARGETS: dict[str, Target] = {
         for order, words in (("mapping", "the mapping's order"), ("rotated", "rotated_order"))
         for size in ("10k", "40k", "100k")
     },
+    "group_step_ratio": Target("<", 0.01, "Session.step in a group, amortised over its word steps / one training step"),
+    "shard_step_ratio": Target("<", 0.01, "the same in a group sharded with FSDP2"),
     "faults_lost": Target("<=", 0.0, "samples missing from the model after kill-and-restart trials"),
     "faults_doubled": Target("<=", 0.0, "samples the model holds twice after kill-and-restart trials"),
     "scale_errors_64": Target("<=", 0.0, "exceptions raised by the 64 learners' sessions (enter, step, wait, exit)"),

@@ -12,7 +12,7 @@ DDP, batches of 32 contexts split between them. Timed, per call, over ``--steps`
 - ``merge_share_s``: broadcasting the whole model from rank 0 (what a merge of every fragment
   costs at its step; a merge of one fragment costs its share of it).
 
-Usage: ``python -m benchmarks.group_step [--steps N]``; the last line is one JSON object.
+Usage: ``python -m benchmarks.group_step [--steps N] [--quick]``; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -80,8 +80,11 @@ def rank_main(rank: int, port: int, mailbox: str, steps: int, results: dict) -> 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="a few steps: that it runs, not what it measures")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps = WARMUP + 40
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

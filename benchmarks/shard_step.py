@@ -112,10 +112,10 @@ def rank_main(rank: int, port: int, mailbox: str, steps: int, intervals: int, re
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="a few steps: that it runs, not what it measures")
     args = parser.parse_args(argv)
-    steps, intervals = (10, 1) if args.quick else (args.steps, 3)
+    steps, intervals = (WARMUP + 10, 1) if args.quick else (args.steps, 3)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
