@@ -435,8 +435,9 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         leader = copy.copy(self)
         leader.grouped, leader.group_sync = False, None
         leader.units = tagged_units(self.units)  # type: ignore[assignment]
-        leader.load = LeaderLoad(self.load, self._split, sync.size)  # type: ignore[assignment]
-        return leader_batches(leader, sync)
+        load = LeaderLoad(self.load, self._split, sync.size)
+        leader.load = load  # type: ignore[assignment]
+        return leader_batches(leader, sync, load.started)
 
     # -- torchdata's Stateful protocol ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -172,6 +172,7 @@ def shared_queue(
                 follower.close()
             return
         tagged = tagged_units(units)
+        leader_load = LeaderLoad(load, split, sync.size)
         with contextlib.ExitStack() as stack:
             try:
                 inner = stack.enter_context(
@@ -179,7 +180,7 @@ def shared_queue(
                         tagged,
                         mailbox=mailbox,
                         learner_id=learner_id,
-                        load=LeaderLoad(load, split, sync.size),
+                        load=leader_load,
                         prefetch=prefetch,
                         workers=workers,
                         order=order,
@@ -195,7 +196,7 @@ def shared_queue(
             except BaseException:
                 refuse(sync)  # refused before its first batch: the other ranks raise with it
                 raise
-            leader = LeaderBatches(inner, sync)
+            leader = LeaderBatches(inner, sync, leader_load.started)
             yield leader
             leader.leave()
         return
