@@ -229,6 +229,8 @@ class Session:
         self._next_word = 0  # in a group: the step of the next word (every rank knows it alike)
         self._gap = 1  # in a group: steps from this word step to the next, as the last word read said
         self._pace = WordPace()  # rank 0 of a group: how far apart it asks for the words
+        self._word_at = 0.0  # in a group: time.monotonic() at the last word step
+        self._word_span = 0.0  # in a sharded group: seconds between the last two word steps
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -557,7 +559,8 @@ class Session:
             self._presence.check()  # replaced by another process of this learner (after a freeze)?
             if self._pending is not None:  # a sharded group: the fold records the group's samples to this step
                 self._count(self._pending)  # (started at this word step: every sample so far)
-            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
+            due = self._due_fragments(self._word_span)
+            self._job = self._worker.submit(self._exchange_job_for_now(due, final=False))
 
     def _shard_step(self, samples: int) -> bool:
         """Count the group's samples: at a word step, read the previous sum and start the next
@@ -586,6 +589,8 @@ class Session:
         starting = time.perf_counter()
         self._pending = progress.start(self._unsent, every)
         self._unsent = 0
+        now = time.monotonic()
+        self._word_span, self._word_at = now - self._word_at, now
         self._next_word = self._steps + self._gap
         if every:
             self._pace.spent(waited + time.perf_counter() - starting, began, self._steps)
@@ -634,9 +639,11 @@ class Session:
         self._pace.spent(waited + time.perf_counter() - starting, began, self._steps)
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
-        if self._job is None and (self._steps >= self._due_step or time.monotonic() >= self._due_time):
+        now, span = time.monotonic(), time.monotonic() - self._word_at
+        self._word_at = now
+        if self._job is None and (self._steps >= self._due_step or now >= self._due_time):
             self._count(self._pending)  # the fold records the group's samples to this step
-            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
+            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(span), final=False))
 
     def _group_last_word(self) -> None:
         """Leaving: read the word in flight, then sum the samples since (every rank, synchronously)."""
@@ -762,20 +769,24 @@ class Session:
         now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False, current=True))
         self._wait(now, "folding the progress of the queue's last batches", apply=True)
 
-    def _due_fragments(self) -> list[int]:
+    def _due_fragments(self, span_s: float = 0.0) -> list[int]:
         """The fragments to exchange now, and the schedule moved past them.
 
         By time: one fragment per slot of ``every / fragments``; slots missed while the store
-        was slow are dropped (exchanges get rarer and carry more progress). By steps: every
-        fragment whose slot has come, so that ``every_steps`` exchanges the whole model.
+        was slow are dropped (exchanges get rarer and carry more progress), but in a group,
+        whose exchanges start only at word steps, the slots of the ``span_s`` seconds since the
+        previous word step are all due now. By steps: every fragment whose slot has come, so
+        that ``every_steps`` exchanges the whole model.
         """
         count = len(self._plan)
         slot_steps, slot_s = self._every_steps / count, self._every_s / count
         due = 1
         if self._steps >= self._due_step:
             due = min(count, 1 + int((self._steps - self._due_step) / slot_steps))
-        self._due_step += due * slot_steps
         now = time.monotonic()
+        if span_s > 0 and self._due_time <= now:
+            due = max(due, min(count, 1 + int(min(now - self._due_time, span_s) / slot_s)))
+        self._due_step += due * slot_steps
         self._due_time = max(self._due_time + slot_s, now) if self._due_time <= now else self._due_time
         first, self._next_fragment = self._next_fragment, (self._next_fragment + due) % count
         return [(first + i) % count for i in range(due)]
