@@ -51,6 +51,8 @@ FULL_SCRIPTS = (
     "session_sim",
     "faults",
     "local_scale",
+    "group_step",
+    "shard_step",
 )
 """What ``--full`` runs: also the shards benchmark (the documented case on Parquet files against
 litdata and MosaicML streaming where their environment is installed, readers' throughput, a
@@ -63,7 +65,9 @@ Session at 16 to 4,096 learners with a 1B-parameter model on S3's figures, on a 
 docs/benchmarks.md), and
 50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
 about a minute), and two node processes against one on a ``LocalMailbox`` (``local_scale --large``:
-10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes)."""
+10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes), and what
+``Session.step`` costs in a group of two gloo processes, DDP inside (``group_step``) and FSDP2
+(``shard_step``), about a minute each."""
 FULL_OPTIONS: dict[str, tuple[str, ...]] = {
     "scale": ("--direct", "--repeats", "3"),
     "requests": ("--repeats", "3"),
@@ -177,6 +181,13 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
             ("reads_per_s", "reads per second on the busiest prefix (S3: 5,500)"),
             ("writes_per_s", "writes per second on the busiest prefix (S3: 3,500)"),
         )
+    ),
+    ("group_step", "group_step_ratio", "Session.step in a group of 2 (DDP, gloo), amortised / one training step"),
+    ("shard_step", "shard_step_ratio", "the same for a group of 2 sharded with FSDP2 (gloo)"),
+    (
+        "shard_step",
+        "written_models_per_interval",
+        "model sizes one rank of that sharded group writes per exchange interval (its shard)",
     ),
     ("faults", "faults_lost", "samples missing from the model after 50 kill-and-restart trials"),
     ("faults", "faults_doubled", "samples the model holds twice, same trials"),

@@ -112,6 +112,8 @@ TARGETS: dict[str, Target] = {
     "shards_read_ratio_parquet_split": Target(">=", 0.9, "ParquetReader rows/s / pyarrow's own, files split by rows"),
     "shards_read_ratio_jsonl": Target(">=", 0.9, "JsonLinesReader rows/s / pyarrow's own"),
     "shards_epoch2_bytes_fetched": Target("<=", 0.0, "bytes a second epoch fetches from the store with a ShardCache"),
+    "group_step_ratio": Target("<", 0.01, "Session.step in a group, amortised over its word steps / one training step"),
+    "shard_step_ratio": Target("<", 0.01, "the same in a group sharded with FSDP2"),
     "faults_lost": Target("<=", 0.0, "samples missing from the model after kill-and-restart trials"),
     "faults_doubled": Target("<=", 0.0, "samples the model holds twice after kill-and-restart trials"),
     "scale_errors_64": Target("<=", 0.0, "exceptions raised by the 64 learners' sessions (enter, step, wait, exit)"),

@@ -49,6 +49,7 @@ from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claime
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT
 from gradientmail.queue.figures import queue_figures
+from gradientmail.queue.group import LeaderLoad, Split, follower_batches, leader_batches, split_rows, tagged_units
 from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
@@ -56,6 +57,7 @@ from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_ela
 from gradientmail.queue.unfinished import untracked_record, warn_unfinished
 from gradientmail.records import RunRecord, get_record
 from gradientmail.run_record import check_run_record, unit_fingerprint
+from gradientmail.session.group import GroupSync
 
 __all__ = ["SharedQueueDataset", "WorkerControl", "guarded", "prepare_mailbox"]
 
@@ -219,6 +221,14 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         listing: When the claimer lists claims (``claims.LISTING_POLICIES``).
         claim_index: A ``ClaimIndex`` of these units to share; None builds one on first use.
         prepared: ``prepare_mailbox`` already ran for these units; iterating skips it.
+        group: A ``torch.distributed`` process group whose ranks train one model in lockstep
+            (DDP): one learner of the queue, as with ``shared_queue(group=)``. Its rank 0
+            claims, every rank gets its share of every batch and they all end at the same step.
+            Iterate it in the training process (``DataLoader(dataset, batch_size=None,
+            num_workers=0)``): its ranks agree on each batch with the group's collectives, which
+            DataLoader worker processes cannot join (``shared_queue(group=, workers=N)`` loads
+            rank 0's units in worker processes and announces them from the training process).
+        split: ``split(batch, rank, size)``, a rank's share of a whole batch (with ``group``).
 
     Example:
         >>> import torch
@@ -244,8 +254,15 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         listing: str = DEFAULT_LISTING,
         claim_index: ClaimIndex | None = None,
         prepared: bool = False,
+        group: Any = None,
+        split: Split | None = split_rows,
     ) -> None:
         super().__init__()
+        self.group_sync = None if group is None else GroupSync(group)
+        """The group's collectives (``group=``); not pickled: a process group is its process's own."""
+        self.grouped = group is not None
+        """Iterated as one rank of a group (a worker process, which has no ``group_sync``, refuses)."""
+        self._split = split
         if listing not in LISTING_POLICIES:
             raise ValueError(f"listing must be one of {LISTING_POLICIES}, not {listing!r}")
         if not isinstance(units, Mapping):
@@ -346,7 +363,14 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         """Tell a claimer in this process that waits for orphaned units to stop waiting."""
         self._halt[0] = True
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["group_sync"] = None  # a process group does not travel: a worker refuses to iterate
+        return state
+
     def __iter__(self) -> Iterator[Batch | Item]:
+        if self.grouped:
+            return self._group_batches()
         info = get_worker_info()
         worker = info.id if info is not None else None
         if worker is not None:
@@ -385,6 +409,26 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         if self.wiring.control is None:
             return batches
         return guarded(batches, self.wiring.control, worker or 0)
+
+    def _group_batches(self) -> Iterator[Batch]:
+        """This rank's share of each step: rank 0 claims through a copy of this dataset over
+        tagged units and announces each batch; the other ranks load what it announces."""
+        sync = self.group_sync
+        if sync is None or get_worker_info() is not None:
+            raise ValueError(
+                "a SharedQueueDataset with group= must be iterated in the training process "
+                "(DataLoader(dataset, batch_size=None, num_workers=0)): its ranks agree on every batch "
+                "through the group's collectives, which DataLoader worker processes cannot join; "
+                "shared_queue(..., group=group, workers=N) loads rank 0's units in worker processes"
+            )
+        if not sync.leads:
+            return follower_batches(self.units, self.load, self._split, sync)
+        leader = copy.copy(self)
+        leader.grouped, leader.group_sync = False, None
+        leader.units = tagged_units(self.units)  # type: ignore[assignment]
+        load = LeaderLoad(self.load, self._split, sync.size)
+        leader.load = load  # type: ignore[assignment]
+        return leader_batches(leader, sync, load.started)
 
     # -- torchdata's Stateful protocol ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

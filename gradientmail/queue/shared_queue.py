@@ -29,18 +29,18 @@ from gradientmail.queue.consume import Batches, ElasticBatches
 from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
 from gradientmail.queue.group import (
     FollowerBatches,
-    GroupUnit,
     LeaderBatches,
     LeaderLoad,
     Split,
     refuse,
     split_rows,
+    tagged_units,
 )
-from gradientmail.queue.handoff import ThreadBatches
 from gradientmail.queue.loader import LoaderBatches, check_for_workers
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.progress_display import ProgressDisplay
+from gradientmail.queue.thread_pump import ThreadBatches
 from gradientmail.queue.unfinished import warn_unclean, warn_unfinished
 from gradientmail.queue.unit_timing import BatchWatch, unit_times
 from gradientmail.session.group import GroupSync
@@ -175,7 +175,8 @@ def shared_queue(
             finally:
                 follower.close()
             return
-        tagged = {key: GroupUnit(key, index, value) for index, (key, value) in enumerate(units.items())}
+        tagged = tagged_units(units)
+        leader_load = LeaderLoad(load, split, sync.size)
         with contextlib.ExitStack() as stack:
             try:
                 inner = stack.enter_context(
@@ -183,7 +184,7 @@ def shared_queue(
                         tagged,
                         mailbox=mailbox,
                         learner_id=learner_id,
-                        load=LeaderLoad(load, split, sync.size),
+                        load=leader_load,
                         prefetch=prefetch,
                         workers=workers,
                         order=order,
@@ -199,7 +200,7 @@ def shared_queue(
             except BaseException:
                 refuse(sync)  # refused before its first batch: the other ranks raise with it
                 raise
-            leader = LeaderBatches(inner, sync)
+            leader = LeaderBatches(inner, sync, leader_load.started)
             yield leader
             leader.leave()
         return

@@ -30,7 +30,17 @@ from gradientmail.meeting_point import meeting_point
 from gradientmail.presence import SESSION, PresenceShare
 from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
-from gradientmail.session.group import APPLY, FAILED, LEASE_LOST, NOTHING, TIMED_OUT, GroupSync, PendingStep, StepWord
+from gradientmail.session.group import (
+    APPLY,
+    FAILED,
+    LEASE_LOST,
+    NOTHING,
+    TIMED_OUT,
+    GroupSync,
+    PendingStep,
+    StepWord,
+    WordPace,
+)
 from gradientmail.session.marks_store import MarksWriter
 from gradientmail.session.options import (
     DEFAULT_EVERY,
@@ -206,7 +216,7 @@ class Session:
                 "a model sharded with FSDP2 needs group= set to the process group it is sharded over "
                 "(the ranks of its device mesh, in the same order)"
             )
-        self._shard_sync = None if self._layout is None else ShardSync(group)
+        self._shard_sync = None if self._layout is None or self._group is None else ShardSync(self._group)
         self._registers = self._group is None or self._group.leads  # presence, member, progress, queue
         # A follower of a replicated (DDP) group never talks to the store: its rank 0 exchanges for it.
         self._follows = self._group is not None and self._layout is None and not self._group.leads
@@ -214,6 +224,12 @@ class Session:
         self._shard_progress: ShardProgress | None = None  # a sharded group's: how far every shard holds its steps
         self._announced: Job | None = None  # the exchange that word told the group to apply
         self._held: BaseException | None = None  # rank 0's error that word told every rank to raise
+        self._unsent = 0  # in a group: this rank's samples since its last word
+        self._next_word = 0  # in a group: the step of the next word (every rank knows it alike)
+        self._gap = 1  # in a group: steps from this word step to the next, as the last word read said
+        self._pace = WordPace()  # rank 0 of a group: how far apart it asks for the words
+        self._word_at = 0.0  # in a group: time.monotonic() at the last word step
+        self._word_span = 0.0  # in a sharded group: seconds between the last two word steps
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -379,16 +395,21 @@ class Session:
         group = self._group
         if self._shard_sync is not None:
             return self._leave_shard(self._shard_sync, exc_type, exc, tb)
+        if group is not None and (exc is not None or self._state != "active"):
+            # After an exception the ranks may not all be here: no new collective (the launcher
+            # stops the group), but none left in flight either (the group may be torn down next).
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                pending.settle()
         if self._follows and self._state == "active":
             self._state = "closed"
             if exc is not None:
                 return False
         elif group is None or exc is not None or self._state != "active":
-            # After an exception the ranks may not all be here: no collective (the launcher stops
-            # the group); rank 0 leaves as a learner does after a failed body.
+            # rank 0 leaves as a learner does after a failed body.
             return self._leave(exc_type, exc, tb)
         try:
-            self._group_flush()  # the last step's word: its samples and what it announced
+            self._group_last_word()  # the last steps' samples and what rank 0 announced
         except BaseException as error:  # raised on every rank alike: leave as after a failed body
             if not self._follows:
                 self._leave(type(error), error, error.__traceback__)
@@ -412,12 +433,19 @@ class Session:
         """Leave for one rank of a sharded group: each folds its own shard a last time, then all
         agree that every rank did (after an exception, no collective: the ranks may not all be here)."""
         if exc is not None or self._state != "active":
+            pending, self._pending = self._pending, None
+            if pending is not None:  # none left in flight: the group may be torn down next
+                pending.settle()
             return self._leave(exc_type, exc, tb)
         left = False
         try:
-            if self._pending is not None:  # the last step's word: its samples count in the final fold
+            if self._pending is not None:  # the last word: its samples count in the final fold
                 self._count(self._pending)
-                self._pending = None
+            assert self._shard_progress is not None
+            self._pending = self._shard_progress.start(self._unsent)  # and the samples since
+            self._unsent = 0
+            self._count(self._pending)
+            self._pending = None
             self._leave(None, None, None)
             left = True
         finally:
@@ -506,8 +534,9 @@ class Session:
         if samples < 0:
             raise ValueError(f"samples must be >= 0, not {samples}")
         self._steps += 1
+        counted = True  # the samples counted to this step: a fold may start
         if self._shard_sync is not None:
-            self._shard_step(samples)
+            counted = self._shard_step(samples)
         elif self._group is not None:
             self._group_step(samples)
             return
@@ -522,41 +551,70 @@ class Session:
             self._apply(job, "a background exchange")
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
-        if self._schedule.due(self._steps):
+        if counted and self._schedule.due(self._steps):
             self._presence.check()  # replaced by another process of this learner (after a freeze)?
             if self._pending is not None:  # a sharded group: the fold records the group's samples to this step
-                self._count(self._pending)
-            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
+                self._count(self._pending)  # (started at this word step: every sample so far)
+            due = self._due_fragments(self._word_span)
+            self._job = self._worker.submit(self._exchange_job_for_now(due, final=False))
 
-    def _shard_step(self, samples: int) -> None:
-        """Count the group's samples: read the previous step's sum, start this one's.
+    def _shard_step(self, samples: int) -> bool:
+        """Count the group's samples: at a word step, read the previous sum and start the next
+        (True: a fold may start now, its count exact).
 
         Each rank of a sharded group exchanges its own shard on its own schedule, as fragments
         of one model are; the ranks need to agree only on the learner's sample count, a sum
-        that runs beside the next step's training (``session.group``)."""
+        that runs beside the training of the steps to the next word step (``session.group``)."""
         progress = self._shard_progress
         assert progress is not None and self._plan is not None
+        self._unsent += samples
+        if self._steps < self._next_word:
+            return False
+        began = time.perf_counter()
         pending = self._pending
         if pending is not None:
-            self._count(pending)
+            self._gap = self._count(pending).every
+        waited = time.perf_counter() - began
         link = self._guard.link
         if self._registers and link is not None:
             if isinstance(pending, PendingShardStep):
                 progress.read(pending)
             mark, units = link.snapshot()
             progress.stepped(self._steps, mark, tuple(units.values()))
-        self._pending = progress.start(samples)
+        every = self._pace.every() if self._group is not None and self._group.leads else 0
+        starting = time.perf_counter()
+        self._pending = progress.start(self._unsent, every)
+        self._unsent = 0
+        now = time.monotonic()
+        self._word_span, self._word_at = now - self._word_at, now
+        self._next_word = self._steps + self._gap
+        if every:
+            self._pace.spent(waited + time.perf_counter() - starting, began, self._steps)
+        return True
 
     def _group_step(self, samples: int) -> None:
-        """``step()`` in a group: read the previous step's word, start this one's.
+        """``step()`` in a group: at a word step, read the previous word and start the next.
 
-        The word of step k carries rank 0's news as of step k (an exchange finished, which
-        fragments) and every rank's samples; every rank reads it at step k + 1, after it ran
-        beside that step's training, and applies what it announced: all ranks apply the same
-        exchange at the same step, and none waits for a collective of its own step. Rank 0
-        waits for its own step's word only when an exchange is due (its count must be exact).
+        The word of word step k carries rank 0's news as of step k (an exchange finished, which
+        fragments) and every rank's samples since the word before; every rank reads it at the
+        next word step, after it ran beside the training of the steps between, and applies what
+        it announced: all ranks apply the same exchange at the same step, and none waits for a
+        collective of its own step. Rank 0 starts an exchange only at a word step, and waits for
+        that step's word then (its count must be exact). Between word steps, a counter.
         """
         assert self._group is not None and self._plan is not None
+        self._unsent += samples
+        if not self._follows and self._held is None:
+            try:
+                self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
+            except LeaseLostError as error:  # raised on every rank at the next word step
+                self._held = error
+        if self._steps < self._next_word:
+            return
+        began = time.perf_counter()
+        if self._pending is not None:
+            self._pending.word()  # timed apart from applying what it announced (a merge is no step cost)
+        waited = time.perf_counter() - began
         self._group_flush()
         status, stop, fragments = NOTHING, NOTHING, []
         job = None if self._follows else self._job
@@ -565,19 +623,32 @@ class Session:
             with self._landed_lock:
                 fragments = [merge.fragment.index for merge in self._landed]
             self._announced = job
-        if not self._follows:
-            try:
-                self._guard.stepped()  # frozen past a lease (units taken over)? fold nothing more then
-            except LeaseLostError as error:  # raised on every rank at the next step
-                self._held, stop = error, LEASE_LOST
-        self._pending = self._group.start(samples, status, fragments, len(self._plan), stop)
+        if self._held is not None:
+            stop = LEASE_LOST
+        every = 0 if self._follows else self._pace.every()
+        starting = time.perf_counter()
+        self._pending = self._group.start(self._unsent, status, fragments, len(self._plan), stop, every)
+        self._unsent = 0
+        self._next_word = self._steps + self._gap
         if self._follows or stop:
             return
+        self._pace.spent(waited + time.perf_counter() - starting, began, self._steps)
         if self._guard.revoked:
             return  # the queue stopped uncleanly: nothing more is folded
+        now, span = time.monotonic(), time.monotonic() - self._word_at
+        self._word_at = now
         if self._job is None and self._schedule.due(self._steps):
             self._count(self._pending)  # the fold records the group's samples to this step
-            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(), final=False))
+            self._job = self._worker.submit(self._exchange_job_for_now(self._due_fragments(span), final=False))
+
+    def _group_last_word(self) -> None:
+        """Leaving: read the word in flight, then sum the samples since (every rank, synchronously)."""
+        assert self._group is not None and self._plan is not None
+        self._group_flush()
+        stop = NOTHING if self._held is None else LEASE_LOST
+        self._pending = self._group.start(self._unsent, NOTHING, (), len(self._plan), stop)
+        self._unsent = 0
+        self._group_flush()
 
     def _count(self, pending: PendingStep | PendingShardStep) -> StepWord:
         word = pending.word()
@@ -592,6 +663,7 @@ class Session:
         if pending is None:
             return
         word = self._count(pending)
+        self._gap = word.every
         if word.status != NOTHING:
             self._group_apply(word)
         if word.stop != NOTHING:
@@ -654,7 +726,9 @@ class Session:
         self._group_flush()
         job = None if self._follows else self._job
         status, stop, fragments = NOTHING, NOTHING, []
-        if job is not None:
+        if self._held is not None:  # a lease lost since the last word step: every rank raises now
+            stop = LEASE_LOST
+        elif job is not None:
             limit = self._timeout_s if timeout is None else positive_seconds("timeout", timeout)
             job.done.wait(limit)
             if not job.done.is_set():  # every rank raises; the job stays in flight, as without a group
@@ -667,8 +741,10 @@ class Session:
                 with self._landed_lock:
                     fragments = [merge.fragment.index for merge in self._landed]
                 self._announced = job
-        self._pending = self._group.start(0, status, fragments, len(self._plan), stop)
+        self._pending = self._group.start(self._unsent, status, fragments, len(self._plan), stop)
+        self._unsent = 0
         self._group_flush()
+        self._next_word = self._steps + self._gap
 
     def _wait_for_fold(self) -> None:
         """Until the fold under way (if any) ended: the queue stopped uncleanly (``QueueGuard``)."""
@@ -689,10 +765,11 @@ class Session:
         now = self._worker.submit(self._exchange_job_for_now(range(len(self._plan)), final=False, current=True))
         self._wait(now, "folding the progress of the queue's last batches", apply=True)
 
-    def _due_fragments(self) -> list[int]:
-        """The fragments to exchange now, and the schedule moved past them (``session.schedule``)."""
+    def _due_fragments(self, span_s: float = 0.0) -> list[int]:
+        """The fragments to exchange now, and the schedule moved past them (``session.schedule``);
+        ``span_s``: in a group, the seconds since the previous word step, whose slots are all due."""
         assert self._schedule is not None
-        return self._schedule.take(self._steps)
+        return self._schedule.take(self._steps, span_s)
 
     def _progress(self, *, finished: bool) -> dict[str, Any]:
         elapsed, done = time.monotonic() - self._started, self._samples - self._samples_at_enter

@@ -2,31 +2,48 @@
 
 With DDP inside a group every rank holds the same parameters, so the group needs the store
 only once: its rank 0 runs the Session's exchanges, the other ranks never touch the mailbox.
-Each ``step()`` starts one small all-reduce (the ranks' samples summed, and rank 0's word on
-whether an exchange finished and which fragments it changed) and reads the previous step's,
-which ran while this step trained; when that word says an exchange finished, rank 0 applies it
-and broadcasts those fragments, so every rank moves to the same parameters at the same step
-boundary and no rank ever waits on the store or on a collective of its own step.
+Every few steps (a *word step*), ``step()`` starts one small all-reduce (the ranks' samples
+since the last word, summed, and rank 0's word on whether an exchange finished and which
+fragments it changed) and reads the previous word, which ran while the steps between trained;
+when that word says an exchange finished, rank 0 applies it and broadcasts those fragments, so
+every rank moves to the same parameters at the same step boundary and no rank ever waits on
+the store or on a collective of its own step. The steps between words cost a counter: rank 0
+measures what a word costs against a training step and spaces the words (``WordPace``) so that
+they take a constant, small share of the training time; each word says the spacing after the
+next, so every rank knows the word steps in advance without asking.
 
 An error rank 0 finds (a failed exchange, a ``wait()`` past its timeout, a lost lease) travels
-in that word too, so every rank raises it at the same step. A rank that fails alone cannot say
-so: the others' next collective fails (at once when its process is gone, after the group's
-timeout when it stands still) and raises ``GroupError``; once one collective failed, every
-later one of the group raises at once rather than wait out the timeout again.
+in that word too, so every rank raises it at the same step (the next word step). A rank that
+fails alone cannot say so: the others' next collective fails (at once when its process is
+gone, after the group's timeout when it stands still) and raises ``GroupError``; once one
+collective failed, every later one of the group raises at once rather than wait it out again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
-from gradientmail.errors import GroupError
+from gradientmail.errors import GradientMailError, GroupError
 from gradientmail.session.fragments import Fragment
 
-__all__ = ["APPLY", "FAILED", "LEASE_LOST", "NOTHING", "TIMED_OUT", "GroupSync", "PendingStep", "StepWord"]
+__all__ = [
+    "APPLY",
+    "FAILED",
+    "LEASE_LOST",
+    "NOTHING",
+    "TIMED_OUT",
+    "GroupSync",
+    "PendingStep",
+    "StepWord",
+    "WordPace",
+]
 
 T = TypeVar("T")
 
@@ -42,13 +59,52 @@ class StepWord(NamedTuple):
     """What one step's collective agreed on, the same on every rank of the group."""
 
     samples: int
-    """The samples every rank reported for this step, summed: the group's step."""
+    """The samples every rank reported since the previous word, summed: the group's steps."""
     status: int
     """``NOTHING``, ``APPLY`` or ``FAILED``, as rank 0 said."""
     stop: int
     """``NOTHING``, ``TIMED_OUT`` or ``LEASE_LOST``: rank 0 raises an error, every rank with it."""
     fragments: tuple[int, ...]
     """The fragments rank 0 applied and now broadcasts (with ``APPLY`` and ``FAILED``)."""
+    every: int = 1
+    """Steps from the word step that reads this word to the next word step (rank 0's pace)."""
+
+
+class WordPace:
+    """How many steps apart rank 0 asks for the group's words: few enough that they cost a
+    constant ``budget`` share of the training time, a word at least every ``limit`` steps.
+
+    A word step costs its collective (starting it, reading the previous one) on the training
+    thread; the steps between cost nothing. Rank 0 measures both, smoothed, and asks for
+    ``ceil(word cost / (budget * step time))`` steps: a model whose step is long next to the
+    collective (a large model on GPUs) gets a word every step, a small fast one every few.
+    Errors and merges reach the ranks at word steps, so ``limit`` bounds their delay.
+    """
+
+    SMOOTHING = 0.25
+
+    def __init__(self, budget: float = 0.005, limit: int = 64) -> None:
+        self.budget = budget
+        self.limit = limit
+        self._cost: float | None = None  # seconds a word step spends in its collective
+        self._step: float | None = None  # seconds from one step() to the next
+        self._last: tuple[float, int] | None = None  # the last word step: (clock, steps)
+
+    def spent(self, cost_s: float, began: float, steps: int) -> None:
+        """A word step at ``steps`` began at ``began`` (``time.perf_counter``) and spent ``cost_s``."""
+        self._cost = self._smooth(self._cost, cost_s)
+        if self._last is not None and steps > self._last[1]:
+            self._step = self._smooth(self._step, (began - self._last[0]) / (steps - self._last[1]))
+        self._last = (began, steps)
+
+    def every(self) -> int:
+        """Steps between the word steps asked for now (1 until both are measured)."""
+        if self._cost is None or not self._step:
+            return 1
+        return max(1, min(self.limit, math.ceil(self._cost / (self.budget * self._step))))
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
 
 
 class PendingStep:
@@ -66,9 +122,16 @@ class PendingStep:
         if self._word is None:
             self._sync.collective("the step's word", self._work.wait)
             summed = self._tensor.tolist()
-            fragments = tuple(i for i, flag in enumerate(summed[3:]) if flag)
-            self._word = StepWord(summed[0], summed[1], summed[2], fragments)
+            fragments = tuple(i for i, flag in enumerate(summed[4:]) if flag)
+            self._word = StepWord(summed[0], summed[1], summed[2], fragments, max(1, summed[3]))
         return self._word
+
+    def settle(self) -> None:
+        """Wait for it, whatever happens (leaving after an error): nothing of the group stays in
+        flight once the Session has left, so tearing the group down right after is safe."""
+        if self._word is None and self._sync.broken is None:
+            with contextlib.suppress(GradientMailError, RuntimeError):
+                self.word()
 
 
 class GroupSync:
@@ -79,6 +142,10 @@ class GroupSync:
     Args:
         group: the ranks training one model in lockstep (DDP), a ``torch.distributed``
             process group this process belongs to. Its device: CUDA for NCCL, the CPU otherwise.
+
+    It holds the group weakly: once the Session or queue has left, nothing of it keeps the
+    process group alive, so ``dist.destroy_process_group()`` destroys it then and there (a
+    group left to die at interpreter exit can abort the process there).
 
     Raises:
         ValueError: ``torch.distributed`` is not initialised, or this process is not in ``group``.
@@ -92,7 +159,7 @@ class GroupSync:
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError("this process is not a member of the group it was given")
-        self.group = group
+        self._group = weakref.ref(group)
         self.rank = rank
         self.size = dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
@@ -100,6 +167,20 @@ class GroupSync:
         self._dist = dist
         self.broken: str | None = None
         """What failed first, once a collective of the group failed: later ones raise at once."""
+
+    @property
+    def group(self) -> Any:
+        """The process group, while it exists."""
+        group = self._group()
+        if group is None:
+            raise GroupError(
+                f"rank {self.rank} of a group of {self.size}: its process group was destroyed while a "
+                "Session or queue of it was still in use; call dist.destroy_process_group() after "
+                "leaving their `with` blocks",
+                rank=self.rank,
+                size=self.size,
+            )
+        return group
 
     def collective(self, what: str, action: Callable[[], T]) -> T:
         """``action()``, a collective of the group; its failure raised as ``GroupError``."""
@@ -141,16 +222,16 @@ class GroupSync:
         return tensor.tolist()
 
     def start(
-        self, samples: int, status: int, fragments: Iterable[int], count: int, stop: int = NOTHING
+        self, samples: int, status: int, fragments: Iterable[int], count: int, stop: int = NOTHING, every: int = 0
     ) -> PendingStep:
-        """Start one step's all-reduce of ``[samples, status, stop, one flag per fragment]``, summed.
+        """Start one word's all-reduce of ``[samples, status, stop, every, a flag per fragment]``, summed.
 
-        Only rank 0 passes a ``status``, ``stop`` and ``fragments``; the others pass ``NOTHING``
-        and none. It runs while the next step trains: waiting for it then costs nothing.
+        Only rank 0 passes a ``status``, ``stop``, ``fragments`` and ``every``; the others pass
+        ``NOTHING``, none and 0. It runs while the next steps train: waiting for it then costs nothing.
         """
-        words = [samples, status, stop] + [0] * count
+        words = [samples, status, stop, every] + [0] * count
         for index in fragments:
-            words[3 + index] = 1
+            words[4 + index] = 1
         tensor = torch.tensor(words, dtype=torch.int64, device=self.device)
         work = self.collective(
             "the step's word", lambda: self._dist.all_reduce(tensor, group=self.group, async_op=True)

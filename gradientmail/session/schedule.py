@@ -68,19 +68,22 @@ class Schedule:
         """Whether a fold is due at ``steps`` (the learner's step count) or now."""
         return steps >= self.due_step or self.clock() >= self.due_time
 
-    def take(self, steps: int) -> list[int]:
+    def take(self, steps: int, span_s: float = 0.0) -> list[int]:
         """The fragments to exchange now, and the schedule moved past them.
 
         By time: one fragment per slot; slots missed while the store was slow are dropped
         (exchanges get rarer and carry more progress), and the next is the first slot of this
-        learner's grid after now. By steps: every fragment whose slot has come, so that
-        ``every_steps`` exchanges the whole model.
+        learner's grid after now. A group starts exchanges only at its word steps: there the
+        slots of the ``span_s`` seconds since the previous word step are all due now. By steps:
+        every fragment whose slot has come, so that ``every_steps`` exchanges the whole model.
         """
         due = 1
         if steps >= self.due_step:
             due = min(self.count, 1 + int((steps - self.due_step) / self.slot_steps))
-        self.due_step += due * self.slot_steps
         now = self.clock()
+        if span_s > 0 and math.isfinite(self.slot_s) and self.due_time <= now:
+            due = max(due, min(self.count, 1 + int(min(now - self.due_time, span_s) / self.slot_s)))
+        self.due_step += due * self.slot_steps
         if self.due_time <= now:
             self.slot = math.floor((now - self.origin - self.phase_s) / self.slot_s) + 1
         first, self.next_fragment = self.next_fragment, (self.next_fragment + due) % self.count

@@ -12,12 +12,14 @@ refused rather than mixing two cuts. The same cut is computed from any model's s
 
 The ranks of a group stay one learner: rank 0 alone registers it (member key, presence,
 progress record) and runs the queue; every rank folds its fragments under the group's learner
-id with the group's sample count, summed at each step beside the training (``ShardProgress``),
-a sum that also tells rank 0 how far every shard holds the group's batches.
+id with the group's sample count, summed at word steps beside the training (``ShardProgress``,
+paced as ``session.group``'s words are), a sum that also tells rank 0 how far every shard
+holds the group's batches. Every rank starts its folds at word steps only, where its count is exact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -181,18 +183,17 @@ def plan_for_run(model: torch.nn.Module, run: RunCut) -> FragmentPlan:
 class ShardSync:
     """The few collectives of a sharded group's enter and exit (every rank calls each, in order)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, sync: GroupSync) -> None:
         import torch.distributed as dist  # only a group needs it
 
-        self.group = group
+        self.sync = sync  # holds the process group weakly
         self._dist = dist
-        backend = str(dist.get_backend(group)).lower()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self.device = sync.device
 
     def least(self, *values: int) -> list[int]:
         """Each of ``values``, the smallest any rank passed."""
         tensor = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self.group)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self.sync.group)
         return tensor.tolist()
 
     def all_ok(self, ok: bool) -> bool:
@@ -201,8 +202,8 @@ class ShardSync:
 
 
 class PendingShardStep:
-    """One step's sum in flight, ``[samples, then each rank's held step in a slot of its own]``;
-    ``word()`` waits for it (once) and reads it."""
+    """One word's sum in flight, ``[samples, every, then each rank's held step in a slot of its
+    own]``; ``word()`` waits for it (once) and reads it."""
 
     def __init__(self, work: Any, tensor: torch.Tensor) -> None:
         self._work = work
@@ -217,9 +218,17 @@ class PendingShardStep:
         if self._word is None:
             self._work.wait()
             summed = self._tensor.tolist()
-            self.held = tuple(summed[1:])
-            self._word = StepWord(summed[0], NOTHING, NOTHING, ())  # no stop code: each rank exchanges alone
+            self.held = tuple(summed[2:])
+            # No stop code: each rank exchanges alone. ``every``: rank 0's pace (``WordPace``).
+            self._word = StepWord(summed[0], NOTHING, NOTHING, (), max(1, summed[1]))
         return self._word
+
+    def settle(self) -> None:
+        """Wait for it, whatever happens (leaving after an error): nothing of the group stays in
+        flight once the Session has left, so tearing the group down right after is safe."""
+        if self._word is None:
+            with contextlib.suppress(RuntimeError):
+                self.word()
 
 
 class ShardProgress:
@@ -228,14 +237,14 @@ class ShardProgress:
     Rank 0's folds carry the queue's unit marks (where each unit stands), from which a restarted
     group continues its units; the other ranks fold on their own schedules. Every rank notes the
     step at which each of its fragments' landed folds was snapshotted; its *held* step is the
-    smallest. The per-step sum carries each rank's held step in a slot of its own, so rank 0
-    learns, one step later and without waiting, how far every shard holds the group's batches,
+    smallest. The sum at each word step carries each rank's held step in a slot of its own, so
+    rank 0 learns, one word later and without waiting, how far every shard holds the group's batches,
     and its folds carry the marks of that step (or of their own, if earlier): a restarted group
     never skips a batch that some shard does not hold. What it retrains, a shard that held it
     holds twice (at most the lag of the slowest shard's folds, about one exchange interval).
 
     Args:
-        group: the sharded group's ``GroupSync`` (the per-step collective).
+        group: the sharded group's ``GroupSync`` (the word steps' collective).
         fragments: how many fragments this rank's shard is cut into.
         step: the group's step count on entering (every shard holds the run up to it).
         mark: rank 0's queue position then (its ``FoldGate`` mark), ``units`` its unit marks.
@@ -255,10 +264,11 @@ class ShardProgress:
         """A fold of own fragment ``position``, snapshotted at ``step``, landed (exchange thread)."""
         self._held[position] = max(self._held[position], step)
 
-    def start(self, samples: int) -> PendingShardStep:
-        """Start one step's sum: this rank's samples and held step (it runs beside the next step)."""
-        words = [samples] + [0] * self.size
-        words[1 + self.rank] = min(self._held)
+    def start(self, samples: int, every: int = 0) -> PendingShardStep:
+        """Start one word's sum: this rank's samples since the last and its held step (it runs
+        beside the next steps); rank 0 also says ``every``, the steps between the word steps after."""
+        words = [samples, every] + [0] * self.size
+        words[2 + self.rank] = min(self._held)
         tensor = torch.tensor(words, dtype=torch.int64, device=self.group.device)
         work = self._dist.all_reduce(tensor, group=self.group.group, async_op=True)
         return PendingShardStep(work, tensor)

@@ -4,7 +4,8 @@ One process is one rank of a group ("a machine"): a gloo process group of its ow
 (its own TCP port), DDP inside it, ``Session(group=...)`` and ``shared_queue(group=...)``
 across groups on one ``LocalMailbox``. Each rank writes what it trained (the rows of every
 step) and a fingerprint of its parameters after every step to ``out``; an error, as
-``{"error": ...}``. Options: ``kill_after`` (SIGKILL this rank after that many steps), ``log``
+``{"error": ...}``. Options: ``dataset`` (the group's ranks iterate
+``SharedQueueDataset(group=)`` in their own ``DataLoader`` instead of ``shared_queue``), ``kill_after`` (SIGKILL this rank after that many steps), ``log``
 (append each trained step to this file as it happens: a killed rank's record), ``mode``
 ``"drag"`` (no queue: every rank adds 1 to one parameter per step, ``steps`` steps) or
 ``"wait"`` (rank 0's store ``latency`` seconds away: ``wait(timeout=)`` runs out) or
@@ -27,10 +28,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from gradientmail import LocalMailbox, Session
 from gradientmail.mailbox.wrappers import DelayedMailbox
-from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.patterns.shared_queue import SharedQueueDataset, shared_queue
 
 torch.set_num_threads(1)  # four processes share two cores
 
@@ -151,11 +153,14 @@ def train(config: dict) -> dict:
     log = open(config["log"], "a", encoding="ascii") if config.get("log") else None  # noqa: SIM115
     trained: list[list[int]] = []
     prints: list[str] = []
-    with (
-        Session(
-            ddp, mailbox=box, learner_id=learner, every_steps=2, outer="average", group=dist.group.WORLD
-        ) as session,
-        shared_queue(
+    lease = timedelta(seconds=60) if elastic else None
+    if config.get("dataset"):
+        dataset = SharedQueueDataset(
+            units, mailbox=box, learner_id=learner, load=load_unit, resume=elastic, lease=lease, group=dist.group.WORLD
+        )
+        queue = contextlib.nullcontext(DataLoader(dataset, batch_size=None, num_workers=0))
+    else:
+        queue = shared_queue(
             units,
             mailbox=box,
             learner_id=learner,
@@ -163,9 +168,14 @@ def train(config: dict) -> dict:
             workers=0,
             prefetch=2,
             resume=elastic,
-            lease=timedelta(seconds=60) if elastic else None,
+            lease=lease,
             group=dist.group.WORLD,
-        ) as batches,
+        )
+    with (
+        Session(
+            ddp, mailbox=box, learner_id=learner, every_steps=2, outer="average", group=dist.group.WORLD
+        ) as session,
+        queue as batches,
     ):
         for step, (rows, x, y) in batches:
             loss = torch.nn.functional.mse_loss(ddp(x).squeeze(1), y)

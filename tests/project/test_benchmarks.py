@@ -157,6 +157,10 @@ SLOW = {
     ],
     "training": ["loss_over_ddp", "pass_loss_over_ddp", "loss_over_single", "makespan_over_ddp", "time_to_ddp_loss"],
     "scale": SCALE,
+    # Their quick runs: test_quick_groups_benchmark_reports_each_method_and_the_traffic_per_machine
+    # (group_step through training --groups) and the FSDP group tests.
+    "group_step": ["group_step_ratio", "group_step_s", "train_step_s", "merge_share_s"],
+    "shard_step": ["shard_step_ratio", "shard_step_s", "written_models_per_interval"],
     "local_scale": [  # a full run (--large); its quick run: test_local_scale_quick_mode_runs_both_orders
         *(f"local_{figure}_{size}" for figure in ("list_page_ms", "full_scan_ms") for size in ("40k", "100k")),
         *(

@@ -110,9 +110,44 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
 def test_two_groups_of_two_train_every_row_once_in_lockstep(tmp_path, elastic):
+    assert_every_row_once_in_lockstep(tmp_path, run_groups(tmp_path, elastic=elastic))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
+def test_a_group_s_ranks_iterate_the_dataset_in_their_own_dataloader_every_row_once(tmp_path, elastic):
+    assert_every_row_once_in_lockstep(tmp_path, run_groups(tmp_path, elastic=elastic, dataset=True))
+
+
+def test_a_group_s_dataset_in_dataloader_workers_is_refused_with_the_way_out(tmp_path):
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from gradientmail.patterns.shared_queue import SharedQueueDataset
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        dataset = SharedQueueDataset(
+            {"a": 0},
+            mailbox=LocalMailbox(tmp_path / "mailbox"),
+            learner_id="machine",
+            load=load_one,
+            group=dist.group.WORLD,
+        )
+        with pytest.raises(ValueError, match="iterated in the training process.*shared_queue"):
+            next(iter(DataLoader(dataset, batch_size=None, num_workers=1)))
+        assert [step for step, _ in DataLoader(dataset, batch_size=None, num_workers=0)] == [0]
+    finally:
+        dist.destroy_process_group()
+
+
+def load_one(unit: int):
+    yield 0, torch.zeros(2, 1)
+
+
+def assert_every_row_once_in_lockstep(tmp_path: Path, results: list[dict]) -> None:
     import group_nodes as nodes  # tests/helpers/ is on sys.path (tests/conftest.py)
 
-    results = run_groups(tmp_path, elastic=elastic)
     by_group = {group: [r for r in results if r["group"] == group] for group in range(GROUPS)}
     steps_of = {}
     for group, ranks in by_group.items():
