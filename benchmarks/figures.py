@@ -38,6 +38,10 @@ HEADLINE = (
     "step_overhead",
     "pass_loss_over_ddp",
     "faults_lost",
+    "shards_makespan_ours",
+    "shards_makespan_litdata",
+    "groups_makespan_over_ddp",
+    "groups_read_per_machine",
 )
 """The figures the README's ``summary`` block shows (those present in the results file)."""
 
