@@ -105,7 +105,9 @@ TARGETS: dict[str, Target] = {
         for size in ("10k", "40k", "100k")
     },
     "groups_makespan_over_ddp": Target(
-        "<=", 0.6, "training --groups: 2 machines of 2 processes (DDP inside) at speeds 1:1:2:2, makespan / DDP's over all 4"
+        "<=",
+        0.6,
+        "training --groups: 2 machines of 2 processes (DDP inside) at speeds 1:1:2:2, makespan / DDP's over all 4",
     ),
     "groups_read_per_machine": Target("<=", 1.1, "the same: model sizes a machine reads per exchange interval"),
     "groups_written_per_machine": Target("<=", 1.1, "the same: model sizes a machine writes per exchange interval"),
