@@ -60,7 +60,15 @@ from gradientmail.session.options import (
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
 from gradientmail.session.queue_guard import QueueGuard
 from gradientmail.session.schedule import Schedule
-from gradientmail.session.shards import NoPresence, PendingShardStep, ShardProgress, ShardSync, shard_layout, shard_plan
+from gradientmail.session.shards import (
+    AheadFragments,
+    NoPresence,
+    PendingShardStep,
+    ShardProgress,
+    ShardSync,
+    shard_layout,
+    shard_plan,
+)
 
 LATEST_JOIN = 10**13 - 0.001
 """A joining time (unix seconds) with as many digits as any this code will see: the longest member key."""
@@ -222,6 +230,8 @@ class Session:
         self._follows = self._group is not None and self._layout is None and not self._group.leads
         self._pending: PendingStep | PendingShardStep | None = None  # the group's word of the last step, in flight
         self._shard_progress: ShardProgress | None = None  # a sharded group's: how far every shard holds its steps
+        self._ahead = AheadFragments({})  # a sharded group's: own fragments holding steps it trains again
+        self._joined_values: list[dict[str, Tensor]] = []  # a sharded group's: each fragment's, read on entering
         self._announced: Job | None = None  # the exchange that word told the group to apply
         self._held: BaseException | None = None  # rank 0's error that word told every rank to raise
         self._unsent = 0  # in a group: this rank's samples since its last word
@@ -317,8 +327,10 @@ class Session:
     def _join_shard(self, sync: ShardSync) -> Session:
         """Enter for one rank of a sharded group: each joins with its own shard, then all agree.
 
-        A restarted group continues from the totals that every fragment of every shard holds
-        (the smallest), as ``consensus`` counts them.
+        A restarted group continues where its queue's unit marks stand (rank 0's lines say at
+        which totals, ``Contribution.resumes_at``), the earliest point every fragment of every
+        shard holds; a fragment that holds more does not take the steps after it twice
+        (``AheadFragments``).
         """
         try:
             self._join()
@@ -328,11 +340,25 @@ class Session:
         if not sync.all_ok(True):
             self._leave(SessionError, SessionError("another rank failed to join"), None)
             raise SessionError(f"another rank of the group of learner {self.learner_id!r} failed to join the run")
-        self._steps, self._samples = sync.least(self._steps, self._samples)
+        lines = self._exchanger.joined_lines
+        held = [0 if line is None else line.step for line in lines]
+        resume = (0, 0) if not lines or None in lines else min(line.resumes_at for line in lines if line is not None)
+        self._steps, self._samples = sync.least(*resume)
         self._samples_at_enter = self._samples
+        values, self._joined_values = self._joined_values, []
+        if self.catch_up:  # the model holds the run's values: those of a fragment ahead are kept to go back to
+            self._ahead = AheadFragments({f: (step, values[f]) for f, step in enumerate(held) if step > self._steps})
         assert self._group is not None and self._plan is not None and self._guard.link is not None
         mark, units = self._guard.link.snapshot()
-        self._shard_progress = ShardProgress(self._group, len(self._plan), self._steps, mark, tuple(units.values()))
+        self._shard_progress = ShardProgress(self._group, held, self._steps, self._samples, mark, tuple(units.values()))
+        if self._ahead:
+            log.info(
+                "%s: %d fragment(s) of this shard already hold steps the group trains again (up to step %d); "
+                "they skip them",
+                self.learner_id,
+                len(self._ahead),
+                max(held),
+            )
         return self
 
     def _join(self) -> Session:
@@ -364,6 +390,8 @@ class Session:
             if self.catch_up:
                 for fragment, value in zip(plan.fragments, values):
                     fragment.load_into(self.model, value)
+            if self._shard_sync is not None:
+                self._joined_values = values
             if own is not None:  # a restarted learner continues its totals
                 self._steps = own.step
                 self._samples = own.samples
@@ -442,7 +470,7 @@ class Session:
             if self._pending is not None:  # the last word: its samples count in the final fold
                 self._count(self._pending)
             assert self._shard_progress is not None
-            self._pending = self._shard_progress.start(self._unsent)  # and the samples since
+            self._pending = self._shard_progress.start(self._steps, self._unsent)  # and the samples since
             self._unsent = 0
             self._count(self._pending)
             self._pending = None
@@ -536,6 +564,8 @@ class Session:
         self._steps += 1
         counted = True  # the samples counted to this step: a fold may start
         if self._shard_sync is not None:
+            if self._ahead:
+                self._ahead.reached(self._steps, self._plan, self.model)
             counted = self._shard_step(samples)
         elif self._group is not None:
             self._group_step(samples)
@@ -555,8 +585,9 @@ class Session:
             self._presence.check()  # replaced by another process of this learner (after a freeze)?
             if self._pending is not None:  # a sharded group: the fold records the group's samples to this step
                 self._count(self._pending)  # (started at this word step: every sample so far)
-            due = self._due_fragments(self._word_span)
-            self._job = self._worker.submit(self._exchange_job_for_now(due, final=False))
+            due = self._ahead.foldable(self._due_fragments(self._word_span))
+            if due:
+                self._job = self._worker.submit(self._exchange_job_for_now(due, final=False))
 
     def _shard_step(self, samples: int) -> bool:
         """Count the group's samples: at a word step, read the previous sum and start the next
@@ -578,12 +609,12 @@ class Session:
         link = self._guard.link
         if self._registers and link is not None:
             if isinstance(pending, PendingShardStep):
-                progress.read(pending)
+                progress.read(pending, self._samples)
             mark, units = link.snapshot()
             progress.stepped(self._steps, mark, tuple(units.values()))
         every = self._pace.every() if self._group is not None and self._group.leads else 0
         starting = time.perf_counter()
-        self._pending = progress.start(self._unsent, every)
+        self._pending = progress.start(self._steps, self._unsent, every)
         self._unsent = 0
         now = time.monotonic()
         self._word_span, self._word_at = now - self._word_at, now
@@ -790,11 +821,14 @@ class Session:
         """The job folding ``indices`` now; ``current``: rank 0 of a sharded group claims every
         batch so far (the queue closing: the other ranks' next folds hold them all)."""
         plan, model, exchanger = self._plan, self.model, self._exchanger
+        if self._ahead and (final or current):  # every fragment folds now: none takes a step twice
+            self._ahead.reached(self._steps, plan, model, leaving=True)
         snapshots = [(i, plan.fragments[i].snapshot_into(self._buffers[i], model)) for i in indices]
         guard, presence, shards = self._guard, self._presence, self._shard_progress
         mark, units, since = guard.snapshot()  # the batches it holds; where, in unwritten units
+        marked = None
         if shards is not None and self._registers and not (final or current):
-            mark, units = shards.safe(self._steps, mark, units)  # no more than every shard holds
+            mark, units, marked = shards.safe(self._steps, mark, units)  # no more than every shard holds
         link = guard.link
         assert link is not None
         taken = time.monotonic()  # who counts in N is judged on this clock (members.SignsOfLife)
@@ -808,7 +842,7 @@ class Session:
             inline, marks = self._marks.inline_or_write(units)
             for i, snapshot in snapshots:
                 guard.fold_started(since)  # frozen since the last step, units taken over? stop
-                merge = exchanger.exchange(i, snapshot, totals, final, taken, inline, marks)
+                merge = exchanger.exchange(i, snapshot, totals, final, taken, inline, marks, marked)
                 with self._landed_lock:  # applied at the next step even if a later write fails
                     self._landed.append(merge)
                 if shards is not None:

@@ -173,6 +173,7 @@ class Exchanger:
         self._tables: list[dict[str, Contribution]] = []  # each learner's line, as last seen
         self.joined_marks: tuple[tuple[UnitMark, ...], ...] = ()  # this learner's, per fragment, at enter
         self.joined_marks_object = False  # some of those came from a marks object
+        self.joined_lines: tuple[Contribution | None, ...] = ()  # this learner's, per fragment, at enter
         self.trained_unstepped = False  # a fold found progress though the loop never called step()
         self._seqs: list[int] = []  # the sequence number of this learner's next contribution
         self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
@@ -243,6 +244,7 @@ class Exchanger:
         # batches folded into some fragments only, before a crash, are trained again by whoever
         # continues their units, and counted once, by that node.
         own = [table.get(me) for table in self._tables]
+        self.joined_lines = tuple(own)
         self.joined_marks = tuple(lines_marks(mailbox, me, own))
         self.joined_marks_object = any(line is not None and line.marks is not None for line in own)
         held = None if None in own or not own else min(own, key=lambda entry: (entry.samples, entry.step))
@@ -257,10 +259,12 @@ class Exchanger:
         taken: float,
         units: tuple[UnitMark, ...] = (),
         marks: MarksRef | None = None,
+        marked: tuple[int, int] | None = None,
     ) -> Merge:
         """Fold the progress in ``snapshot`` (fragment ``index``, taken at ``taken`` on the
         monotonic clock) into the run; ``totals`` is ``(steps, samples)``, ``units`` the
-        snapshot's unit marks (or ``marks``, the object that holds them: ``session.marks_store``)."""
+        snapshot's unit marks (or ``marks``, the object that holds them: ``session.marks_store``),
+        ``marked`` the totals those marks are of when earlier (``Contribution.marked``)."""
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         if totals[0] == 0 and any(bool(tensor.any()) for tensor in local.values()):
@@ -318,7 +322,14 @@ class Exchanger:
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
         contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
         entry = Contribution(
-            seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final, units=units, marks=marks
+            seq=seq,
+            step=totals[0],
+            samples=totals[1],
+            time=time.time(),
+            final=final,
+            units=units,
+            marks=marks,
+            marked=marked,
         )
         folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
         self._unsure[index] = None

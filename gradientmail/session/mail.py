@@ -63,6 +63,9 @@ class Contribution:
             this learner died skips what the run holds (``session.folded_units``).
         marks: when those were more than ``MAX_UNIT_MARKS``, the object that holds them all
             (``units`` is then empty; ``session.marks_store``).
+        marked: ``(step, samples)`` of the learner when the unit marks were taken, when earlier
+            than this fold's own (rank 0 of a sharded group marks no batch that another shard
+            may not hold yet, ``session.shards``): a restart continues from there.
     """
 
     seq: int
@@ -72,19 +75,27 @@ class Contribution:
     final: bool = False
     units: tuple[UnitMark, ...] = ()
     marks: MarksRef | None = None
+    marked: tuple[int, int] | None = None
 
     def to_json(self) -> list:
         line: list = [self.seq, self.step, self.samples, self.time, self.final]
-        if self.units or self.marks is not None:
+        if self.units or self.marks is not None or self.marked is not None:
             line.append([list(mark) for mark in self.units])
-        if self.marks is not None:
-            line.append(self.marks.to_json())
+        if self.marks is not None or self.marked is not None:
+            line.append(None if self.marks is None else self.marks.to_json())
+        if self.marked is not None:
+            line.append(list(self.marked))
         return line
+
+    @property
+    def resumes_at(self) -> tuple[int, int]:
+        """``(step, samples)`` of the learner where its unit marks stand: where a restart continues."""
+        return (self.step, self.samples) if self.marked is None else self.marked
 
     @classmethod
     def from_json(cls, value: object, *, where: str) -> Contribution:
-        if not (isinstance(value, list) and len(value) in (5, 6, 7)):
-            raise UnusableStateError(f"{where}: expected [seq, step, samples, time, final(, units(, marks))]")
+        if not (isinstance(value, list) and len(value) in (5, 6, 7, 8)):
+            raise UnusableStateError(f"{where}: expected [seq, step, samples, time, final(, units(, marks(, marked)))]")
         seq, step, samples, time, final = value[:5]
         for name, count in (("seq", seq), ("step", step), ("samples", samples)):
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
@@ -95,10 +106,33 @@ class Contribution:
             raise UnusableStateError(f"{where}: final {final!r} is not a boolean")
         try:
             units = unit_marks_from_json(value[5], MAX_COUNT) if len(value) >= 6 else ()
-            marks = MarksRef.from_json(value[6]) if len(value) == 7 else None
+            marks = MarksRef.from_json(value[6]) if len(value) >= 7 and value[6] is not None else None
         except ValueError as exc:
             raise UnusableStateError(f"{where}: {exc}") from None
-        return cls(seq=seq, step=step, samples=samples, time=float(time), final=final, units=units, marks=marks)
+        marked = None
+        if len(value) == 8:
+            pair = value[7]
+            if not (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)
+                and 0 <= pair[0] <= step
+                and 0 <= pair[1] <= samples
+            ):
+                raise UnusableStateError(
+                    f"{where}: marked {pair!r} is not [step, samples] at most the line's ({step}, {samples})"
+                )
+            marked = (pair[0], pair[1])
+        return cls(
+            seq=seq,
+            step=step,
+            samples=samples,
+            time=float(time),
+            final=final,
+            units=units,
+            marks=marks,
+            marked=marked,
+        )
 
 
 @dataclass(frozen=True)

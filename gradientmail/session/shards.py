@@ -42,6 +42,7 @@ from gradientmail.session.fragments import (
 from gradientmail.session.group import NOTHING, GroupSync, StepWord
 
 __all__ = [
+    "AheadFragments",
     "NoPresence",
     "PendingShardStep",
     "ShardLayout",
@@ -205,9 +206,11 @@ class PendingShardStep:
     """One word's sum in flight, ``[samples, every, then each rank's held step in a slot of its
     own]``; ``word()`` waits for it (once) and reads it."""
 
-    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+    def __init__(self, work: Any, tensor: torch.Tensor, step: int) -> None:
         self._work = work
         self._tensor = tensor
+        self.step = step
+        """The step it was started at: its samples are the group's up to that step."""
         self._word: StepWord | None = None
         self.held: tuple[int, ...] = ()
         """Each rank's held step (``ShardProgress``), once read."""
@@ -239,57 +242,115 @@ class ShardProgress:
     step at which each of its fragments' landed folds was snapshotted; its *held* step is the
     smallest. The sum at each word step carries each rank's held step in a slot of its own, so
     rank 0 learns, one word later and without waiting, how far every shard holds the group's batches,
-    and its folds carry the marks of that step (or of their own, if earlier): a restarted group
-    never skips a batch that some shard does not hold. What it retrains, a shard that held it
-    holds twice (at most the lag of the slowest shard's folds, about one exchange interval).
+    and its folds carry the marks of that step (or of their own, if earlier) with that step's
+    totals (``Contribution.marked``): a restarted group continues exactly there, and never skips
+    a batch that some shard does not hold. What it trains again, a shard that already held it
+    does not fold twice (``AheadFragments``).
 
     Args:
         group: the sharded group's ``GroupSync`` (the word steps' collective).
-        fragments: how many fragments this rank's shard is cut into.
-        step: the group's step count on entering (every shard holds the run up to it).
+        held: per fragment of this rank's shard, the group's step its run state holds.
+        step, samples: the group's totals on entering (every shard holds the run up to them).
         mark: rank 0's queue position then (its ``FoldGate`` mark), ``units`` its unit marks.
     """
 
-    def __init__(self, group: GroupSync, fragments: int, step: int, mark: int, units: tuple[Any, ...]) -> None:
+    def __init__(
+        self, group: GroupSync, held: list[int], step: int, samples: int, mark: int, units: tuple[Any, ...]
+    ) -> None:
         import torch.distributed as dist  # only a group needs it
 
         self._dist = dist
         self.group = group
         self.rank, self.size = group.rank, group.size
-        self._held = [step] * fragments  # per own fragment: its newest landed snapshot's step
-        self._at: dict[int, tuple[int, tuple[Any, ...]]] = {step: (mark, units)}  # rank 0: step -> marks
+        self._held = [max(step, h) for h in held]  # per own fragment: the step its newest landed fold holds
+        # Rank 0: word step -> its marks then, and the group's samples up to it (once counted).
+        self._at: dict[int, tuple[int, tuple[Any, ...], int | None]] = {step: (mark, units, samples)}
         self.reported = [step] * self.size  # rank 0: each rank's held step, as last read
 
     def landed(self, position: int, step: int) -> None:
         """A fold of own fragment ``position``, snapshotted at ``step``, landed (exchange thread)."""
         self._held[position] = max(self._held[position], step)
 
-    def start(self, samples: int, every: int = 0) -> PendingShardStep:
-        """Start one word's sum: this rank's samples since the last and its held step (it runs
-        beside the next steps); rank 0 also says ``every``, the steps between the word steps after."""
+    def start(self, step: int, samples: int, every: int = 0) -> PendingShardStep:
+        """Start one word's sum at ``step``: this rank's samples since the last and its held step
+        (it runs beside the next steps); rank 0 also says ``every``, the steps between the word
+        steps after."""
         words = [samples, every] + [0] * self.size
         words[2 + self.rank] = min(self._held)
         tensor = torch.tensor(words, dtype=torch.int64, device=self.group.device)
         work = self._dist.all_reduce(tensor, group=self.group.group, async_op=True)
-        return PendingShardStep(work, tensor)
+        return PendingShardStep(work, tensor, step)
 
     def stepped(self, step: int, mark: int, units: tuple[Any, ...]) -> None:
         """Rank 0: its queue position and unit marks at ``step`` (after that step's batch)."""
-        self._at[step] = (mark, units)
+        self._at[step] = (mark, units, None)
 
-    def read(self, pending: PendingShardStep) -> None:
-        """Rank 0: note every rank's held step from a sum already read."""
+    def read(self, pending: PendingShardStep, samples: int) -> None:
+        """Rank 0: note every rank's held step from a sum already counted, and ``samples``,
+        the group's samples up to the step it was started at."""
+        entry = self._at.get(pending.step)
+        if entry is not None:
+            self._at[pending.step] = (entry[0], entry[1], samples)
         for rank, step in enumerate(pending.held):
             self.reported[rank] = max(self.reported[rank], step)
-        lowest = min(self.reported[1:], default=0)
-        for step in [s for s in self._at if s < lowest]:
+        floor = self._marked(min(self.reported[1:], default=0))
+        for step in [s for s in self._at if s < floor]:
             del self._at[step]
 
-    def safe(self, step: int, mark: int, units: tuple[Any, ...]) -> tuple[int, tuple[Any, ...]]:
+    def safe(self, step: int, mark: int, units: tuple[Any, ...]) -> tuple[int, tuple[Any, ...], tuple[int, int] | None]:
         """Rank 0: the marks a fold snapshotted at ``step`` (now: ``mark``, ``units``) may carry:
-        those of the latest step every other rank's shard holds, if earlier."""
+        those of the latest step every other rank's shard holds, if earlier, with the group's
+        totals at that step (None: its own step's marks)."""
         held = min([step, *self.reported[1:]])
-        return self._at.get(held, (mark, units)) if held < step else (mark, units)
+        if held >= step:
+            return mark, units, None
+        at = self._marked(held)
+        mark, units, samples = self._at[at]
+        assert samples is not None
+        return mark, units, (at, samples)
+
+    def _marked(self, held: int) -> int:
+        """The latest word step at most ``held`` whose marks and totals are known: a shard that
+        holds ``held`` holds it (the step entered at is always known)."""
+        return max(s for s, (_, _, samples) in self._at.items() if s <= held and samples is not None)
+
+
+class AheadFragments:
+    """This rank's fragments whose run state already holds steps its restarted group trains again.
+
+    Each rank folds its own shard, so a group killed mid-run leaves fragments that hold its
+    steps up to different points; the group restarts where its queue's marks stand (the
+    earliest), and trains the batches after that again. A fragment that held them must not
+    take them twice: it is not folded until the group is back at the step it holds, and at that
+    step it is set back to the values it held on entering (the run's, which hold those batches
+    once), dropping what training them again added here.
+
+    Args:
+        positions: per fragment position of this rank's plan, ``(step it holds, values read on
+            entering)``, for those that hold a later step than the group restarts at.
+    """
+
+    def __init__(self, positions: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> None:
+        self._ahead = positions
+
+    def __len__(self) -> int:
+        return len(self._ahead)
+
+    def held_step(self, position: int) -> int | None:
+        """The step fragment ``position`` holds while it is ahead (None: not ahead)."""
+        entry = self._ahead.get(position)
+        return None if entry is None else entry[0]
+
+    def foldable(self, positions: list[int]) -> list[int]:
+        """Those of ``positions`` that may be folded now (not ahead of the group's step)."""
+        return [p for p in positions if p not in self._ahead]
+
+    def reached(self, step: int, plan: FragmentPlan, model: torch.nn.Module, *, leaving: bool = False) -> None:
+        """The group is at ``step`` (``leaving``: it folds every fragment now, ahead or not):
+        set each fragment ahead that it reached back to its values on entering."""
+        for position in [p for p, (held, _) in self._ahead.items() if leaving or held <= step]:
+            _, values = self._ahead.pop(position)
+            plan.fragments[position].load_into(model, values)
 
 
 class NoPresence:

@@ -370,6 +370,23 @@ def test_unit_marks_travel_in_the_learner_s_line_and_bad_ones_are_refused():
             Contribution.from_json([1, 1, 1, 1.0, False, units], where="state 'x'")
 
 
+def test_the_totals_a_line_s_marks_are_of_travel_with_it_and_bad_ones_are_refused():
+    """Rank 0 of a sharded group marks an earlier step than it folds: a restart continues there."""
+    from gradientmail.errors import UnusableStateError
+    from gradientmail.fold_gate import UnitMark
+    from gradientmail.session.mail import Contribution
+
+    line = Contribution(3, 9, 36, 1.5, units=(UnitMark("a", "t0", 7, 2),), marked=(6, 24))
+    assert Contribution.from_json(json.loads(json.dumps(line.to_json())), where="w") == line
+    assert line.resumes_at == (6, 24)
+    assert Contribution(3, 9, 36, 1.5).resumes_at == (9, 36)
+    bare = Contribution(1, 4, 8, 1.0, marked=(2, 4))  # no unit marks: placeholders before it
+    assert Contribution.from_json(bare.to_json(), where="w") == bare
+    for marked in ([10, 24], [6, 37], [6], [6, True], "6,24", [-1, 0]):
+        with pytest.raises(UnusableStateError, match="marked"):
+            Contribution.from_json([3, 9, 36, 1.5, False, [], None, marked], where="state 'x'")
+
+
 SMALL_UNITS = {f"u{n:03d}": n for n in range(300)}
 """One-batch units, all folded in one exchange: many more than a line of the state holds itself."""
 
