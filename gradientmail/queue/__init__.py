@@ -11,9 +11,10 @@ from gradientmail.queue.claim_counter import units_claimed_by
 from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import Claimer
 from gradientmail.queue.claims import read_claim, try_claim
-from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
+from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.shared_queue import QueueContext, shared_queue
 from gradientmail.queue.units import Unit, rotated_order, unit_grid
+from gradientmail.run_record import prepare_mailbox
 
 __all__ = [
     "ClaimIndex",

@@ -22,8 +22,9 @@ from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.queue.batch_checks import Batch, Item, keep_pairs
 from gradientmail.queue.consume import Batches
-from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
+from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.handoff import HandOff
+from gradientmail.queue.worker_control import WorkerControl
 
 __all__ = [
     "check_for_workers",

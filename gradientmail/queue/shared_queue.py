@@ -26,7 +26,7 @@ from gradientmail.queue.batch_checks import Batch, checked_count
 from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD
 from gradientmail.queue.consume import Batches, ElasticBatches
-from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
+from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.group import (
     FollowerBatches,
     LeaderBatches,
@@ -43,6 +43,7 @@ from gradientmail.queue.progress_display import ProgressDisplay
 from gradientmail.queue.thread_pump import ThreadBatches
 from gradientmail.queue.unfinished import warn_unclean, warn_unfinished
 from gradientmail.queue.unit_timing import BatchWatch, unit_times
+from gradientmail.run_record import prepare_mailbox
 from gradientmail.session.group import GroupSync
 
 __all__ = ["WITH_HINT", "QueueContext", "shared_queue"]

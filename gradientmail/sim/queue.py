@@ -41,8 +41,9 @@ import torch
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES
-from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
+from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.units import DEFAULT_BLOCK, DEFAULT_LAG, Unit, rotated_order, unit_grid
+from gradientmail.run_record import prepare_mailbox
 from gradientmail.sim.paged_memory import PagedCountingMailbox, PagedMemoryMailbox
 
 __all__ = [
