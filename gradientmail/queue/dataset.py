@@ -33,7 +33,7 @@ from gradientmail.queue.batch_checks import (
 from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claim_ahead import ClaimAhead
 from gradientmail.queue.claim_counter import register_counter
-from gradientmail.queue.claim_index import ClaimIndex
+from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT
@@ -164,7 +164,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             )
         self.mailbox = mailbox
         self.load = load
-        self.order: list[str] = checked_order(order, self.units)
+        self.order: Sequence[str] = checked_order(order, self.units)
         # Every node without an order walks the mapping's: they crowd the same next units.
         self._crowd_limit = SHARED_CROWD_LIMIT if order is None else CROWD_LIMIT
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
@@ -222,6 +222,25 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         }
         dataset = copy.copy(self)
         dataset.wiring = dataclasses.replace(self.wiring, **{k: v for k, v in changes.items() if v is not None})
+        return dataset
+
+    def for_node(self, *, mailbox: Mailbox, learner_id: str, order: PositionOrder) -> SharedQueueDataset[V]:
+        """A copy that claims as another node of this run: its own mailbox client, learner id and
+        preference order (positions in this dataset's shared ``claim_index``).
+
+        The copy shares the units, claim index, claim counter and claim statistics: the queue
+        simulator runs a thousand nodes in one process without building and checking the units
+        once per node.
+
+        Raises:
+            ValueError: ``order`` holds positions of another claim index than this dataset's.
+        """
+        if order.index is not self._claim_index:
+            raise ValueError("order must hold positions in this dataset's claim_index (give it claim_index=)")
+        dataset = copy.copy(self)
+        dataset.mailbox = mailbox
+        dataset.learner_id = validate_learner_id(learner_id)
+        dataset.order = order
         return dataset
 
     @property

@@ -381,8 +381,6 @@ class Session:
         gate = meeting_point(self.mailbox, self.learner_id).gate if registers else FoldGate()
         self._guard = QueueGuard(gate, self.learner_id)
         self._guard.attach(self._fold_now, len(plan), self._wait_for_fold, exchanger.joined_marks)
-        self._marks.earlier = exchanger.joined_marks_object
-        exchanger.before_create = self._guard.before_write
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._schedule = Schedule(len(plan), every_s=self._every_s, every_steps=self._every_steps, steps=self._steps)
         self._state = "active"
@@ -506,7 +504,8 @@ class Session:
         finally:
             if folded_all and self._registers and self._guard.link is not None and not self._guard.link.snapshot()[1]:
                 # Every record is written (the queue has left): no marks object is needed any more.
-                self._worker.submit(self._marks.clear).done.wait(self._timeout_s)
+                earlier = self._exchanger.joined_marks_object  # an earlier incarnation's objects
+                self._worker.submit(lambda: self._marks.clear(earlier=earlier)).done.wait(self._timeout_s)
             # After the final fold every batch delivered is in the run; after a failure nothing
             # more is released (the queue drops those records: their batches are trained again).
             self._guard.detach(release=folded_all)
@@ -808,7 +807,9 @@ class Session:
             inline, marks = self._marks.inline_or_write(units)
             for i, snapshot in snapshots:
                 guard.fold_started(since)  # frozen since the last step, units taken over? stop
-                merge = exchanger.exchange(i, snapshot, totals, final, taken, inline, marks)
+                merge = exchanger.exchange(
+                    i, snapshot, totals, final, taken, inline, marks, before_create=guard.before_write
+                )
                 with self._landed_lock:  # applied at the next step even if a later write fails
                     self._landed.append(merge)
                 if shards is not None:

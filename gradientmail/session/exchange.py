@@ -155,7 +155,6 @@ class Exchanger:
     ) -> None:
         self.mailbox = mailbox
         self.learner_id = learner_id
-        self.before_create: Callable[[float], None] | None = None  # see FragmentChain.fold
         self.outer = outer
         self.wire_dtype = wire_dtype
         self.catch_up = catch_up
@@ -257,10 +256,13 @@ class Exchanger:
         taken: float,
         units: tuple[UnitMark, ...] = (),
         marks: MarksRef | None = None,
+        *,
+        before_create: Callable[[float], None] | None = None,
     ) -> Merge:
         """Fold the progress in ``snapshot`` (fragment ``index``, taken at ``taken`` on the
         monotonic clock) into the run; ``totals`` is ``(steps, samples)``, ``units`` the
-        snapshot's unit marks (or ``marks``, the object that holds them: ``session.marks_store``)."""
+        snapshot's unit marks (or ``marks``, the object that holds them: ``session.marks_store``),
+        ``before_create`` the queue guard's check before each write (``FragmentChain.fold``)."""
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         if totals[0] == 0 and any(bool(tensor.any()) for tensor in local.values()):
@@ -320,7 +322,7 @@ class Exchanger:
         entry = Contribution(
             seq=seq, step=totals[0], samples=totals[1], time=time.time(), final=final, units=units, marks=marks
         )
-        folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
+        folded = chain.fold(view, me, contribution, entry, before_create=before_create)
         self._unsure[index] = None
         self._seqs[index] = folded.learners[me].seq + 1  # past a slot a peer closed (``chain.fold``)
         self.conflicts += folded.conflicts
