@@ -216,24 +216,16 @@ def _package_names(init: Path) -> set[str]:
     return names
 
 
-AWAITING_RENAME = {"gradientmail/cli/main.py", "gradientmail/data/epochs.py", "gradientmail/data/mix.py"}
-"""Modules still hidden by their package's function of the same name, each renamed when its
-package's pending changes have landed: the test below fails for any other, and for these once renamed."""
-
-
 def test_no_module_is_shadowed_by_a_name_of_its_package() -> None:
     """A package exporting a function named like one of its modules hides that module:
     ``package.name`` is then the function, and the module is reachable only through ``sys.modules``."""
-    shadowed = {
+    shadowed = [
         f"{init.parent.relative_to(ROOT)}/{name}.py"
         for init in PACKAGE.rglob("__init__.py")
-        for name in _package_names(init)
+        for name in sorted(_package_names(init))
         if (init.parent / f"{name}.py").exists() or (init.parent / name / "__init__.py").exists()
-    }
-    assert shadowed <= AWAITING_RENAME, (
-        f"modules hidden by a name their package binds (rename the module): {sorted(shadowed - AWAITING_RENAME)}"
-    )
-    assert AWAITING_RENAME <= shadowed, f"renamed: remove from AWAITING_RENAME {sorted(AWAITING_RENAME - shadowed)}"
+    ]
+    assert not shadowed, f"modules hidden by a name their package binds (rename the module): {shadowed}"
 
 
 def _private_uses(path: Path) -> Iterator[str]:
