@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     )
     import torch  # noqa: F401  (imported once here: the forked nodes start without importing it)
 
-    import gradientmail.queue.shared_queue  # noqa: F401
+    import gradientmail.queue.context  # noqa: F401
 
     results: list[Trial] = []
     began = time.monotonic()

@@ -212,7 +212,7 @@ def node_context() -> multiprocessing.context.BaseContext:
             "torch.distributed",
             "benchmarks._training_nodes",
             "gradientmail.session",
-            "gradientmail.queue.shared_queue",
+            "gradientmail.queue.context",
         ]
     )
     return context

@@ -54,7 +54,7 @@ _LAZY = {
     "Session": "gradientmail.session",
     "consensus": "gradientmail.session",
     "SharedQueueDataset": "gradientmail.queue.dataset",
-    "shared_queue": "gradientmail.queue.shared_queue",
+    "shared_queue": "gradientmail.queue.context",
     "units_claimed_by": "gradientmail.queue.claim_counter",
     "Unit": "gradientmail.queue.units",
     "unit_grid": "gradientmail.queue.units",

@@ -1,5 +1,8 @@
 """Joining a run: the unit set's fingerprint, and the check of ``run.json`` every node makes.
 
+``prepare_mailbox`` records the run if this node is first and checks it otherwise; the first node
+also refuses a store that cannot create keys atomically (``UnsafeStoreError``).
+
 A prefix holds one run of one unit set: the record carries the set's ``fingerprint``, and a node
 whose units differ is refused (``RunMismatchError``) before it claims anything. See docs/queue.md.
 """
@@ -9,11 +12,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-from gradientmail.errors import RecordError, RunMismatchError
+from gradientmail.errors import RecordError, RunMismatchError, UnsafeStoreError
 from gradientmail.layout import RUN_KEY
-from gradientmail.records import RunRecord
+from gradientmail.mailbox.base import Mailbox, describe, verify_mailbox
+from gradientmail.records import RunRecord, get_record
 
-__all__ = ["check_run_record", "unit_fingerprint"]
+__all__ = ["check_run_record", "prepare_mailbox", "unit_fingerprint"]
 
 
 def unit_fingerprint(identifiers: Iterable[str]) -> str:
@@ -70,3 +74,37 @@ def check_run_record(data: bytes | RecordError, units: int, fingerprint: str | N
         "mix the two runs; use a fresh prefix for these units, or start this node with the run's "
         "units"
     )
+
+
+def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | None = None) -> None:
+    """Record the run (``run.json``) if new, and refuse a store without atomic creation.
+
+    Only the node that creates ``run.json`` runs the full ``verify_mailbox``; the others read
+    it back (two requests instead of five; ``docs/queue.md`` explains why that suffices).
+
+    Raises:
+        UnsafeStoreError: the store does not create keys atomically, or lies about it.
+        RunMismatchError: ``identifiers`` differ from the run's unit set.
+
+    Example:
+        >>> from gradientmail.mailbox import MemoryMailbox
+        >>> prepare_mailbox(MemoryMailbox("doctest-prepare"), 2, ["a", "b"])
+    """
+    fingerprint = unit_fingerprint(identifiers) if identifiers is not None else None
+    if mailbox.put_if_absent(RUN_KEY, RunRecord.new(units, fingerprint).to_bytes()):
+        verify_mailbox(mailbox)
+        return
+    try:
+        existing: bytes | RecordError | None = get_record(mailbox, RUN_KEY, RunRecord.KIND)
+    except RecordError as exc:
+        existing = exc
+    if existing is None:
+        store = describe(mailbox)
+        raise UnsafeStoreError(
+            f"{store}: creating {RUN_KEY!r} reported that it already existed, but it cannot be "
+            "read; put_if_absent does not report creation truthfully",
+            operation="verify",
+            key=RUN_KEY,
+            store=store,
+        )
+    check_run_record(existing, units, fingerprint, describe(mailbox))

@@ -30,7 +30,7 @@ from gradientmail.cli.common import (
     json_document,
     open_cli_mailbox,
 )
-from gradientmail.cli.main import main
+from gradientmail.cli.entry import main
 from gradientmail.cli.parser import build_parser
 from gradientmail.errors import UsageError
 

@@ -41,7 +41,7 @@ def _forkserver_context(url: str):
         "torch",
         "torch._dynamo",
         "gradientmail.session",
-        "gradientmail.queue.shared_queue",
+        "gradientmail.queue.context",
         "gradientmail.cli.demo_node",
     ]
     if url.startswith(("s3://", "s3a://")):

@@ -96,7 +96,7 @@ def run_node(config: NodeConfig, emit: Callable[..., None], go: Any, start_at: A
     """The node's whole life; ``go`` is an Event the demo sets, ``start_at`` a shared double."""
     import torch
 
-    from gradientmail.queue.shared_queue import shared_queue
+    from gradientmail.queue.context import shared_queue
     from gradientmail.queue.units import rotated_order, unit_grid
     from gradientmail.session.core import Session
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from gradientmail.data.cache import CacheStats
 from gradientmail.data.corpus import Corpus, build_stdlib_corpus, stdlib_files
-from gradientmail.data.epochs import EpochUnit, epochs, permutation
+from gradientmail.data.epoch_units import EpochUnit, epochs, permutation
 from gradientmail.data.errors import FileChangedError, SequenceRangeError, ShardError, TokenFileError
-from gradientmail.data.mix import SourceUnit, mix
+from gradientmail.data.mixture import SourceUnit, mix
 from gradientmail.data.reader import TokenReader, TokenShardReader
 from gradientmail.data.shard_cache import (
     DEFAULT_BLOCK_SIZE,

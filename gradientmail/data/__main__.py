@@ -2,6 +2,6 @@
 
 import sys
 
-from gradientmail.cli.main import tokens_main as main
+from gradientmail.cli.entry import tokens_main as main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ and ``SharedQueueDataset``; they live in ``gradientmail.queue`` and are also ``g
 
 from __future__ import annotations
 
+from gradientmail.queue.context import shared_queue
 from gradientmail.queue.dataset import SharedQueueDataset
-from gradientmail.queue.shared_queue import shared_queue
 
 __all__ = ["SharedQueueDataset", "shared_queue"]

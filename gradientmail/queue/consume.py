@@ -7,6 +7,7 @@ Data flows one way: a pump (``handoff.ThreadBatches``, ``loader.LoaderBatches``)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 from gradientmail.queue.batch_checks import Batch, Item
@@ -17,32 +18,40 @@ from gradientmail.queue.unit_timing import BatchWatch
 __all__ = [
     "Batches",
     "ElasticBatches",
+    "LoopHooks",
     "watched",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopHooks:
+    """What the iterator the loop holds calls around each batch, given whole at construction.
+
+    Attributes:
+        watch: Times the loop's batches per unit (``unit_timing``) and strips their unit tags.
+        guard: Called before each batch; raises to stop the loop (``Presence.check``: this process
+            was replaced by another incarnation of its learner).
+        pace: Stamped when the loop asks for a batch and when it gets it: the loop's pace, which the
+            loaders claim by (``queue.pacing``). Given to the iterator the loop itself holds.
+        on_end: Called once when the batches run out (not after an error or ``close``).
+    """
+
+    watch: BatchWatch | None = None
+    guard: Callable[[], None] | None = None
+    pace: BufferGauge | None = None
+    on_end: Callable[[], None] | None = None
 
 
 class Batches(Iterator[Batch]):
     """Base of the iterators ``shared_queue`` yields; ends for good after an error or ``close``.
 
-    Subclasses implement ``_next`` (one item from the pump) and ``close``.
+    Subclasses implement ``_next`` (one item from the pump) and ``close``, and pass their
+    ``hooks`` on.
     """
 
-    on_end: Callable[[], None] | None = None
-    """Called once when the batches run out (not after an error or ``close``)."""
-
-    watch: BatchWatch | None = None
-    """Times the loop's batches per unit (``unit_timing``) and strips their unit tags."""
-
-    guard: Callable[[], None] | None = None
-    """Called before each batch; raises to stop the loop (``Presence.check``: this process was
-    replaced by another incarnation of its learner)."""
-
-    pace: BufferGauge | None = None
-    """Stamped when the loop asks for a batch and when it gets it: the loop's pace, which the
-    loaders claim by (``queue.pacing``). Set on the iterator the loop itself holds."""
-
-    def __init__(self) -> None:
+    def __init__(self, hooks: LoopHooks | None = None) -> None:
         self._finished = False
+        self._hooks = hooks if hooks is not None else LoopHooks()
 
     def __iter__(self) -> Batches:
         return self
@@ -50,16 +59,17 @@ class Batches(Iterator[Batch]):
     def __next__(self) -> Batch:
         if self._finished:
             raise StopIteration
-        pace = self.pace
+        hooks = self._hooks
+        pace = hooks.pace
         if pace is not None:
             pace.asked()
-        if self.guard is not None:
+        if hooks.guard is not None:
             try:
-                self.guard()
+                hooks.guard()
             except BaseException:
                 self._finished = True
                 raise
-        watch = self.watch
+        watch = hooks.watch
         if watch is not None:
             watch.ended()  # the loop asks for a batch: it has trained the previous one
         try:
@@ -69,8 +79,8 @@ class Batches(Iterator[Batch]):
             return item if watch is None else watched(watch, item)
         except StopIteration:
             self._finished = True
-            if self.on_end is not None:
-                self.on_end()
+            if hooks.on_end is not None:
+                hooks.on_end()
             raise
         except BaseException:
             self._finished = True
@@ -100,10 +110,19 @@ class ElasticBatches(Batches):
         inner: The pump's batches, tagged.
         tracker: Records progress and renews the lease; closed with these batches.
         stop_claiming: Called on ``close``, so a claimer waiting for orphans stops waiting.
+        hooks: What the loop's iterator calls around each batch (the pace, guard and end; the
+            unit timing stays with ``inner``, which sees the tags).
     """
 
-    def __init__(self, inner: Batches, tracker: ProgressTracker, stop_claiming: Callable[[], None]) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        inner: Batches,
+        tracker: ProgressTracker,
+        stop_claiming: Callable[[], None],
+        *,
+        hooks: LoopHooks | None = None,
+    ) -> None:
+        super().__init__(hooks)
         self._inner = inner
         self._tracker = tracker
         self._consumption = Consumption(tracker)

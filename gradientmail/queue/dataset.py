@@ -1,9 +1,5 @@
 """``SharedQueueDataset``: an ``IterableDataset`` that claims work units and loads their batches.
 
-Section ``control`` below: How ``shared_queue`` stops its DataLoader workers between operations, never inside one.
-
-Section ``dataset`` below: ``SharedQueueDataset``: an ``IterableDataset`` that claims work units and loads their batches.
-
 The long story (how claiming, resuming and worker processes interact) is in ``docs/queue.md``.
 """
 
@@ -12,11 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import multiprocessing.context
-import os
-import signal
-import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -25,10 +16,8 @@ from typing import Any, Generic, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from gradientmail.errors import RecordError, UnsafeStoreError
-from gradientmail.layout import RUN_KEY
 from gradientmail.learner_id import default_learner_id
-from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, verify_mailbox
+from gradientmail.mailbox.base import Mailbox, describe, require_replace_if
 from gradientmail.meeting_point import meeting_point
 from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batch_checks import (
@@ -44,7 +33,7 @@ from gradientmail.queue.batch_checks import (
 from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claim_ahead import ClaimAhead
 from gradientmail.queue.claim_counter import register_counter
-from gradientmail.queue.claim_index import ClaimIndex
+from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT
@@ -55,121 +44,16 @@ from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, elastic_options
 from gradientmail.queue.unfinished import untracked_record, warn_unfinished
-from gradientmail.records import RunRecord, get_record
-from gradientmail.run_record import check_run_record, unit_fingerprint
+from gradientmail.queue.worker_control import WorkerControl, exit_with_parent, guarded
+from gradientmail.run_record import prepare_mailbox
 from gradientmail.session.group import GroupSync
 
-__all__ = ["SharedQueueDataset", "WorkerControl", "guarded", "prepare_mailbox"]
+__all__ = ["SharedQueueDataset"]
 
-
-# -- control -----------------------------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-class WorkerControl:
-    """What ``shared_queue`` shares with its worker processes to stop them.
-
-    ``stop`` ends claiming and loading; each worker holds ``locks[worker]`` around every step
-    of its claim/load generator, so acquiring a worker's lock waits for the operation in flight
-    to finish instead of interrupting it.
-    """
-
-    def __init__(self, context: multiprocessing.context.BaseContext, workers: int) -> None:
-        self.stop = context.Event()
-        self.locks = [context.Lock() for _ in range(workers)]
-
-
-PARENT_CHECK_S = 1.0
-"""Seconds between a DataLoader worker's looks at whether the process that started it is alive."""
-
-_PARENT_WATCH: list[int] = []  # the pid this worker process watches, once its watch runs
-
-
-def exit_with_parent() -> None:
-    """Make this DataLoader worker process exit when the process that started it dies.
-
-    DataLoader's own watchdog looks only between batches; a worker inside ``next()`` (waiting for
-    a claim's turn, for orphaned units, or in a store's request) would outlive a SIGKILLed
-    training process for good, holding its memory. A daemon thread checks the parent every
-    ``PARENT_CHECK_S`` and ends the process at once (SIGKILL to itself: no cleanup that waits on
-    the dead parent's pipes). Idempotent per process.
-    """
-    if _PARENT_WATCH:
-        return
-    parent = os.getppid()
-    _PARENT_WATCH.append(parent)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_CHECK_S)
-        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: it would wait on the dead parent's pipes
-
-    threading.Thread(target=watch, name="gradientmail-parent-watch", daemon=True).start()
-
-
-def guarded(items: Iterator[T], control: WorkerControl, worker: int) -> Iterator[T]:
-    """Run ``items`` one step at a time under the worker's lock, until ``stop`` is set."""
-    lock = control.locks[worker]
-    try:
-        while True:
-            with lock:
-                if control.stop.is_set():
-                    return
-                try:
-                    item = next(items)
-                except StopIteration:
-                    return
-                except BaseException:
-                    # This node is failing: the other workers stop claiming; batches already
-                    # buffered, then this error, still reach the consumer in order.
-                    control.stop.set()
-                    raise
-            yield item
-    finally:
-        with lock:
-            items.close()  # the loader's own cleanup, as part of the last operation
-
-
-# -- dataset -----------------------------------------------------------------------------------------
 
 V = TypeVar("V")
 
 log = logging.getLogger("gradientmail.queue")
-
-
-def prepare_mailbox(mailbox: Mailbox, units: int, identifiers: Iterable[str] | None = None) -> None:
-    """Record the run (``run.json``) if new, and refuse a store without atomic creation.
-
-    Only the node that creates ``run.json`` runs the full ``verify_mailbox``; the others read
-    it back (two requests instead of five; ``docs/queue.md`` explains why that suffices).
-
-    Raises:
-        UnsafeStoreError: the store does not create keys atomically, or lies about it.
-        RunMismatchError: ``identifiers`` differ from the run's unit set.
-
-    Example:
-        >>> from gradientmail.mailbox import MemoryMailbox
-        >>> prepare_mailbox(MemoryMailbox("doctest-prepare"), 2, ["a", "b"])
-    """
-    fingerprint = unit_fingerprint(identifiers) if identifiers is not None else None
-    if mailbox.put_if_absent(RUN_KEY, RunRecord.new(units, fingerprint).to_bytes()):
-        verify_mailbox(mailbox)
-        return
-    try:
-        existing: bytes | RecordError | None = get_record(mailbox, RUN_KEY, RunRecord.KIND)
-    except RecordError as exc:
-        existing = exc
-    if existing is None:
-        store = describe(mailbox)
-        raise UnsafeStoreError(
-            f"{store}: creating {RUN_KEY!r} reported that it already existed, but it cannot be "
-            "read; put_if_absent does not report creation truthfully",
-            operation="verify",
-            key=RUN_KEY,
-            store=store,
-        )
-    check_run_record(existing, units, fingerprint, describe(mailbox))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +164,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
             )
         self.mailbox = mailbox
         self.load = load
-        self.order: list[str] = checked_order(order, self.units)
+        self.order: Sequence[str] = checked_order(order, self.units)
         # Every node without an order walks the mapping's: they crowd the same next units.
         self._crowd_limit = SHARED_CROWD_LIMIT if order is None else CROWD_LIMIT
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
@@ -338,6 +222,25 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         }
         dataset = copy.copy(self)
         dataset.wiring = dataclasses.replace(self.wiring, **{k: v for k, v in changes.items() if v is not None})
+        return dataset
+
+    def for_node(self, *, mailbox: Mailbox, learner_id: str, order: PositionOrder) -> SharedQueueDataset[V]:
+        """A copy that claims as another node of this run: its own mailbox client, learner id and
+        preference order (positions in this dataset's shared ``claim_index``).
+
+        The copy shares the units, claim index, claim counter and claim statistics: the queue
+        simulator runs a thousand nodes in one process without building and checking the units
+        once per node.
+
+        Raises:
+            ValueError: ``order`` holds positions of another claim index than this dataset's.
+        """
+        if order.index is not self._claim_index:
+            raise ValueError("order must hold positions in this dataset's claim_index (give it claim_index=)")
+        dataset = copy.copy(self)
+        dataset.mailbox = mailbox
+        dataset.learner_id = validate_learner_id(learner_id)
+        dataset.order = order
         return dataset
 
     @property

@@ -21,9 +21,10 @@ from gradientmail.errors import InProcessMailboxError, UnpicklableError
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.queue.batch_checks import Batch, Item, keep_pairs
-from gradientmail.queue.consume import Batches
-from gradientmail.queue.dataset import SharedQueueDataset, WorkerControl
+from gradientmail.queue.consume import Batches, LoopHooks
+from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.handoff import HandOff
+from gradientmail.queue.worker_control import WorkerControl
 
 __all__ = [
     "check_for_workers",
@@ -51,8 +52,9 @@ class LoaderBatches(Batches):
         context: multiprocessing.context.BaseContext,
         pin_memory: bool,
         timeout: float | None,
+        hooks: LoopHooks | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(hooks)
         self._timeout = timeout
         self._control = WorkerControl(context, workers)
         # A copy: the caller's dataset stays usable on its own.

@@ -10,7 +10,7 @@ import warnings
 from typing import Any
 
 from gradientmail.queue.batch_checks import Batch, Item
-from gradientmail.queue.consume import Batches
+from gradientmail.queue.consume import Batches, LoopHooks
 from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.handoff import HandOff
 
@@ -20,8 +20,15 @@ __all__ = ["ThreadBatches"]
 class ThreadBatches(Batches):
     """``workers=0``: claims and loads on one background thread, ``prefetch`` batches ahead."""
 
-    def __init__(self, dataset: SharedQueueDataset[Any], prefetch: int, timeout: float | None) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        dataset: SharedQueueDataset[Any],
+        prefetch: int,
+        timeout: float | None,
+        *,
+        hooks: LoopHooks | None = None,
+    ) -> None:
+        super().__init__(hooks)
         self._timeout = timeout
         self._gauge = dataset.gauge
         self._source = iter(dataset)

@@ -207,14 +207,6 @@ class Session:
         self._marks = MarksWriter(mailbox, learner_id)  # used on the exchange thread only
         self._landed: list[Merge] = []  # folds that landed, their merges not applied yet
         self._landed_lock = threading.Lock()
-        self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
-            mailbox,
-            learner_id,
-            outer=self.outer,
-            wire_dtype=wire_dtype,
-            catch_up=catch_up,
-            max_staleness_s=self._max_staleness_s,
-        )
         self._group = None if group is None else GroupSync(group)
         self._layout = shard_layout(model)  # sharded (FSDP2): every rank exchanges its own shard
         if self._layout is not None and (
@@ -226,6 +218,15 @@ class Session:
             )
         self._shard_sync = None if self._layout is None or self._group is None else ShardSync(self._group)
         self._registers = self._group is None or self._group.leads  # presence, member, progress, queue
+        self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
+            mailbox,
+            learner_id,
+            outer=self.outer,
+            wire_dtype=wire_dtype,
+            catch_up=catch_up,
+            max_staleness_s=self._max_staleness_s,
+            registers=self._registers,
+        )
         # A follower of a replicated (DDP) group never talks to the store: its rank 0 exchanges for it.
         self._follows = self._group is not None and self._layout is None and not self._group.leads
         self._pending: PendingStep | PendingShardStep | None = None  # the group's word of the last step, in flight
@@ -377,7 +378,6 @@ class Session:
         registers = self._registers
         presence = self._presence = PresenceShare(self.mailbox, self.learner_id, SESSION) if registers else NoPresence()
         presence.start()
-        exchanger.registers = registers
         try:
             self._worker = Worker(f"gradientmail-session-{self.learner_id}")
         except BaseException:
@@ -409,8 +409,6 @@ class Session:
         gate = meeting_point(self.mailbox, self.learner_id).gate if registers else FoldGate()
         self._guard = QueueGuard(gate, self.learner_id)
         self._guard.attach(self._fold_now, len(plan), self._wait_for_fold, exchanger.joined_marks)
-        self._marks.earlier = exchanger.joined_marks_object
-        exchanger.before_create = self._guard.before_write
         # A random phase: learners that joined together do not exchange (and collide) together.
         self._schedule = Schedule(len(plan), every_s=self._every_s, every_steps=self._every_steps, steps=self._steps)
         self._state = "active"
@@ -534,7 +532,8 @@ class Session:
         finally:
             if folded_all and self._registers and self._guard.link is not None and not self._guard.link.snapshot()[1]:
                 # Every record is written (the queue has left): no marks object is needed any more.
-                self._worker.submit(self._marks.clear).done.wait(self._timeout_s)
+                earlier = self._exchanger.joined_marks_object  # an earlier incarnation's objects
+                self._worker.submit(lambda: self._marks.clear(earlier=earlier)).done.wait(self._timeout_s)
             # After the final fold every batch delivered is in the run; after a failure nothing
             # more is released (the queue drops those records: their batches are trained again).
             self._guard.detach(release=folded_all)
@@ -842,7 +841,9 @@ class Session:
             inline, marks = self._marks.inline_or_write(units)
             for i, snapshot in snapshots:
                 guard.fold_started(since)  # frozen since the last step, units taken over? stop
-                merge = exchanger.exchange(i, snapshot, totals, final, taken, inline, marks, marked)
+                merge = exchanger.exchange(
+                    i, snapshot, totals, final, taken, inline, marks, marked, before_create=guard.before_write
+                )
                 with self._landed_lock:  # applied at the next step even if a later write fails
                     self._landed.append(merge)
                 if shards is not None:

@@ -141,6 +141,8 @@ class Exchanger:
         wire_dtype: the dtype the state is stored in (``None``: float32/float64).
         catch_up: measure progress from the run's state (True) or this model's own (False).
         max_staleness_s: seconds after which a silent member stops counting in ``N``.
+        registers: this process writes the learner's member key (not the other ranks of a
+            sharded group).
     """
 
     def __init__(
@@ -152,15 +154,15 @@ class Exchanger:
         wire_dtype: torch.dtype | None,
         catch_up: bool,
         max_staleness_s: float,
+        registers: bool = True,
     ) -> None:
         self.mailbox = mailbox
         self.learner_id = learner_id
-        self.before_create: Callable[[float], None] | None = None  # see FragmentChain.fold
         self.outer = outer
         self.wire_dtype = wire_dtype
         self.catch_up = catch_up
         self.max_staleness_s = max_staleness_s
-        self.registers = True
+        self.registers = registers
         """This process writes the learner's member key (not the other ranks of a sharded group)."""
         self.chains: list[FragmentChain] = []
         self.known: list[State | None] = []
@@ -260,11 +262,14 @@ class Exchanger:
         units: tuple[UnitMark, ...] = (),
         marks: MarksRef | None = None,
         marked: tuple[int, int] | None = None,
+        *,
+        before_create: Callable[[float], None] | None = None,
     ) -> Merge:
         """Fold the progress in ``snapshot`` (fragment ``index``, taken at ``taken`` on the
         monotonic clock) into the run; ``totals`` is ``(steps, samples)``, ``units`` the
         snapshot's unit marks (or ``marks``, the object that holds them: ``session.marks_store``),
-        ``marked`` the totals those marks are of when earlier (``Contribution.marked``)."""
+        ``marked`` the totals those marks are of when earlier (``Contribution.marked``),
+        ``before_create`` the queue guard's check before each write (``FragmentChain.fold``)."""
         me, chain, anchor = self.learner_id, self.chains[index], self._anchors[index]
         local = {name: snapshot[name].to(anchor[name].dtype) - anchor[name] for name in anchor}
         if totals[0] == 0 and any(bool(tensor.any()) for tensor in local.values()):
@@ -331,7 +336,7 @@ class Exchanger:
             marks=marks,
             marked=marked,
         )
-        folded = chain.fold(view, me, contribution, entry, before_create=self.before_create)
+        folded = chain.fold(view, me, contribution, entry, before_create=before_create)
         self._unsure[index] = None
         self._seqs[index] = folded.learners[me].seq + 1  # past a slot a peer closed (``chain.fold``)
         self.conflicts += folded.conflicts

@@ -77,8 +77,6 @@ class MarksWriter:
     def __init__(self, mailbox: Mailbox, learner_id: str) -> None:
         self.mailbox = mailbox
         self.learner_id = learner_id
-        self.earlier = False
-        """The learner's lines named a marks object when this incarnation joined."""
         self._written: deque[str] = deque()
 
     def inline_or_write(self, marks: Sequence[UnitMark]) -> tuple[tuple[UnitMark, ...], MarksRef | None]:
@@ -100,10 +98,15 @@ class MarksWriter:
             self._delete(self._written.popleft())
         return ref
 
-    def clear(self) -> None:
+    def clear(self, *, earlier: bool = False) -> None:
         """Delete this learner's marks objects, an earlier incarnation's included, once they are
-        all obsolete (every record written, the earlier units taken back: a clean exit)."""
-        if not self._written and not self.earlier:
+        all obsolete (every record written, the earlier units taken back: a clean exit).
+
+        Args:
+            earlier: The learner's lines named a marks object when this incarnation joined: list
+                the learner's objects even if this incarnation wrote none.
+        """
+        if not self._written and not earlier:
             return  # none was ever written or named: no listing
         self._written.clear()
         for key in list(self.mailbox.list(marks_prefix(self.learner_id))):

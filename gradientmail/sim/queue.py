@@ -25,7 +25,6 @@ Run ``python -m gradientmail.sim.queue`` for the table of preference orders (add
 from __future__ import annotations
 
 import argparse
-import copy
 import heapq
 import json
 import random
@@ -41,8 +40,9 @@ import torch
 from gradientmail.layout import CLAIMS_PREFIX
 from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES
-from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
+from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.units import DEFAULT_BLOCK, DEFAULT_LAG, Unit, rotated_order, unit_grid
+from gradientmail.run_record import prepare_mailbox
 from gradientmail.sim.paged_memory import PagedCountingMailbox, PagedMemoryMailbox
 
 __all__ = [
@@ -166,13 +166,10 @@ def simulate(
     for rank, mailbox in enumerate(mailboxes):
         prepare_mailbox(mailbox, len(template.units), template.units if rank == 0 else None)
     node_orders = _node_orders(index, list(template.units), nodes, rotate_lanes, block, lag, orders)
-    datasets = []
-    for rank, order in enumerate(node_orders):
-        dataset = copy.copy(template)
-        dataset.mailbox = mailboxes[rank]
-        dataset.learner_id = f"node-{rank}"
-        dataset.order = order  # type: ignore[assignment]  # a Sequence[str] that the claimer reads as positions
-        datasets.append(dataset)
+    datasets = [
+        template.for_node(mailbox=mailboxes[rank], learner_id=f"node-{rank}", order=order)
+        for rank, order in enumerate(node_orders)
+    ]
     iterators = [iter(dataset) for dataset in datasets]
     rng = random.Random(seed)
     fractions: dict[int, float] = {}

@@ -11,7 +11,7 @@ import pytest
 
 from gradientmail import InvalidKeyError
 from gradientmail.data import SourceUnit, epochs, mix
-from gradientmail.data.mix import apportion, interleave
+from gradientmail.data.mixture import apportion, interleave
 from gradientmail.layout import claim_key
 from gradientmail.queue.claims import validate_identifiers
 

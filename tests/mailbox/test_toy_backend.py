@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gradientmail import shared_queue
-from gradientmail.cli.main import main as cli_main
+from gradientmail.cli.entry import main as cli_main
 from gradientmail.errors import ValueTooLargeError
 from gradientmail.mailbox import Backend, register_backend
 from gradientmail.mailbox.base import BaseMailbox

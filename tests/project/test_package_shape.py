@@ -95,7 +95,7 @@ def test_every_module_says_its_one_concept_in_its_first_line(name: str) -> None:
 GLUED = re.compile(r"^Section ``\w+`` below:", re.MULTILINE)
 """A docstring paragraph that introduces one of several modules pasted into one file."""
 
-AWAITING_SPLIT = {"gradientmail.queue.dataset"}
+AWAITING_SPLIT: set[str] = set()
 """Modules still glued from parts, each split by concept when its pending changes have landed:
 listed here so that the test below fails for any other, and for these once they are split."""
 
@@ -198,6 +198,34 @@ def test_no_module_imports_from_its_own_package_init() -> None:
             if _is_package(target) and module.startswith(target + ".") and target != "gradientmail":
                 found.append(f"{module} imports {target}")
     assert not found, found
+
+
+def _package_names(init: Path) -> set[str]:
+    """The names a package's ``__init__`` binds at its top level (``_LAZY``'s keys included)."""
+    names: set[str] = set()
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(target.id for target in targets if isinstance(target, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in targets) and isinstance(node.value, ast.Dict):
+                names.update(key.value for key in node.value.keys if isinstance(key, ast.Constant))
+    return names
+
+
+def test_no_module_is_shadowed_by_a_name_of_its_package() -> None:
+    """A package exporting a function named like one of its modules hides that module:
+    ``package.name`` is then the function, and the module is reachable only through ``sys.modules``."""
+    shadowed = [
+        f"{init.parent.relative_to(ROOT)}/{name}.py"
+        for init in PACKAGE.rglob("__init__.py")
+        for name in sorted(_package_names(init))
+        if (init.parent / f"{name}.py").exists() or (init.parent / name / "__init__.py").exists()
+    ]
+    assert not shadowed, f"modules hidden by a name their package binds (rename the module): {shadowed}"
 
 
 def _private_uses(path: Path) -> Iterator[str]:

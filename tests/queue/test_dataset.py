@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from array import array
 
 import pytest
 from queue_loads import load_item
@@ -15,6 +16,7 @@ import gradientmail
 from gradientmail import MemoryMailbox, SharedQueueDataset, units_claimed_by
 from gradientmail.layout import RUN_KEY
 from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 
 FORK = multiprocessing.get_context("fork")
 
@@ -93,3 +95,20 @@ def test_empty_mapping_yields_nothing_and_claims_nothing(memory_mailbox):
 def test_exported_from_package():
     assert gradientmail.SharedQueueDataset is SharedQueueDataset
     assert gradientmail.shared_queue is shared_queue
+
+
+def test_a_copy_for_another_node_claims_under_its_own_name_and_order(memory_mailbox):
+    units = named_units(4, steps=1)
+    index = ClaimIndex(list(units))
+    first = SharedQueueDataset(
+        units, mailbox=memory_mailbox, learner_id="node-0", load=load_item, claim_index=index, resume=False
+    )
+    backwards = PositionOrder(index, array("i", reversed(range(len(index)))))
+    second = first.for_node(mailbox=memory_mailbox, learner_id="node-1", order=backwards)
+    assert (first.learner_id, list(first.order)) == ("node-0", list(units))  # the original is unchanged
+    next(iter(second))  # node-1 claims the last unit first: its own order
+    assert {ident: claim["learner"] for ident, claim in claims(memory_mailbox).items()} == {"00003": "node-1"}
+    with pytest.raises(ValueError, match="claim_index"):
+        first.for_node(
+            mailbox=memory_mailbox, learner_id="node-2", order=PositionOrder(ClaimIndex(list(units)), [0, 1, 2, 3])
+        )

@@ -3,7 +3,11 @@ store prints."""
 
 from __future__ import annotations
 
+import json
 import uuid
+
+import torch
+from session_toys import exchange, scalar, session  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset
 from gradientmail.mailbox.base import describe
@@ -47,3 +51,21 @@ def test_each_learner_meets_its_own_queue():
     _queue(box, f"{run}-0")
     assert meeting_point(box, f"{run}-0").queue_figures().units == 0
     assert meeting_point(box, f"{run}-1").queue_figures().units is None
+
+
+def test_the_progress_record_holds_what_the_learners_queue_hands_over(memory_mailbox):
+    # The queue reports its figures to the Session through their meeting point: the record
+    # shows no units before this learner has a queue on the store, then the units it claimed.
+    learner = f"counted-{uuid.uuid4().hex[:8]}"  # units_claimed_by counts per learner id, process-wide
+    model = scalar()
+    with session(model, memory_mailbox, learner) as s:
+        exchange(s, model, 1.0)
+        assert json.loads(memory_mailbox.get(f"progress/{learner}.json"))["units"] is None
+        units = {f"u{i}": i for i in range(3)}
+        dataset = SharedQueueDataset(
+            units, mailbox=memory_mailbox, learner_id=learner, load=lambda i: [(i, torch.zeros(1))]
+        )
+        assert [step for step, _ in dataset] == [0, 1, 2]
+        exchange(s, model, 1.0)
+        record = json.loads(memory_mailbox.get(f"progress/{learner}.json"))
+    assert record["units"] == 3

@@ -31,7 +31,6 @@ from gradientmail.layout import (
     work_key,
 )
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.dataset import prepare_mailbox
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
 from gradientmail.records import (
     CLAIM,
@@ -49,6 +48,7 @@ from gradientmail.records import (
     WorkRecord,
     parse,
 )
+from gradientmail.run_record import prepare_mailbox
 from gradientmail.status import read_run
 
 NOW = 1.7e9

@@ -17,7 +17,7 @@ from gradientmail.errors import (
 from gradientmail.layout import RUN_KEY
 from gradientmail.mailbox.wrappers import CountingMailbox
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.dataset import prepare_mailbox
+from gradientmail.run_record import prepare_mailbox
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,6 @@ from gradientmail import RecordError, RecordSkippedWarning, RunMismatchError
 from gradientmail.layout import claim_key, learner_key, lease_key, work_key
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.claims import parse_claim
-from gradientmail.queue.dataset import prepare_mailbox
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
 from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
@@ -40,6 +39,7 @@ from gradientmail.records import (
     get_record_versioned,
     parse,
 )
+from gradientmail.run_record import prepare_mailbox
 
 NESTED = b"[" * 50_000 + b"]" * 50_000  # within no bound; json.loads alone: RecursionError
 DEEP_SMALL = b'{"learner": "x", "a": ' + b"[" * 3000 + b"]" * 3000 + b"}"  # under the size bound

@@ -19,8 +19,7 @@ import torch
 from gradientmail import GradientMailError, LocalMailbox, RunMismatchError, SharedQueueDataset
 from gradientmail.layout import CLAIMS_PREFIX, RUN_KEY
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.dataset import prepare_mailbox
-from gradientmail.run_record import unit_fingerprint
+from gradientmail.run_record import prepare_mailbox, unit_fingerprint
 
 EMPTY_WARNING = "0 batches for learner .* every unit of this run .* already taken or done .*use a fresh prefix"
 

@@ -57,6 +57,15 @@ def test_a_writer_keeps_its_latest_objects_and_clears_them_all(memory_mailbox):
     assert list(memory_mailbox.list(MARKS_PREFIX)) == [marks_key("n1", "other")]
 
 
+def test_a_writer_that_wrote_nothing_clears_an_earlier_incarnation_s_objects_when_told(memory_mailbox):
+    memory_mailbox.put(marks_key("n0", "earlier"), b"[]")  # named by the lines this incarnation joined
+    writer = MarksWriter(memory_mailbox, "n0")
+    writer.clear()  # nothing written, nothing named: no listing, nothing deleted
+    assert list(memory_mailbox.list(MARKS_PREFIX)) == [marks_key("n0", "earlier")]
+    writer.clear(earlier=True)
+    assert list(memory_mailbox.list(MARKS_PREFIX)) == []
+
+
 def test_each_object_is_read_once_for_all_the_lines_that_name_it(memory_mailbox):
     ref = MarksWriter(memory_mailbox, "n0").write(marks(100))
     counting = CountingMailbox(memory_mailbox)

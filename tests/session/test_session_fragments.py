@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from test_session import push  # tests/helpers/ is on sys.path (tests/conftest.py)
+from session_toys import push  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import MailRejectedError, MailSkippedWarning, MemoryMailbox
 from gradientmail.layout import fold_claim_key, member_key, pending_key, pending_prefix, state_key, versions_prefix

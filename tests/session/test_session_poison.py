@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from test_session import scalar, value  # tests/helpers/ is on sys.path (tests/conftest.py)
+from session_toys import scalar, value  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import MailRejectedError, MailSkippedWarning, SessionError
 from gradientmail.layout import state_key

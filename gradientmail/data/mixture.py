@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Generic, TypeVar
 
-from gradientmail.data.epochs import checked_int, position_width
+from gradientmail.data.epoch_units import checked_int, position_width
 from gradientmail.errors import InvalidKeyError, short_repr
 from gradientmail.mailbox.keys import validate_key
 

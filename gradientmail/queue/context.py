@@ -25,8 +25,8 @@ from gradientmail.presence import QUEUE, PresenceShare, presence_renew_s
 from gradientmail.queue.batch_checks import Batch, checked_count
 from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claim_ahead import DEFAULT_CLAIM_AHEAD
-from gradientmail.queue.consume import Batches, ElasticBatches
-from gradientmail.queue.dataset import SharedQueueDataset, prepare_mailbox
+from gradientmail.queue.consume import Batches, ElasticBatches, LoopHooks
+from gradientmail.queue.dataset import SharedQueueDataset
 from gradientmail.queue.group import (
     FollowerBatches,
     LeaderBatches,
@@ -43,6 +43,7 @@ from gradientmail.queue.progress_display import ProgressDisplay
 from gradientmail.queue.thread_pump import ThreadBatches
 from gradientmail.queue.unfinished import warn_unclean, warn_unfinished
 from gradientmail.queue.unit_timing import BatchWatch, unit_times
+from gradientmail.run_record import prepare_mailbox
 from gradientmail.session.group import GroupSync
 
 __all__ = ["WITH_HINT", "QueueContext", "shared_queue"]
@@ -286,31 +287,34 @@ def shared_queue(
             tagged=tracker is not None,
             gauge=BufferGauge(max(1, workers), prefetch),
         )
+        # The loop's own iterator paces, guards and ends; with a tracker that is the elastic
+        # layer, and the pump under it only times units (it sees their tags).
+        loop_hooks = LoopHooks(pace=dataset.gauge, guard=presence.check, on_end=_warn_if_nothing_claimed(dataset))
+        pump_hooks = LoopHooks(watch=watch) if tracker is not None else dataclasses.replace(loop_hooks, watch=watch)
         batches: Batches
         if workers == 0:
-            batches = ThreadBatches(dataset, prefetch, timeout)
+            batches = ThreadBatches(dataset, prefetch, timeout, hooks=pump_hooks)
         else:
             assert context is not None
             batches = LoaderBatches(
-                dataset, prefetch=prefetch, workers=workers, context=context, pin_memory=pin_memory, timeout=timeout
+                dataset,
+                prefetch=prefetch,
+                workers=workers,
+                context=context,
+                pin_memory=pin_memory,
+                timeout=timeout,
+                hooks=pump_hooks,
             )
-        batches.watch = watch
         if tracker is None:
-            batches.pace = dataset.gauge
-            batches.guard = presence.check
             try:
-                batches.on_end = _warn_if_nothing_claimed(dataset)
                 yield batches
             finally:
                 watch.ended()  # the last batch's training ends here, not after the shutdown
                 batches.close()
             return
-        consumed = ElasticBatches(batches, tracker, dataset.stop_claiming)
-        consumed.pace = dataset.gauge
-        consumed.guard = presence.check
+        consumed = ElasticBatches(batches, tracker, dataset.stop_claiming, hooks=loop_hooks)
         clean = False
         try:
-            consumed.on_end = _warn_if_nothing_claimed(dataset)
             yield consumed
             clean = True
         finally:
