@@ -345,6 +345,13 @@ class Session:
         held = [0 if line is None else line.step for line in lines]
         resume = (0, 0) if not lines or None in lines else min(line.resumes_at for line in lines if line is not None)
         self._steps, self._samples = sync.least(*resume)
+        if self._registers and self._steps < resume[0]:  # the queue resumes at rank 0's marks
+            warnings.warn(
+                f"learner {self.learner_id!r}: a shard of its group holds its steps only up to {self._steps}, "
+                f"where its queue's marks stand at step {resume[0]}: that shard misses the batches between "
+                "(its fragments' lines were rewritten or lost)",
+                stacklevel=3,
+            )
         self._samples_at_enter = self._samples
         values, self._joined_values = self._joined_values, []
         if self.catch_up:  # the model holds the run's values: those of a fragment ahead are kept to go back to

@@ -336,11 +336,6 @@ class AheadFragments:
     def __len__(self) -> int:
         return len(self._ahead)
 
-    def held_step(self, position: int) -> int | None:
-        """The step fragment ``position`` holds while it is ahead (None: not ahead)."""
-        entry = self._ahead.get(position)
-        return None if entry is None else entry[0]
-
     def foldable(self, positions: list[int]) -> list[int]:
         """Those of ``positions`` that may be folded now (not ahead of the group's step)."""
         return [p for p in positions if p not in self._ahead]
