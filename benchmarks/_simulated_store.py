@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from benchmarks._virtual_clock import VirtualClock
+from gradientmail.errors import ValueTooLargeError
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.mailbox.wrappers import MailboxWrapper
 
@@ -168,7 +169,18 @@ class SimulatedMailbox(MailboxWrapper):
         return self._send(key, WRITE, data, lambda: self.inner.put_if_absent(key, data), lambda _: None)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
-        return self._send(key, READ, None, lambda: self.inner.get(key, max_bytes=max_bytes), lambda data: data)
+        if max_bytes is None:
+            return self._send(key, READ, None, lambda: self.inner.get(key), lambda data: data)
+        # As the S3 mailbox reads it: one GET of the first ``max_bytes + 1`` bytes, refused when the
+        # object (at its modelled size) is larger, having carried only those bytes.
+        data = self._send(key, READ, None, lambda: self.inner.get(key, max_bytes=max_bytes), lambda _: None)
+        billed = self.store.model.billed(data)
+        carried = min(billed, max_bytes + 1)
+        self.bytes_read += carried
+        self.store.clock.sleep_until(self.store.clock.now + carried / self.store.model.bandwidth_bytes_s)
+        if data is not None and billed > max_bytes:
+            raise ValueTooLargeError(key, max_bytes, int(billed))
+        return data
 
     def put(self, key: str, data: bytes) -> None:
         self._send(key, WRITE, data, lambda: self.inner.put(key, data), lambda _: None)

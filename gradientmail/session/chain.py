@@ -411,24 +411,32 @@ class FragmentChain:
                     break
                 wanted += candidates[learner][:budget]
                 budget -= len(candidates[learner][:budget])
+        rest = [key for learner in others for key in candidates[learner]] if claim else []
+
+        def claim_then_read() -> tuple[bool, list[Any]]:
+            # The others' contributions are read as soon as the claim is known to be this
+            # learner's, beside the base's download: a claim holder's fold costs one transfer
+            # time for its reads, not two.
+            assert me is not None
+            won = self.mailbox.put_if_absent(fold_claim_key(self.index, newest + 1), me.encode())
+            if not won and self._blocked == newest:
+                won = True  # it stood since this learner's previous fold: a dead or stalled peer's
+            return won, parallel(self._read_pending, rest) if won else []
+
         jobs: list[Callable[[], Any]] = [lambda: self.read_usable(newest, known)]
         jobs += [lambda key=key: self._read_pending(key) for key in wanted]
         if claim:
-            assert me is not None
-            jobs.append(lambda: self.mailbox.put_if_absent(fold_claim_key(self.index, newest + 1), me.encode()))
+            jobs.append(claim_then_read)
         results = parallel(lambda job: job(), jobs)
         base, contents = results[0], dict(zip(wanted, results[1 : 1 + len(wanted)]))
         claimed = None
         if claim:
-            claimed = bool(results[-1])
-            if not claimed and self._blocked == newest:
-                claimed = True  # it stood since this learner's previous fold: a dead or stalled peer's
+            claimed, read = results[-1]
             self._blocked = None if claimed else newest
+            if claimed:  # this learner folds the next version: every contribution pending goes in
+                contents.update(zip(rest, read))
         if base is None:
             return None
-        if claimed:  # this learner folds the next version: every contribution pending goes in
-            rest = [key for learner in others for key in candidates[learner]]
-            contents.update(zip(rest, parallel(self._read_pending, rest)))
         self._reused = self._reused + 1 if base is known else 0
         absorbed: list[Pending] = []
         empty: list[tuple[str, str, int]] = []

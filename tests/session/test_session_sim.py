@@ -20,6 +20,7 @@ from benchmarks._simulated_store import WRITE, SimulatedMailbox, SimulatedStore,
 from benchmarks._virtual_clock import VirtualClock
 from benchmarks.session_sim import Run, SimConfig, simulate
 from gradientmail import MemoryMailbox
+from gradientmail.errors import ValueTooLargeError
 from gradientmail.layout import FRAGMENTS_PREFIX
 from gradientmail.session.chain import TOMBSTONE
 from gradientmail.session.overlap import OVERLAP
@@ -54,6 +55,35 @@ def test_a_request_over_its_prefix_limit_waits_its_turn_and_bodies_are_billed_at
     body = len(header).to_bytes(8, "little") + header + bytes(100)
     assert StoreModel(body_scale=1000.0).billed(body) == 8 + len(header) + 100 * 1000.0
     assert StoreModel(body_scale=1000.0).billed(b'{"a record": 1}') == 15.0
+
+
+def test_a_bounded_read_of_a_larger_body_carries_only_the_bound_and_is_refused_as_on_s3() -> None:
+    """As the S3 mailbox reads with ``max_bytes`` (one GET of the first ``max_bytes + 1`` bytes):
+    a read-back bounded to a record's size does not download a modelled 100 MB contribution."""
+    clock = VirtualClock()
+    store = SimulatedStore(
+        MemoryMailbox("sim-store-bounded"),
+        clock,
+        StoreModel(latency_s=0.0, bandwidth_bytes_s=1e6, body_scale=1e6, latency_spread=0.0),
+    )
+    store.inner.clear()
+    header = b'{"__metadata__":{}}'
+    store.inner.put("folder/body", len(header).to_bytes(8, "little") + header + bytes(100))
+    box = SimulatedMailbox(store)
+    outcome: list[object] = []
+
+    def reader() -> None:
+        try:
+            box.get("folder/body", max_bytes=1000)
+        except ValueTooLargeError as error:
+            outcome.append(error)
+        outcome.append(clock.now)
+
+    clock.spawn(reader)
+    clock.run()
+    store.inner.clear()
+    assert isinstance(outcome[0], ValueTooLargeError)
+    assert outcome[1] == pytest.approx(1001 / 1e6) and box.bytes_read == 1001
 
 
 def test_the_simulation_is_the_same_for_a_seed_on_greenlets_or_threads() -> None:

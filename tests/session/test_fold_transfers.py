@@ -1,0 +1,60 @@
+"""A fold's transfers overlap where they can: what a claim holder reads is one transfer time.
+
+Measured on the simulator's virtual clock (``benchmarks._virtual_clock``), where a request's
+time is its model's, not this machine's: a store with no latency whose every body takes one
+second to carry makes the number of transfer times a fold waits for exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks._simulated_store import SimulatedMailbox, SimulatedStore, StoreModel
+from benchmarks._virtual_clock import VirtualClock
+from gradientmail import MemoryMailbox
+from gradientmail.session.chain import FragmentChain
+from gradientmail.session.fragments import spec_of
+from gradientmail.session.mail import Contribution
+
+TENSORS = {"w": torch.zeros(256)}
+BODY_S = 1.0
+"""Seconds one stored fragment (or contribution) takes to carry, either way."""
+
+
+def test_a_claim_holder_reads_the_pending_contributions_beside_the_base_in_one_transfer_time() -> None:
+    clock = VirtualClock()
+    store = SimulatedStore(
+        MemoryMailbox("fold-transfers"),
+        clock,
+        StoreModel(
+            latency_s=0.0, bandwidth_bytes_s=1024 / BODY_S, reads_per_s=None, writes_per_s=None, latency_spread=0.0
+        ),
+    )
+    store.inner.clear()
+    chain = {name: FragmentChain(SimulatedMailbox(store), 0, 1, spec_of(TENSORS)) for name in "abcd"}
+    waited: dict[str, float] = {}
+
+    def contribute(name: str, seq: int) -> None:
+        view = chain[name].view(me=name, claim=True)
+        assert view is not None
+        chain[name].fold(view, name, {"w": torch.ones(256)}, Contribution(seq, 1, 1, 0.0))
+
+    def scenario() -> None:
+        chain["a"].create_base(TENSORS, "a")
+        holder = chain["b"].view(me="b", claim=True)  # b claims version 1 ...
+        assert holder is not None and holder.claimed
+        contribute("c", 0)  # ... so c and d leave theirs pending
+        contribute("d", 0)
+        chain["b"].fold(holder, "b", {"w": torch.ones(256)}, Contribution(0, 1, 1, 0.0))  # version 1
+        started = clock.now
+        view = chain["a"].view(me="a", claim=True)  # a claims version 2: base and both pending
+        waited["view"] = clock.now - started
+        assert view is not None and view.claimed and len(view.absorbed) == 2
+
+    clock.spawn(scenario)
+    clock.run()
+    store.inner.clear()
+    # The base's download and the pending contributions' overlap (one transfer, plus the claim's
+    # and the listing's bodiless round trips); read after the base, they would take two.
+    assert waited["view"] == pytest.approx(BODY_S, rel=0.25)
