@@ -372,6 +372,7 @@ def simulate(config: SimConfig) -> dict[str, float]:
 
 
 COLUMNS = (
+    ("fragments", "fragments", "{:.0f}"),
     ("exchange_rate", "rate min", "{:.3f}"),
     ("exchange_rate_mean", "rate mean", "{:.3f}"),
     ("lag_intervals", "lag max", "{:.2f}"),
@@ -406,7 +407,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     command.add_argument("--params", type=float, help="the modelled model's parameters (default 1e9)")
     command.add_argument("--every", type=float, help="seconds between a learner's whole exchanges (default 60)")
     command.add_argument("--intervals", type=float, help="the measured window, in intervals (default 3)")
-    command.add_argument("--fragments", type=int, help="fragments (default: what Session picks for the model)")
+    command.add_argument(
+        "--fragments",
+        type=int,
+        nargs="+",
+        help="fragments: one count for every row, or one per learner count (default: what Session picks for the model)",
+    )
     command.add_argument("--latency-ms", type=float, help="the store's round trip per request, ms (default 20)")
     command.add_argument("--bandwidth-mbs", type=float, help="bandwidth of one request's stream, MB/s (default 100)")
     command.add_argument("--reads-per-s", type=float, help="reads one prefix serves per second (default 5500)")
@@ -427,14 +433,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         reads_per_s=chosen["reads_per_s"],
         writes_per_s=chosen["writes_per_s"],
     )
+    counts, cuts = chosen["learners"], chosen["fragments"] or [None]
+    if len(cuts) not in (1, len(counts)):
+        command.error(f"--fragments takes one count or one per learner count ({len(counts)}), not {len(cuts)}")
     results: dict[int, dict[str, float]] = {}
-    for count in chosen["learners"]:
+    for count, cut in zip(counts, cuts * len(counts) if len(cuts) == 1 else cuts):
         config = SimConfig(
             learners=count,
             every=chosen["every"],
             intervals=chosen["intervals"],
             params=chosen["params"],
-            fragments=chosen["fragments"],
+            fragments=cut,
             steps_per_s=chosen["steps_per_s"],
             speed_spread=chosen["speed_spread"],
             store=store,
@@ -444,10 +453,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         done = ", ".join(f"{header} {shape.format(row[key])}" for key, header, shape in COLUMNS)
         print(f"{count} learners: {done}", flush=True)  # a long run's rows as they come
 
-    fragments = next(iter(results.values()))["fragments"] if results else 0
     print(
         f"Session on a virtual clock: {chosen['params']:.3g} parameters in bfloat16 ({2 * chosen['params'] / 1e9:.3g} GB),"
-        f" {fragments:.0f} fragments, every {chosen['every']:g} s, {chosen['intervals']:g} intervals measured after "
+        f" every {chosen['every']:g} s, {chosen['intervals']:g} intervals measured after "
         f"joining over one; store {chosen['latency_ms']:g} ms a request, {chosen['bandwidth_mbs']:g} MB/s a stream, "
         f"{chosen['reads_per_s']:g} reads and {chosen['writes_per_s']:g} writes per second per prefix; "
         f"{chosen['steps_per_s']:g} steps/s ± {chosen['speed_spread']:g}; seed {chosen['seed']}"

@@ -86,7 +86,13 @@ without it (a frozen VM, a request retried through a partition): ``RETIRE`` vers
 number it creates may be one the chain retired, which nobody would read."""
 ABSORB = 2
 """Other learners' pending contributions a writer that holds no claim reads and absorbs per fold
-(or a quarter of the backlog, if more); a claim holder absorbs every one."""
+(or a quarter of the backlog, if more); a claim holder absorbs up to ``MAX_ABSORBED``."""
+MAX_ABSORBED = 16
+"""Other learners' pending contributions one claim holder reads (all at once, beside the base)
+and absorbs per fold; the rest wait for the next version. It bounds what one fold reads and how
+long it takes (one transfer time each way) whatever the number of learners: past it a
+fragment's chain absorbs ``MAX_ABSORBED + 1`` contributions per fold time, which sets how many
+learners a fragment serves (docs/session.md, "What it costs")."""
 BACKLOG_SHARE = 4
 READ_ATTEMPTS = 20
 """Listings a reader makes before concluding that something deletes the run's state."""
@@ -347,7 +353,8 @@ class FragmentChain:
         read): a writer takes that many, chosen at random, or a quarter of the backlog when that
         is more; the rest wait for the next writer. None reads every one, 0 only ``me``'s.
         ``claim`` (a writer, ``me``): first claim the next version (``fold_claim_key``). Holding it,
-        ``me`` reads every pending contribution, to fold them all; when a peer holds it, only
+        ``me`` reads the pending contributions (up to ``MAX_ABSORBED``) beside the base, to fold
+        them; when a peer holds it, only
         ``me``'s own (``View.claimed`` False: leave the contribution pending). A claim that
         still stands at ``me``'s next fold of this fragment, the chain not having moved since,
         is a dead or stalled peer's: ``me`` folds as if it held it.
@@ -411,7 +418,7 @@ class FragmentChain:
                     break
                 wanted += candidates[learner][:budget]
                 budget -= len(candidates[learner][:budget])
-        rest = [key for learner in others for key in candidates[learner]] if claim else []
+        rest = self._absorbable(candidates, others) if claim else []
 
         def claim_then_read() -> tuple[bool, list[Any]]:
             # The others' contributions are read as soon as the claim is known to be this
@@ -421,7 +428,7 @@ class FragmentChain:
             won = self.mailbox.put_if_absent(fold_claim_key(self.index, newest + 1), me.encode())
             if not won and self._blocked == newest:
                 won = True  # it stood since this learner's previous fold: a dead or stalled peer's
-            return won, parallel(self._read_pending, rest) if won else []
+            return won, parallel(self._read_pending, rest, lanes=MAX_ABSORBED) if won else []
 
         jobs: list[Callable[[], Any]] = [lambda: self.read_usable(newest, known)]
         jobs += [lambda key=key: self._read_pending(key) for key in wanted]
@@ -433,7 +440,7 @@ class FragmentChain:
         if claim:
             claimed, read = results[-1]
             self._blocked = None if claimed else newest
-            if claimed:  # this learner folds the next version: every contribution pending goes in
+            if claimed:  # this learner folds the next version: the contributions pending go in
                 contents.update(zip(rest, read))
         if base is None:
             return None
@@ -469,6 +476,19 @@ class FragmentChain:
             listed=listed,
             claimed=claimed,
         )
+
+    @staticmethod
+    def _absorbable(candidates: Mapping[str, list[str]], others: list[str]) -> list[str]:
+        """The pending contributions a claim holder reads: every one, up to ``MAX_ABSORBED``
+        (each learner's in order, learners at random: every one is soon some holder's pick)."""
+        if sum(len(candidates[learner]) for learner in others) <= MAX_ABSORBED:
+            return [key for learner in others for key in candidates[learner]]
+        chosen: list[str] = []
+        for learner in random.sample(others, len(others)):
+            chosen += candidates[learner][: MAX_ABSORBED - len(chosen)]
+            if len(chosen) == MAX_ABSORBED:
+                break
+        return chosen
 
     # -- writing ---------------------------------------------------------------------------------
     def create_base(self, tensors: Mapping[str, Tensor], me: str) -> State:

@@ -1,8 +1,9 @@
-"""A fold's transfers overlap where they can: what a claim holder reads is one transfer time.
+"""What the learner that holds a fragment's claim reads: beside the base, and bounded.
 
-Measured on the simulator's virtual clock (``benchmarks._virtual_clock``), where a request's
-time is its model's, not this machine's: a store with no latency whose every body takes one
-second to carry makes the number of transfer times a fold waits for exact.
+Its reads overlap (one transfer time, measured on the simulator's virtual clock, where a
+request's time is its model's, not this machine's: a store with no latency whose every body
+takes one second to carry makes the transfer times a fold waits for exact), and it absorbs at
+most ``MAX_ABSORBED`` pending contributions, the rest going to the next version, each once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from benchmarks._simulated_store import SimulatedMailbox, SimulatedStore, StoreModel
 from benchmarks._virtual_clock import VirtualClock
 from gradientmail import MemoryMailbox
-from gradientmail.session.chain import FragmentChain
+from gradientmail.session.chain import MAX_ABSORBED, FragmentChain
 from gradientmail.session.fragments import spec_of
 from gradientmail.session.mail import Contribution
 
@@ -58,3 +59,31 @@ def test_a_claim_holder_reads_the_pending_contributions_beside_the_base_in_one_t
     # The base's download and the pending contributions' overlap (one transfer, plus the claim's
     # and the listing's bodiless round trips); read after the base, they would take two.
     assert waited["view"] == pytest.approx(BODY_S, rel=0.25)
+
+
+def test_a_claim_holder_absorbs_at_most_max_absorbed_and_the_next_one_the_rest_each_once() -> None:
+    mailbox = MemoryMailbox("claim-holder-bound")
+    mailbox.clear()
+    chain = lambda: FragmentChain(mailbox, 0, 1, spec_of(TENSORS))  # noqa: E731 - one per learner
+    waiting = [f"w{i:02d}" for i in range(MAX_ABSORBED + 4)]
+    chain().create_base(TENSORS, "a")
+    blocker = chain()
+    held = blocker.view(me="b", claim=True)
+    assert held is not None and held.claimed
+    for name in waiting:  # b holds version 1's claim: each leaves its contribution pending
+        view = chain().view(me=name, claim=True)
+        assert view is not None and view.claimed is False
+        chain().fold(view, name, {"w": torch.ones(256)}, Contribution(0, 1, 1, 0.0))
+    blocker.fold(held, "b", {"w": torch.ones(256)}, Contribution(0, 1, 1, 0.0))
+    absorbed = []
+    for name in ("x", "y"):
+        view = chain().view(me=name, claim=True)
+        assert view is not None and view.claimed
+        absorbed.append(len(view.absorbed))
+        chain().fold(view, name, {"w": torch.ones(256)}, Contribution(0, 1, 1, 0.0))
+    assert absorbed == [MAX_ABSORBED, 4]
+    final = chain().view(exact=True)
+    mailbox.clear()
+    assert final is not None and not final.absorbed
+    assert set(final.base.learners) == {"b", "x", "y", *waiting}  # each contribution once
+    assert torch.equal(final.base.tensors["w"], torch.full((256,), float(len(waiting) + 3)))
