@@ -43,6 +43,7 @@ SCRIPTS = (
 """What ``python -m benchmarks`` runs (within its budget, ``BUDGET_S``)."""
 FULL_SCRIPTS = (
     *SCRIPTS,
+    "orders",
     "shards",
     "s3_latency",
     "training",
@@ -54,7 +55,8 @@ FULL_SCRIPTS = (
     "group_step",
     "shard_step",
 )
-"""What ``--full`` runs: also the shards benchmark (the documented case on Parquet files against
+"""What ``--full`` runs: also the cost of each preference order at 20k and 100k units (``orders``,
+about a minute on the virtual clock), the shards benchmark (the documented case on Parquet files against
 litdata and MosaicML streaming where their environment is installed, readers' throughput, a
 second epoch's bytes: about 3 minutes), the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
@@ -107,6 +109,10 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),
     ("requests", "conflicts_per_claim_threads", "lost claims per claim, same"),
     ("requests", "conflicts_per_claim_threads_no_rotation", "lost claims per claim, same without rotation"),
+    ("orders", "orders_requests_per_claim_default_64", "requests per claim, rotated_order's defaults, 64 learners"),
+    ("orders", "orders_step_spread_default_64", "groups of steps between the nodes' units at one moment, same"),
+    ("orders", "orders_requests_per_claim_mapping_64", "requests per claim, every node in the mapping's order"),
+    ("orders", "orders_step_spread_mapping_64", "groups of steps between the nodes' units at one moment, same"),
     (
         "epochs",
         "epochs_requests_per_claim",
