@@ -220,6 +220,19 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
 )
 """The figures the summary table shows, with what each means; targets come from ``TARGETS``."""
 
+DESCRIBED: dict[tuple[str, str], str] = {
+    ("training_long", "average_long_loss_over_ddp"): "the same with outer=average",
+    ("training_long", "bfloat16_long_loss_over_ddp"): "the same with the default and bfloat16 state",
+    ("training_long", "average_long_time_to_ddp_loss"): "the same run: wall time to DDP's final loss / DDP's, average",
+    ("training_groups", "groups_loss_over_ddp"): "2 groups of 2 (DDP inside): consensus loss / DDP's over all 4",
+    ("training_groups", "learners_loss_over_ddp"): "4 learners of one process (two per machine): the same",
+    ("training_groups", "learners_makespan_over_ddp"): "4 learners of one process: makespan / DDP's",
+    ("training_groups", "learners_read_per_machine"): "4 learners of one process: model sizes a machine reads",
+    ("training_groups", "learners_written_per_machine"): "4 learners of one process: model sizes a machine writes",
+}
+"""What the figures that pages name mean where neither ``SUMMARY`` nor a target says (entries
+that a script's option writes, such as ``training --long``); they are shown only where named."""
+
 BUDGET_S = 480.0
 
 

@@ -84,6 +84,14 @@ def summary_meanings() -> dict[tuple[str, str], str]:
     return {(script, figure): meaning for script, figure, meaning in SUMMARY}
 
 
+def described() -> dict[tuple[str, str], str]:
+    """``DESCRIBED``: meanings of figures shown only where a page names them (imported late, as
+    ``summary_meanings``)."""
+    from benchmarks.__main__ import DESCRIBED
+
+    return DESCRIBED
+
+
 def rows_of(name: str, run: Run, meanings: Mapping[tuple[str, str], str], chosen: list[str] | None = None) -> list[Row]:
     """The rows of one entry: the ``chosen`` figures, or by default its ``SUMMARY`` figures, then
     any other figure with a target, or, for an entry that has neither (a script new to the
@@ -104,7 +112,8 @@ def figure_row(name: str, run: Run, meanings: Mapping[tuple[str, str], str], fig
     value, target = run.figures.get(figure), TARGETS.get(figure)
     if not is_number(value) and target is None:
         return None
-    meaning = meanings.get((name, figure)) or (target.meaning if target is not None else "")
+    meaning = meanings.get((name, figure)) or described().get((name, figure))
+    meaning = meaning or (target.meaning if target is not None else "")
     if not is_number(value):
         return Row(name, figure, "n/a", "", target.text() if target is not None else "", "not measured", meaning)
     low_high = spread(run.figures, figure)

@@ -68,6 +68,14 @@ def test_a_table_pasted_by_hand_is_found_and_an_option_table_is_not() -> None:
     assert hand_figures(page, "page.md") == ["page.md:13: | `average` | 1.013 (1.012–1.013) | **0.573** |"]
 
 
+def test_every_described_figure_is_one_the_results_file_holds() -> None:
+    from benchmarks.__main__ import DESCRIBED
+
+    runs = results.load()
+    unknown = [key for key in DESCRIBED if key[0] not in runs or key[1] not in runs[key[0]].figures]
+    assert not unknown, f"DESCRIBED names figures benchmarks/results.json does not hold: {unknown}"
+
+
 def run(figures_of: dict[str, float], command: str = "python -m benchmarks.x", note: str = "") -> Run:
     return Run(command, "2026-01-01", "a test machine", figures_of, 1.0, ["a table"], note)
 
