@@ -43,6 +43,7 @@ SCRIPTS = (
 """What ``python -m benchmarks`` runs (within its budget, ``BUDGET_S``)."""
 FULL_SCRIPTS = (
     *SCRIPTS,
+    "orders",
     "shards",
     "s3_latency",
     "training",
@@ -54,7 +55,8 @@ FULL_SCRIPTS = (
     "group_step",
     "shard_step",
 )
-"""What ``--full`` runs: also the shards benchmark (the documented case on Parquet files against
+"""What ``--full`` runs: also the cost of each preference order at 20k and 100k units (``orders``,
+about a minute on the virtual clock), the shards benchmark (the documented case on Parquet files against
 litdata and MosaicML streaming where their environment is installed, readers' throughput, a
 second epoch's bytes: about 3 minutes), the S3 end-to-end row (a moto server and a latency proxy on the same
 cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the scale benchmark
@@ -107,6 +109,10 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("requests", "requests_per_claim_threads", "requests per claim, 64 threads racing for real, rotation"),
     ("requests", "conflicts_per_claim_threads", "lost claims per claim, same"),
     ("requests", "conflicts_per_claim_threads_no_rotation", "lost claims per claim, same without rotation"),
+    ("orders", "orders_requests_per_claim_default_64", "requests per claim, rotated_order's defaults, 64 learners"),
+    ("orders", "orders_step_spread_default_64", "groups of steps between the nodes' units at one moment, same"),
+    ("orders", "orders_requests_per_claim_mapping_64", "requests per claim, every node in the mapping's order"),
+    ("orders", "orders_step_spread_mapping_64", "groups of steps between the nodes' units at one moment, same"),
     (
         "epochs",
         "epochs_requests_per_claim",
@@ -213,6 +219,19 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("scale", "claim_loop_us_1m", "claim loop microseconds per claim, extrapolated to 1,024 nodes"),
 )
 """The figures the summary table shows, with what each means; targets come from ``TARGETS``."""
+
+DESCRIBED: dict[tuple[str, str], str] = {
+    ("training_long", "average_long_loss_over_ddp"): "the same with outer=average",
+    ("training_long", "bfloat16_long_loss_over_ddp"): "the same with the default and bfloat16 state",
+    ("training_long", "average_long_time_to_ddp_loss"): "the same run: wall time to DDP's final loss / DDP's, average",
+    ("training_groups", "groups_loss_over_ddp"): "2 groups of 2 (DDP inside): consensus loss / DDP's over all 4",
+    ("training_groups", "learners_loss_over_ddp"): "4 learners of one process (two per machine): the same",
+    ("training_groups", "learners_makespan_over_ddp"): "4 learners of one process: makespan / DDP's",
+    ("training_groups", "learners_read_per_machine"): "4 learners of one process: model sizes a machine reads",
+    ("training_groups", "learners_written_per_machine"): "4 learners of one process: model sizes a machine writes",
+}
+"""What the figures that pages name mean where neither ``SUMMARY`` nor a target says (entries
+that a script's option writes, such as ``training --long``); they are shown only where named."""
 
 BUDGET_S = 480.0
 

@@ -8,8 +8,9 @@ Usage: ``python -m benchmarks.figures [--check]``. Rewrites
     <!-- /figures -->
 
 ``NAME`` is ``summary`` (the README's few headline figures and the count of targets met),
-``sources`` (each entry's command, date and machine, once), ``all`` (every figure) or the name of
-an entry of the results file (``balance``, ``training_long``, ...: that entry's figures).
+``sources`` (each entry's command, date and machine, once), ``all`` (every figure), the name of
+an entry of the results file (``balance``, ``training_long``, ...: that entry's figures), or
+``lines`` and an entry's name (``lines orders``: the tables that entry's script printed).
 ``--check`` writes nothing and exits 1 naming every page whose blocks differ from the file.
 ``python -m benchmarks`` runs this after every run.
 """
@@ -83,6 +84,14 @@ def summary_meanings() -> dict[tuple[str, str], str]:
     return {(script, figure): meaning for script, figure, meaning in SUMMARY}
 
 
+def described() -> dict[tuple[str, str], str]:
+    """``DESCRIBED``: meanings of figures shown only where a page names them (imported late, as
+    ``summary_meanings``)."""
+    from benchmarks.__main__ import DESCRIBED
+
+    return DESCRIBED
+
+
 def rows_of(name: str, run: Run, meanings: Mapping[tuple[str, str], str], chosen: list[str] | None = None) -> list[Row]:
     """The rows of one entry: the ``chosen`` figures, or by default its ``SUMMARY`` figures, then
     any other figure with a target, or, for an entry that has neither (a script new to the
@@ -103,7 +112,8 @@ def figure_row(name: str, run: Run, meanings: Mapping[tuple[str, str], str], fig
     value, target = run.figures.get(figure), TARGETS.get(figure)
     if not is_number(value) and target is None:
         return None
-    meaning = meanings.get((name, figure)) or (target.meaning if target is not None else "")
+    meaning = meanings.get((name, figure)) or described().get((name, figure))
+    meaning = meaning or (target.meaning if target is not None else "")
     if not is_number(value):
         return Row(name, figure, "n/a", "", target.text() if target is not None else "", "not measured", meaning)
     low_high = spread(run.figures, figure)
@@ -141,6 +151,18 @@ def render_run(name: str, run: Run, meanings: Mapping[tuple[str, str], str], cho
     return table(["figure", "value", "spread", "target", "", "meaning"], rows) + f"\n\nFrom {provenance}."
 
 
+def render_lines(name: str, run: Run) -> str:
+    """The tables the script of entry ``name`` printed, as it printed them, then where they come from.
+
+    Raises:
+        FiguresError: the entry holds no printed lines (figures carried over without them).
+    """
+    if not run.lines:
+        raise FiguresError(f"{name!r} holds no printed tables (run its command again to record them)")
+    provenance = f"`{run.command}`, {run.date}, {run.machine}" + (f"; {run.note}" if run.note else "")
+    return "\n".join(["```text", *run.lines, "```", "", f"From {provenance}."])
+
+
 def render_summary(runs: Mapping[str, Run], meanings: Mapping[tuple[str, str], str]) -> str:
     every = [row for name, run in runs.items() for row in rows_of(name, run, meanings)]
     judged = [row for row in every if row.verdict in ("met", "**missed**")]
@@ -161,12 +183,13 @@ def render_summary(runs: Mapping[str, Run], meanings: Mapping[tuple[str, str], s
 def render_block(name: str, runs: Mapping[str, Run]) -> str:
     """The text of block ``name`` (without its markers), ending in a newline.
 
-    ``name`` is ``summary``, ``sources``, ``all``, an entry of the results file, or an entry
-    followed by the figures of it to show (``session_scale scale_exchange_rate_4 ...``).
+    ``name`` is ``summary``, ``sources``, ``all``, an entry of the results file, an entry
+    followed by the figures of it to show (``session_scale scale_exchange_rate_4 ...``), or
+    ``lines`` followed by an entry (the tables its script printed).
 
     Raises:
-        FiguresError: ``name`` is neither a block kind nor an entry of the results file, or
-            names a figure its entry does not hold.
+        FiguresError: ``name`` is neither a block kind nor an entry of the results file, names
+            a figure its entry does not hold, or asks for the lines of an entry that has none.
     """
     meanings = summary_meanings()
     entry, *chosen = name.split()
@@ -176,13 +199,17 @@ def render_block(name: str, runs: Mapping[str, Run]) -> str:
         text = render_sources(runs)
     elif name == "all":
         text = render_all(runs, meanings)
+    elif entry == "lines":
+        if len(chosen) != 1 or chosen[0] not in runs:
+            raise FiguresError(f"'lines' takes one entry of the results file (known: {', '.join(runs)})")
+        text = render_lines(chosen[0], runs[chosen[0]])
     elif entry in runs:
         missing = [figure for figure in chosen if not is_number(runs[entry].figures.get(figure))]
         if missing:
             raise FiguresError(f"{entry!r} holds no figure {', '.join(map(repr, missing))}")
         text = render_run(entry, runs[entry], meanings, chosen or None)
     else:
-        known = ", ".join(["summary", "sources", "all", *runs])
+        known = ", ".join(["summary", "sources", "all", "lines ENTRY", *runs])
         raise FiguresError(f"no figures named {entry!r} (known: {known})")
     return text + "\n"
 

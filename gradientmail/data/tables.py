@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import io
 import sys
+from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -173,7 +174,40 @@ FOOTERS = FooterCache()
 """This process's footers (a DataLoader worker inherits a copy, or starts empty under spawn)."""
 
 
-class ParquetReader(ShardReader):
+class TableReader(ShardReader):
+    """A shard of rows read with pyarrow: ``record_batches`` gives its ``pyarrow.RecordBatch``es of
+    ``batch_rows`` rows, and each batch is what ``collate`` makes of one.
+
+    Args:
+        batch_rows: rows per batch (the last batch of a unit may hold fewer).
+        collate: turns each ``pyarrow.RecordBatch`` into the batch (``to_tensors``; module level).
+        cache, storage_options, shuffle: as ``ShardReader``'s.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_rows: int,
+        collate: Callable[[Any], Any],
+        cache: ShardCache | None,
+        storage_options: Mapping[str, Any] | None,
+        shuffle: bool,
+    ) -> None:
+        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
+        self.batch_rows = _check_rows(batch_rows)
+        self.collate = collate
+
+    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
+        found = self.record_batches(shard)
+        for batch in found if permutation is None else shuffled(found, permutation, self.batch_rows):
+            yield self.collate(batch)
+
+    @abstractmethod
+    def record_batches(self, shard: ShardLike) -> Iterator[Any]:
+        """The shard's rows as ``pyarrow.RecordBatch``es of ``batch_rows`` rows, before ``collate``."""
+
+
+class ParquetReader(TableReader):
     """A Parquet shard's rows as batches; a ``Shard`` split by rows reads only its row groups.
 
     Args:
@@ -203,15 +237,10 @@ class ParquetReader(ShardReader):
         storage_options: Mapping[str, Any] | None = None,
         shuffle: bool = False,
     ) -> None:
-        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
-        self.batch_rows = _check_rows(batch_rows)
+        super().__init__(
+            batch_rows=batch_rows, collate=collate, cache=cache, storage_options=storage_options, shuffle=shuffle
+        )
         self.columns = None if columns is None else list(columns)
-        self.collate = collate
-
-    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
-        found = self.record_batches(shard)
-        for batch in found if permutation is None else shuffled(found, permutation, self.batch_rows):
-            yield self.collate(batch)
 
     def record_batches(self, shard: ShardLike) -> Iterator[Any]:
         """The shard's rows as ``pyarrow.RecordBatch``es of ``batch_rows`` rows, before ``collate``."""
@@ -244,7 +273,7 @@ class ParquetReader(ShardReader):
             file.close()
 
 
-class JsonLinesReader(ShardReader):
+class JsonLinesReader(TableReader):
     """A JSON Lines shard's rows as batches (one JSON object a line, parsed by pyarrow); a
     ``.jsonl.gz`` one is decompressed as it is parsed.
 
@@ -268,15 +297,10 @@ class JsonLinesReader(ShardReader):
         storage_options: Mapping[str, Any] | None = None,
         shuffle: bool = False,
     ) -> None:
-        super().__init__(cache=cache, storage_options=storage_options, shuffle=shuffle)
-        self.batch_rows = _check_rows(batch_rows)
+        super().__init__(
+            batch_rows=batch_rows, collate=collate, cache=cache, storage_options=storage_options, shuffle=shuffle
+        )
         self.schema = schema
-        self.collate = collate
-
-    def batches(self, shard: ShardLike, permutation: Permutation | None = None) -> Iterator[Any]:
-        found = self.record_batches(shard)
-        for batch in found if permutation is None else shuffled(found, permutation, self.batch_rows):
-            yield self.collate(batch)
 
     def record_batches(self, shard: ShardLike) -> Iterator[Any]:
         """The shard's rows as ``pyarrow.RecordBatch``es of ``batch_rows`` rows, before ``collate``."""

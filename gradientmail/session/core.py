@@ -207,14 +207,6 @@ class Session:
         self._marks = MarksWriter(mailbox, learner_id)  # used on the exchange thread only
         self._landed: list[Merge] = []  # folds that landed, their merges not applied yet
         self._landed_lock = threading.Lock()
-        self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
-            mailbox,
-            learner_id,
-            outer=self.outer,
-            wire_dtype=wire_dtype,
-            catch_up=catch_up,
-            max_staleness_s=self._max_staleness_s,
-        )
         self._group = None if group is None else GroupSync(group)
         self._layout = shard_layout(model)  # sharded (FSDP2): every rank exchanges its own shard
         if self._layout is not None and (
@@ -226,6 +218,15 @@ class Session:
             )
         self._shard_sync = None if self._layout is None or self._group is None else ShardSync(self._group)
         self._registers = self._group is None or self._group.leads  # presence, member, progress, queue
+        self._exchanger = Exchanger(  # the background side: its methods run on self._worker only
+            mailbox,
+            learner_id,
+            outer=self.outer,
+            wire_dtype=wire_dtype,
+            catch_up=catch_up,
+            max_staleness_s=self._max_staleness_s,
+            registers=self._registers,
+        )
         # A follower of a replicated (DDP) group never talks to the store: its rank 0 exchanges for it.
         self._follows = self._group is not None and self._layout is None and not self._group.leads
         self._pending: PendingStep | PendingShardStep | None = None  # the group's word of the last step, in flight
@@ -384,7 +385,6 @@ class Session:
         registers = self._registers
         presence = self._presence = PresenceShare(self.mailbox, self.learner_id, SESSION) if registers else NoPresence()
         presence.start()
-        exchanger.registers = registers
         try:
             self._worker = Worker(f"gradientmail-session-{self.learner_id}")
         except BaseException:

@@ -141,6 +141,8 @@ class Exchanger:
         wire_dtype: the dtype the state is stored in (``None``: float32/float64).
         catch_up: measure progress from the run's state (True) or this model's own (False).
         max_staleness_s: seconds after which a silent member stops counting in ``N``.
+        registers: this process writes the learner's member key (not the other ranks of a
+            sharded group).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class Exchanger:
         wire_dtype: torch.dtype | None,
         catch_up: bool,
         max_staleness_s: float,
+        registers: bool = True,
     ) -> None:
         self.mailbox = mailbox
         self.learner_id = learner_id
@@ -159,7 +162,7 @@ class Exchanger:
         self.wire_dtype = wire_dtype
         self.catch_up = catch_up
         self.max_staleness_s = max_staleness_s
-        self.registers = True
+        self.registers = registers
         """This process writes the learner's member key (not the other ranks of a sharded group)."""
         self.chains: list[FragmentChain] = []
         self.known: list[State | None] = []

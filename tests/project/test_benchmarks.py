@@ -140,6 +140,12 @@ FAULTS = [
 
 
 SLOW = {
+    "orders": [  # quick: 2,000 units
+        f"orders_{figure}_{order}_{learners}"
+        for figure in ("requests_per_claim", "conflicts_per_claim", "step_spread")
+        for order in ("mapping", "plain", "default", "block8")
+        for learners in (16, 64)
+    ],
     "faults": FAULTS,  # its quick run: test_quick_kill_trials_lose_no_sample_from_the_model
     "s3_latency": S3_LATENCY,
     "shards": [  # its quick run: test_shards_quick_mode_reports_read_ratios_and_a_second_epoch_fetching_nothing
@@ -197,7 +203,7 @@ SLOW = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted([*FIGURES, "s3_latency"]))
+@pytest.mark.parametrize("script", sorted([*FIGURES, "s3_latency", "orders"]))
 def test_quick_mode_prints_its_figures_as_json_last(script: str) -> None:
     lines, figures = quick_run(script)
     assert len(lines) >= 3, lines  # a table before the JSON line
