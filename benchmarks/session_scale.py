@@ -18,6 +18,9 @@ What it measures, per learner count N (figures suffixed ``_N`` on the JSON line)
 - ``scale_conflicts_N`` (``session.conflicts`` summed) and ``scale_conflicts_per_exchange_N``.
 - ``scale_errors_N``: exceptions raised by ``enter``, ``step``, ``wait`` or ``exit``; a learner
   whose step raises stops training (its session is then exited with that exception).
+- ``scale_exact_N``: 1.0 when, once everyone left, the run holds each learner's samples exactly
+  once (``consensus`` equals the samples it trained), else 0.0; ``scale_ledgers_N``: the ledger
+  keys kept then (a run of more than 64 learners keeps their lines in ledgers).
 - ``scale_cpu_per_wall_N``: the process's CPU seconds over the window / the window's wall
   seconds, i.e. cores kept busy. Near the machine's core count, the learners were CPU-bound and
   the other figures measure the machine more than the Session; ``scale_step_rate_N`` (steps
@@ -86,12 +89,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from benchmarks._common import emit, median, parser, table, verdicts
 from gradientmail import LocalMailbox, MemoryMailbox
+from gradientmail.layout import FRAGMENTS_PREFIX
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.session import Session, consensus
@@ -378,12 +382,34 @@ def measure(config: Config) -> dict[str, float]:
         leaving = time.monotonic()
         run_all(learners, leave)
         left = time.monotonic() - leaving
+        after = settled(store, config)
         store.clear()
-    return row_figures(config, [record(learner) for learner in learners], folded, cpu, wall, waited, left)
+    return row_figures(config, [record(learner) for learner in learners], folded, cpu, wall, waited, left, after)
+
+
+class Settled(NamedTuple):
+    """The run once everyone left: each learner's samples in it, and the ledgers kept."""
+
+    folded: dict[str, int]
+    ledgers: int
+
+
+def settled(store: Mailbox, config: Config) -> Settled:
+    """What the store holds once every learner left (``consensus``, and ledger keys: a run of
+    more than ``RECENT_LINES`` learners keeps each fragment's learners' lines in ledgers)."""
+    ledgers = sum(1 for key in store.list(FRAGMENTS_PREFIX) if "/ledgers/" in key)
+    return Settled(consensus(store, make_model(config.params)), ledgers)
 
 
 def row_figures(
-    config: Config, records: list[Record], folded: dict[str, int], cpu: float, wall: float, waited: float, left: float
+    config: Config,
+    records: list[Record],
+    folded: dict[str, int],
+    cpu: float,
+    wall: float,
+    waited: float,
+    left: float,
+    after: Settled,
 ) -> dict[str, float]:
     """One row's figures (without suffixes) from every learner's record, however they were placed."""
     errors = float(sum(item.errors for item in records))
@@ -423,6 +449,8 @@ def row_figures(
         "wait_s": waited,
         "exit_s": left,
         "fragments": float(max(item.fragments for item in active)),
+        "exact": float(all(after.folded.get(f"learner-{item.index}") == item.samples for item in active)),
+        "ledgers": float(after.ledgers),
     }
 
 
@@ -559,6 +587,7 @@ def measure_processes(config: Config, processes: int) -> dict[str, float]:
         gather(workers, "waited")
         send_all(workers, "leave")
         done = gather(workers, "done")
+        after = settled(LocalMailbox(directory, create=False), config)
     finally:
         for _, conn in workers:
             conn.close()  # a worker still waiting for the parent stops, leaves its sessions and exits
@@ -577,6 +606,7 @@ def measure_processes(config: Config, processes: int) -> dict[str, float]:
         wall=max(answer[2] for answer in done),
         waited=max(answer[3] for answer in done),
         left=max(answer[4] for answer in done),
+        after=after,
     )
 
 
@@ -593,6 +623,7 @@ COLUMNS = (
     ("conflicts", "conflicts", "{:.0f}"),
     ("conflicts_per_exchange", "confl/exch", "{:.2f}"),
     ("errors", "errors", "{:.0f}"),
+    ("exact", "exact", "{:.0f}"),
     ("cpu_per_wall", "cpu/wall", "{:.2f}"),
     ("step_rate", "steps min", "{:.3f}"),
     ("late_ms", "late ms", "{:.0f}"),

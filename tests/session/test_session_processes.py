@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import session_scale
 from gradientmail import LocalMailbox, consensus
 from gradientmail.session.chain import KEEP, TOMBSTONE
 
@@ -55,7 +56,7 @@ def run_nodes(kind: str, configs: list[dict], timeout: float = 150) -> list[dict
 
 
 @pytest.mark.timeout(240)
-def test_seed_training_example_runs_as_written_on_two_processes(tmp_path, monkeypatch):
+def test_the_documented_training_example_runs_as_written_on_two_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADIENTMAIL_SESSION_RETIRE_AFTER_S", "0")  # the nodes inherit it
     box_path = tmp_path / "mailbox"
     configs = [
@@ -164,3 +165,19 @@ def test_four_unequal_nodes_with_a_session_match_one_process_and_stay_together(t
     # Alone, the slowest node stops far short of the optimum; with a Session every node ends
     # near the consensus. Measured: about 0.43 against 0.02-0.03; 3x leaves room for noise.
     assert spread_alone > 3 * spread_session, figures
+
+
+@pytest.mark.timeout(300)
+def test_more_learners_than_a_header_holds_in_processes_fold_each_sample_once(monkeypatch):
+    """70 learners (more than a version's 64 header lines: their lines go to ledgers) as threads
+    of two processes sharing one ``LocalMailbox``, two fragments, folding often enough that
+    claims stand in each other's way and contributions wait pending: once everyone left, the
+    run holds every learner's samples exactly once."""
+    monkeypatch.setenv("GRADIENTMAIL_SESSION_FRAGMENTS", "2")  # inherited by the spawned workers
+    config = session_scale.Config(
+        learners=70, seconds=3.0, every=1.0, params=4096, steps_per_s=5.0, latency_s=0.005, bandwidth_bytes_s=40e6
+    )
+    figures = session_scale.measure_processes(config, processes=2)
+    assert figures["errors"] == 0.0, figures
+    assert figures["fragments"] == 2.0 and figures["ledgers"] > 0, figures
+    assert figures["exact"] == 1.0, figures
