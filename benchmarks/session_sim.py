@@ -56,6 +56,7 @@ from benchmarks._simulated_store import READ, WRITE, SimulatedMailbox, Simulated
 from benchmarks._virtual_clock import Event, Task, VirtualClock
 from benchmarks.session_scale import make_model
 from gradientmail import MemoryMailbox
+from gradientmail.layout import parse_state_key, pending_prefix, versions_prefix
 from gradientmail.session import consensus
 from gradientmail.session.exchange import Exchanger, Merge
 from gradientmail.session.fragments import FragmentPlan, accumulation_dtype, auto_fragments, float_state
@@ -150,6 +151,7 @@ class Learner:
     at_end: float = 0.0
     completed: float = 0.0
     conflicts: int = 0
+    exchanges_before: int = 0
 
     def start_schedule(self) -> None:
         """A random phase, as ``Session`` starts one on entering: its own ``Schedule``, on the
@@ -235,6 +237,7 @@ class Run:
         self.waited = Event(self.clock)
         self.start = self.end = math.inf  # the measured window, once everyone joined
         self.folded: dict[str, int] = {}
+        self.chains_before = self.chains_after = (0, 0)
         self._joins = self._waits = 0
 
     def _learner(self, index: int, speed: float) -> Learner:
@@ -281,6 +284,9 @@ class Run:
             self.joined.set()
         self.joined.wait()
         learner.before = learner.box.counters()
+        learner.exchanges_before = learner.exchanges
+        if learner.index == 0:
+            self.chains_before = self.chain_ends()
         end = self.end = self.start + config.every * config.intervals
         phase = learner.index / len(self.learners)
         for k in range(round(config.every * config.intervals * learner.rate)):
@@ -291,6 +297,7 @@ class Run:
         learner.at_end = learner.exchanges / len(learner.plan)
         if learner.index == 0:  # the run as the window closes, before any exit folds the rest
             self.folded = consensus(self.inner, make_model(config.real_params).to(config.wire_dtype))
+            self.chains_after = self.chain_ends()
         if learner.job is not None:
             clock.join(learner.job)
             learner.apply(clock)
@@ -304,6 +311,16 @@ class Run:
         learner.job = learner.job_for_now(clock, list(range(len(learner.plan))), final=True)
         clock.join(learner.job)
         learner.apply(clock)
+
+    def chain_ends(self) -> tuple[int, int]:
+        """``(versions, pending)``: the fragments' newest version numbers summed, and the
+        contributions pending, read from the store directly (no request billed)."""
+        versions, pending = 0, 0
+        for fragment in range(self.config.fragment_count):
+            numbers = [parse_state_key(key, fragment) for key in self.inner.list(versions_prefix(fragment))]
+            versions += max((n for n in numbers if n is not None), default=0)
+            pending += sum(1 for _ in self.inner.list(pending_prefix(fragment)))
+        return versions, pending
 
     def figures(self) -> dict[str, float]:
         """The row's figures (without the ``_N`` suffix); see the module docstring."""
@@ -355,6 +372,9 @@ class Run:
             "exact": 1.0 if exact else 0.0,
             "fragments": float(config.fragment_count),
             "switches": float(self.clock.switches),
+            "absorbed_per_version": sum(learner.exchanges - learner.exchanges_before for learner in learners)
+            / max(self.chains_after[0] - self.chains_before[0], 1),
+            "pending_at_end": self.chains_after[1] / config.fragment_count,
         }
 
 
@@ -380,6 +400,8 @@ COLUMNS = (
     ("written_per_exchange", "written", "{:.2f}"),
     ("requests_per_exchange", "requests", "{:.1f}"),
     ("conflicts_per_fold", "conflicts/fold", "{:.2f}"),
+    ("absorbed_per_version", "per version", "{:.1f}"),
+    ("pending_at_end", "pending", "{:.1f}"),
     ("reads_per_s", "reads/s/prefix", "{:.0f}"),
     ("writes_per_s", "writes/s/prefix", "{:.0f}"),
     ("exact", "exact", "{:.0f}"),
