@@ -20,6 +20,11 @@ Figures per learner count N (suffix ``_N``), with ``benchmarks.session_scale``'s
   over the window / the intended ``window / every``, the smallest over learners (``_mean``).
 - ``session_sim_lag_intervals_N``: samples not in the run (``consensus``) when the window closes, in
   intervals of that learner's own steps, the largest over learners (``_mean``).
+- ``session_sim_versions_lag_intervals_N``: the same, counting only what every fragment's newest
+  *version* holds (what a learner's fold reads), not the contributions still pending beside it
+  (which ``consensus`` adds): whether the chains keep up with the contributions they receive.
+- ``session_sim_absorbed_per_version_N``: contributions folded in the window / versions created
+  in it; ``session_sim_pending_at_end_N``: contributions pending per fragment at the window's end.
 - ``session_sim_read_per_exchange_N``, ``session_sim_written_per_exchange_N``: bytes a learner moved per
   completed exchange, in model sizes (the modelled model's bytes in its wire dtype), mean over
   learners, from the first step to the end of the exchange in flight at the window's end;
@@ -34,7 +39,7 @@ Figures per learner count N (suffix ``_N``), with ``benchmarks.session_scale``'s
   left (``consensus`` equals the samples trained), else 0.0; ``session_sim_wall_s_N``: this machine's
   seconds for the row.
 
-Usage: ``python -m benchmarks.session_sim [--quick] [--learners 16 64 256 1024 4096]
+Usage: ``python -m benchmarks.session_sim [--quick] [--learners 16 64 256 1024] [--jobs 2]
 [--params 1e9] [--every 60] [--intervals 3] [--fragments F] [--latency-ms 20] [--bandwidth-mbs 100]
 [--reads-per-s 5500] [--writes-per-s 3500] [--steps-per-s 1] [--speed-spread 0.2] [--seed 0]``.
 ``--quick`` (CI: 4 and 8 learners, a few seconds) judges nothing. The last line is one JSON object.
@@ -51,13 +56,14 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import emit, parser, table, verdicts
+from benchmarks._common import default_jobs, emit, parallel_map, parser, table, verdicts
 from benchmarks._simulated_store import READ, WRITE, SimulatedMailbox, SimulatedStore, StoreModel
 from benchmarks._virtual_clock import Event, Task, VirtualClock
 from benchmarks.session_scale import make_model
 from gradientmail import MemoryMailbox
 from gradientmail.layout import parse_state_key, pending_prefix, versions_prefix
 from gradientmail.session import consensus
+from gradientmail.session.chain import FragmentChain
 from gradientmail.session.exchange import Exchanger, Merge
 from gradientmail.session.fragments import FragmentPlan, accumulation_dtype, auto_fragments, float_state
 from gradientmail.session.outer import resolve_outer
@@ -237,6 +243,7 @@ class Run:
         self.waited = Event(self.clock)
         self.start = self.end = math.inf  # the measured window, once everyone joined
         self.folded: dict[str, int] = {}
+        self.in_versions: dict[str, int] = {}
         self.chains_before = self.chains_after = (0, 0)
         self._joins = self._waits = 0
 
@@ -298,6 +305,7 @@ class Run:
         if learner.index == 0:  # the run as the window closes, before any exit folds the rest
             self.folded = consensus(self.inner, make_model(config.real_params).to(config.wire_dtype))
             self.chains_after = self.chain_ends()
+            self.in_versions = self.samples_in_versions()
         if learner.job is not None:
             clock.join(learner.job)
             learner.apply(clock)
@@ -322,6 +330,19 @@ class Run:
             pending += sum(1 for _ in self.inner.list(pending_prefix(fragment)))
         return versions, pending
 
+    def samples_in_versions(self) -> dict[str, int]:
+        """``{learner: samples}`` every fragment's newest version holds: what a learner's fold
+        reads from the run, without the contributions still pending (which ``consensus`` adds)."""
+        held: dict[str, int] = {}
+        for fragment in range(self.config.fragment_count):
+            view = FragmentChain(self.inner, fragment, self.config.fragment_count, None, shards=None).view(absorb=0)
+            lines = {} if view is None else view.base.learners
+            for learner in self.learners:
+                line = lines.get(learner.name)
+                samples = 0 if line is None else line.samples
+                held[learner.name] = min(held.get(learner.name, samples), samples)
+        return held
+
     def figures(self) -> dict[str, float]:
         """The row's figures (without the ``_N`` suffix); see the module docstring."""
         config, learners = self.config, self.learners
@@ -342,6 +363,10 @@ class Run:
                 ("written", 2, config.model_bytes),
             )
         }
+        unabsorbed = [
+            (learner.samples_at_end - self.in_versions.get(learner.name, 0)) / learner.rate / config.every
+            for learner in learners
+        ]
         exchanges = sum(learner.completed for learner in learners)
         conflicts = sum(learner.conflicts for learner in learners)
         final = consensus(self.inner, make_model(config.real_params).to(config.wire_dtype))
@@ -351,6 +376,7 @@ class Run:
             "exchange_rate_mean": sum(rates) / len(rates),
             "lag_intervals": max(lags),
             "lag_intervals_mean": sum(lags) / len(lags),
+            "versions_lag_intervals": max(unabsorbed),
             "read_per_exchange": sum(per["read"]) / len(learners),
             "read_per_exchange_max": max(per["read"]),
             "written_per_exchange": sum(per["written"]) / len(learners),
@@ -378,6 +404,14 @@ class Run:
         }
 
 
+def simulate_row(config: SimConfig) -> dict[str, float]:
+    """``simulate(config)``, printing the row when done (a long run's rows as they come)."""
+    row = simulate(config)
+    done = ", ".join(f"{header} {shape.format(row[key])}" for key, header, shape in COLUMNS)
+    print(f"{config.learners} learners: {done}", flush=True)
+    return row
+
+
 def simulate(config: SimConfig) -> dict[str, float]:
     """Run ``config`` on the virtual clock; its figures (see the module docstring)."""
     run = Run(config)
@@ -396,6 +430,7 @@ COLUMNS = (
     ("exchange_rate", "rate min", "{:.3f}"),
     ("exchange_rate_mean", "rate mean", "{:.3f}"),
     ("lag_intervals", "lag max", "{:.2f}"),
+    ("versions_lag_intervals", "unabsorbed max", "{:.2f}"),
     ("read_per_exchange", "read", "{:.2f}"),
     ("written_per_exchange", "written", "{:.2f}"),
     ("requests_per_exchange", "requests", "{:.1f}"),
@@ -442,6 +477,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     command.add_argument("--steps-per-s", type=float, help="a learner's steps per second at speed 1 (default 1)")
     command.add_argument("--speed-spread", type=float, help="learners' speeds drawn from 1 ± this (default 0.2)")
     command.add_argument("--seed", type=int, help="the random seed of every draw (default 0)")
+    command.add_argument(
+        "--jobs", type=int, default=default_jobs(), help="rows simulated at once, one process each (default 2)"
+    )
     args = command.parse_args(argv)
     chosen = {**DEFAULTS, **(QUICK if args.quick else {})}
     for name in DEFAULTS:
@@ -458,9 +496,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     counts, cuts = chosen["learners"], chosen["fragments"] or [None]
     if len(cuts) not in (1, len(counts)):
         command.error(f"--fragments takes one count or one per learner count ({len(counts)}), not {len(cuts)}")
-    results: dict[int, dict[str, float]] = {}
-    for count, cut in zip(counts, cuts * len(counts) if len(cuts) == 1 else cuts):
-        config = SimConfig(
+    configs = [
+        SimConfig(
             learners=count,
             every=chosen["every"],
             intervals=chosen["intervals"],
@@ -471,9 +508,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             store=store,
             seed=chosen["seed"],
         )
-        results[count] = row = simulate(config)
-        done = ", ".join(f"{header} {shape.format(row[key])}" for key, header, shape in COLUMNS)
-        print(f"{count} learners: {done}", flush=True)  # a long run's rows as they come
+        for count, cut in zip(counts, cuts * len(counts) if len(cuts) == 1 else cuts)
+    ]
+    # The largest rows first, each in its own process: a row's figures do not depend on where it ran.
+    largest_first = sorted(configs, key=lambda config: -config.learners * config.fragment_count)
+    rows = dict(
+        zip((config.learners for config in largest_first), parallel_map(simulate_row, largest_first, args.jobs))
+    )
+    results = {config.learners: rows[config.learners] for config in configs}
 
     print(
         f"Session on a virtual clock: {chosen['params']:.3g} parameters in bfloat16 ({2 * chosen['params'] / 1e9:.3g} GB),"
