@@ -154,7 +154,7 @@ TARGETS: dict[str, Target] = {
         }.items()
     },
 }
-"""The issue's targets, by figure name (the figures every script names in its JSON line)."""
+"""The targets, by figure name (the figures every script names in its JSON line)."""
 
 
 def parallel_map(function: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:

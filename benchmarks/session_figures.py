@@ -1,9 +1,9 @@
 """Two Session figures that need no training: ``drag`` and ``read_per_exchange``.
 
-- ``drag``: the issue's toy on the real ``Session``. Equal nodes (threads), each step moves the
+- ``drag``: a toy that shows lost or doubled progress, on the real ``Session``. Equal nodes (threads), each step moves the
   one parameter by +1, exchanges every few steps, staggered and not awaited (the exchange runs
   in each session's background thread while the next steps go on). The consensus' advance per
-  node step: 1.0 means no progress was lost or doubled (the old position-averaging rule: 0.73).
+  node step: 1.0 means no progress was lost or doubled (averaging positions instead: 0.73).
   Measured with ``outer="average"``; the default ``delayed_nesterov`` adds a momentum step on
   top, so it advances more than 1.0 by design (reported as ``drag_delayed_nesterov``).
 - ``read_per_exchange``: bytes a node reads per exchange, in model sizes (float32 parameter

@@ -4,7 +4,7 @@ Atomicity: ``put_if_absent`` is one ``PutObject`` with ``If-None-Match: *`` and 
 one with ``If-Match: <etag>``: the store itself refuses (412), so exactly one racer wins. A write
 whose answer was lost is settled by a per-call token in the object's metadata
 (``TOKEN_METADATA``), so a claim is never lost nor doubled. Transient faults are retried for
-``retry_window`` (section ``s3_retry``). A bounded read (``max_bytes``) is one GET of the first
+``retry_window`` (``gradientmail.mailbox.s3_retry``). A bounded read (``max_bytes``) is one GET of the first
 ``max_bytes + 1`` bytes, whose answer names the object's size. Details: docs/mailboxes.md.
 """
 

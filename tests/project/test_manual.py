@@ -21,6 +21,7 @@ file, which names the patterns."""
 
 HISTORY = {
     "an issue number": re.compile(r"\b[Ii]ssues? #?\d|#\d+,? (?:asked|items?)\b|\(#\d+\)"),
+    "an issue told as the reason": re.compile(r"\b[Tt]he issue's\b|\bof the issue\b"),
     "a protocol generation told as a story": re.compile(
         r"(?<![\"'\[])\b[vV][23]\b(?![:\"'])|\b[Vv]ersion [23]\b(?! of the format)|\bthe first Session\b"
     ),

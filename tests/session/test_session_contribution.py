@@ -188,9 +188,9 @@ def steps_recorded(box) -> dict[str, int]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fragments", [1, 3])
 def test_a_killed_node_s_unfolded_batches_reach_the_model_once(tmp_path, fragments):
-    """The issue's run: three processes, ``resume=True``, a lease, a Session exchanging every
+    """Three processes, ``resume=True``, a lease, a Session exchanging every
     0.3 s; SIGKILL one after 30 batches, then restart it. Every batch is in the run's state
-    (before the gate: the dead node's batches since its last fold were missing), and a batch
+    (the dead node's batches since its last fold included), and a batch
     is counted twice only if the dead node's fold of it landed but its record was not yet
     written: at most the batches it consumed after its last record known to be written."""
     box = LocalMailbox(tmp_path / "box")
