@@ -398,7 +398,9 @@ class Run:
             "exact": 1.0 if exact else 0.0,
             "fragments": float(config.fragment_count),
             "switches": float(self.clock.switches),
-            "absorbed_per_version": sum(learner.exchanges - learner.exchanges_before for learner in learners)
+            "absorbed_per_version": sum(
+                learner.at_end * len(learner.plan) - learner.exchanges_before for learner in learners
+            )
             / max(self.chains_after[0] - self.chains_before[0], 1),
             "pending_at_end": self.chains_after[1] / config.fragment_count,
         }
