@@ -50,6 +50,7 @@ FULL_SCRIPTS = (
     "scale",
     "session_scale",
     "session_sim",
+    "session_processes",
     "faults",
     "local_scale",
     "group_step",
@@ -64,7 +65,8 @@ with the 1M-unit, 1,024-node simulation itself (``--direct``: about 4 minutes a 
 4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), the
 Session at 16 to 1,024 learners with a 1B-parameter model on S3's figures, on a virtual clock
 (``session_sim``: 1,024 learners in 64 fragments, about an hour in a process of its own, beside
-the other rows in 16; 4,096 learners take hours more and are asked for with ``--learners 4096``), and
+the other rows in 16; 4,096 learners take hours more and are asked for with ``--learners 4096``),
+64 and 128 learners dealt to 8 processes on one store (``session_processes``, about 2 minutes), and
 50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
 about a minute), and two node processes against one on a ``LocalMailbox`` (``local_scale --large``:
 10k, 40k and 100k 1-batch units in both orders, three pairs each, about 15 minutes), and what
@@ -149,6 +151,15 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
     ("session_scale", "scale_read_per_exchange_64", "model sizes read per learner per exchange, 64 learners"),
     ("session_scale", "scale_written_per_exchange_64", "model sizes written per learner per exchange, 64 learners"),
     ("session_scale", "scale_errors_64", "learner errors, 64 learners"),
+    *(
+        ("session_processes", f"processes_{figure}_{count}", f"{words}, {count} learners in 8 processes")
+        for count in (64, 128)
+        for figure, words in (
+            ("exchange_rate", "completed / intended exchanges, slowest learner"),
+            ("lag_intervals", "progress not yet in the run, intervals, worst learner"),
+            ("read_per_exchange", "model sizes read per learner per exchange"),
+        )
+    ),
     (
         "session_scale",
         "scale_conflicts_per_exchange_64",

@@ -98,6 +98,24 @@ TARGETS: dict[str, Target] = {
     "scale_read_per_exchange_64": Target("<=", 3.0, "model sizes read per learner per exchange, 64 learners"),
     "scale_written_per_exchange_64": Target("<=", 2.0, "model sizes written per learner per exchange, 64 learners"),
     **{
+        name: target
+        for count in (64, 128)
+        for name, target in {
+            f"processes_exchange_rate_{count}": Target(
+                ">=", 0.9, f"completed / intended exchanges, slowest of {count} learners in 8 processes"
+            ),
+            f"processes_lag_intervals_{count}": Target(
+                "<=", 2.0, f"progress not yet in the run at the window's end, intervals, worst of {count} learners"
+            ),
+            f"processes_read_per_exchange_{count}": Target(
+                "<=", 2.5, f"model sizes read per learner per exchange, {count} learners in 8 processes"
+            ),
+            f"processes_exact_{count}": Target(
+                ">=", 1.0, f"1 when every sample is in the run exactly once after the exits, {count} learners"
+            ),
+        }.items()
+    },
+    **{
         f"local_two_over_one_{order}_{size}": Target(
             "<=", 0.6, f"LocalMailbox, 1-batch units, no training: 2 nodes' wall time / 1 node's, {size} units, {words}"
         )

@@ -642,7 +642,8 @@ def cell(values: list[float], shape: str) -> str:
     return f"{middle} ({shape.format(min(values))}-{shape.format(max(values))})"
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
+def main(argv: list[str] | None = None, prefix: str = "scale") -> dict[str, object]:
+    """Run the rows ``argv`` asks for; figures named ``{prefix}_{figure}_{learners}``."""
     command = parser(__doc__)
     command.add_argument("--learners", type=int, nargs="+", help="learner counts (default 4 16 64)")
     command.add_argument("--seconds", type=float, help="training window per learner count (default 20)")
@@ -719,9 +720,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             values = [run[key] for run in runs if key in run]
             if not values:
                 continue
-            figures[f"scale_{key}_{count}"] = median(values)
+            figures[f"{prefix}_{key}_{count}"] = median(values)
             if len(values) > 1:
-                figures[f"scale_{key}_{count}_range"] = [min(values), max(values)]
+                figures[f"{prefix}_{key}_{count}_range"] = [min(values), max(values)]
     for line in verdicts({name: value for name, value in figures.items() if isinstance(value, float)}):
         print(line)
     figures.update(

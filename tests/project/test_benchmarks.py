@@ -185,6 +185,11 @@ SLOW = {
         "scale_conflicts_per_exchange_64",
         "scale_errors_64",
     ],
+    "session_processes": [
+        f"processes_{figure}_{count}"
+        for count in (64, 128)
+        for figure in ("exchange_rate", "lag_intervals", "read_per_exchange", "written_per_exchange", "exact")
+    ],
     "session_sim": [  # its quick run: tests/session/test_session_sim.py
         f"session_sim_{figure}_{count}"
         for count in (256, 1024, 4096)

@@ -61,3 +61,11 @@ def test_the_issue_targets_name_the_64_learner_figures() -> None:
 
     for name in ("exchange_rate", "lag_intervals", "read_per_exchange", "written_per_exchange", "errors"):
         assert f"scale_{name}_64" in TARGETS, name
+
+
+def test_session_processes_quick_mode_runs_learners_in_processes_and_folds_each_sample_once() -> None:
+    lines, figures = quick_run("session_processes")
+    assert any(line.startswith("learners") for line in lines), lines
+    assert figures["processes"] == 2 and figures["learners"] == [8], figures
+    assert figures["processes_errors_8"] == 0.0 and figures["processes_exact_8"] == 1.0, figures
+    assert finite(figures["processes_exchange_rate_8"]) and finite(figures["processes_read_per_exchange_8"])
