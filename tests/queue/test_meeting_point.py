@@ -11,6 +11,7 @@ from session_toys import exchange, scalar, session  # tests/helpers/ is on sys.p
 
 from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset
 from gradientmail.mailbox.base import describe
+from gradientmail.mailbox.wrappers import CountingMailbox, MailboxWrapper
 from gradientmail.meeting_point import meeting_point
 
 
@@ -35,6 +36,24 @@ def test_stores_that_print_alike_do_not_meet():
     assert meeting_point(queued, learner).queue_figures().units == 0, "the queue reports where it runs"
     assert meeting_point(other, learner).queue_figures().units is None, "another store sees no queue"
     assert meeting_point(other, learner).gate is not meeting_point(queued, learner).gate
+
+
+def test_wrapped_stores_that_print_alike_do_not_meet():
+    """A wrapper (a request counter, say) reaches its store by the store's identity, not by how it prints."""
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    queued, other = MailboxWrapper(Unnamed(f"q-{learner}")), MailboxWrapper(Unnamed(f"o-{learner}"))
+    assert describe(queued) == describe(other)  # one description, two stores
+    _queue(queued, learner)
+    assert meeting_point(queued, learner).queue_figures().units == 0, "the queue reports where it runs"
+    assert meeting_point(other, learner).queue_figures().units is None, "another store sees no queue"
+
+
+def test_a_wrapper_meets_the_store_it_wraps():
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    store = Unnamed(f"s-{learner}")
+    _queue(CountingMailbox(store), learner)  # the queue's requests counted, the Session's not
+    assert meeting_point(store, learner).queue_figures().units == 0
+    assert meeting_point(MailboxWrapper(store), learner) is meeting_point(store, learner)
 
 
 def test_two_mailbox_objects_over_one_store_meet(tmp_path):
