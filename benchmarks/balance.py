@@ -81,7 +81,7 @@ class SlowingTimes(Sequence[float]):
             reported = finish[f"node-{rank}"]
             if not math.isclose(reported, clock, rel_tol=1e-9, abs_tol=1e-9):
                 raise RuntimeError(
-                    f"simulate() no longer reads unit_times once per batch (node-{rank}: "
+                    f"simulate() does not read unit_times once per batch (node-{rank}: "
                     f"finished at {reported}, this benchmark's clock says {clock}); "
                     "the slowdown run needs updating"
                 )

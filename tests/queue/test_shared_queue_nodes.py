@@ -48,7 +48,7 @@ def test_seed_schedule_four_processes(tmp_path):
     counts = {learner: len(by_learner.get(learner, [])) for learner in ("node-0", "node-1", "node-2", "node-3")}
     reports = {learner: node_report(tmp_path, learner) for learner in counts}
     makespan = max(r["end"] for r in reports.values()) - min(r["start"] for r in reports.values())
-    print(f"seed schedule: units {counts}, makespan {makespan / tick:.2f} time units (ideal 12, fixed split 24)")
+    print(f"design-note schedule: units {counts}, makespan {makespan / tick:.2f} time units (ideal 12, fixed split 24)")
     # The design note: A 11, B and C 5, D 3. Which of A, B, C wins the last unit at t = 10 is a race.
     assert (
         counts["node-0"]
