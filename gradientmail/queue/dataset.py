@@ -176,16 +176,16 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies
         self.lease_s = check_elastic(mailbox, resume, lease)
         self.wiring = Wiring(prepared=prepared, elastic=elastic_options(mailbox, resume, self.lease_s))
+        """How ``shared_queue`` runs this dataset (``configured`` returns a copy wired otherwise)."""
         self.resume = self.wiring.elastic is not None and self.wiring.elastic.resume
+        """Whether a restarted learner takes its own unfinished units back (``resume`` resolved)."""
         self.marks_loading = resume is None
         """The design note's queue chosen by the automatic mode (a DataLoader worker, a store
         without ``replace_if``) marks each unit it loads in ``work/`` (a PUT and a DELETE per
         unit), so that ``status`` and a restart see what it left; ``resume=False`` records nothing."""
-        """Whether a restarted learner takes its own unfinished units back (``resume`` resolved)."""
         self.incarnation = uuid.uuid4().hex
         """This dataset's run of the learner in the design note's queue (its workers share it):
         ``work/`` records of another one are units an earlier run left unfinished."""
-        """How ``shared_queue`` runs this dataset (``configured`` returns a copy wired otherwise)."""
         self._halt = [False]  # set when the consumer leaves (workers=0 has no control)
         self._restore: dict[str, dict[str, Any]] = {}
         self._positions: dict[str, dict[str, Any]] = {}  # unit -> token, last step yielded
