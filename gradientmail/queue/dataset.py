@@ -168,8 +168,8 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         # Every node without an order walks the mapping's: they crowd the same next units.
         self._crowd_limit = SHARED_CROWD_LIMIT if order is None else CROWD_LIMIT
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
-        self._counter = register_counter(self.learner_id)
         point = meeting_point(mailbox, self.learner_id)
+        self._counter = register_counter(self.learner_id, point.store)
         point.report_figures(queue_figures(point))
         self._listing = listing
         self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared

@@ -9,7 +9,7 @@ import uuid
 import torch
 from session_toys import exchange, scalar, session  # tests/helpers/ is on sys.path (tests/conftest.py)
 
-from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset
+from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset, units_claimed_by
 from gradientmail.mailbox.base import describe
 from gradientmail.mailbox.wrappers import CountingMailbox, MailboxWrapper
 from gradientmail.meeting_point import meeting_point
@@ -70,6 +70,16 @@ def test_each_learner_meets_its_own_queue():
     _queue(box, f"{run}-0")
     assert meeting_point(box, f"{run}-0").queue_figures().units == 0
     assert meeting_point(box, f"{run}-1").queue_figures().units is None
+
+
+def test_a_learner_s_claims_on_another_store_are_not_reported_here():
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    elsewhere, here = MemoryMailbox(f"e-{learner}"), MemoryMailbox(f"h-{learner}")
+    assert list(_queue(elsewhere, learner)) == []  # claims both units; they hold no batch
+    _queue(here, learner)
+    assert meeting_point(here, learner).queue_figures().units == 0, "this store's queue claimed nothing"
+    assert meeting_point(elsewhere, learner).queue_figures().units == 2
+    assert units_claimed_by(learner) == 2  # the learner's claims in this process, every store
 
 
 def test_the_progress_record_holds_what_the_learners_queue_hands_over(memory_mailbox):
