@@ -32,7 +32,7 @@ from gradientmail.queue.batch_checks import (
 )
 from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claim_ahead import ClaimAhead
-from gradientmail.queue.claim_counter import register_counter
+from gradientmail.queue.claim_counter import ClaimCounter, register_counter
 from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
@@ -168,9 +168,7 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         # Every node without an order walks the mapping's: they crowd the same next units.
         self._crowd_limit = SHARED_CROWD_LIMIT if order is None else CROWD_LIMIT
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
-        point = meeting_point(mailbox, self.learner_id)
-        self._counter = register_counter(self.learner_id, point.store)
-        point.report_figures(queue_figures(point))
+        self._counter = self._meet(mailbox, self.learner_id)
         self._listing = listing
         self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
         self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies
@@ -228,9 +226,10 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         """A copy that claims as another node of this run: its own mailbox client, learner id and
         preference order (positions in this dataset's shared ``claim_index``).
 
-        The copy shares the units, claim index, claim counter and claim statistics: the queue
-        simulator runs a thousand nodes in one process without building and checking the units
-        once per node.
+        The copy shares the units, claim index and claim statistics: the queue simulator runs a
+        thousand nodes in one process without building and checking the units once per node. Its
+        claims count as ``learner_id``'s on its mailbox's store (``units_claimed_by``, the
+        learner's meeting point), never as this dataset's learner's.
 
         Raises:
             ValueError: ``order`` holds positions of another claim index than this dataset's.
@@ -241,7 +240,17 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         dataset.mailbox = mailbox
         dataset.learner_id = validate_learner_id(learner_id)
         dataset.order = order
+        dataset._counter = dataset._meet(mailbox, dataset.learner_id)
         return dataset
+
+    @staticmethod
+    def _meet(mailbox: Mailbox, learner_id: str) -> ClaimCounter:
+        """A new claim counter of ``learner_id`` on ``mailbox``'s store, reported at their
+        meeting point (what the learner's Session shows as the units it claimed)."""
+        point = meeting_point(mailbox, learner_id)
+        counter = register_counter(learner_id, point.store)
+        point.report_figures(queue_figures(point))
+        return counter
 
     @property
     def elastic(self) -> ElasticOptions | None:
