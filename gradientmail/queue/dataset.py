@@ -236,11 +236,12 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         """
         if order.index is not self._claim_index:
             raise ValueError("order must hold positions in this dataset's claim_index (give it claim_index=)")
+        learner_id = validate_learner_id(learner_id)
         dataset = copy.copy(self)
-        dataset.mailbox = mailbox
-        dataset.learner_id = validate_learner_id(learner_id)
-        dataset.order = order
-        dataset._counter = dataset._meet(mailbox, dataset.learner_id)
+        # vars(): the copy's own counter is a private field, set where this class is written.
+        vars(dataset).update(
+            mailbox=mailbox, learner_id=learner_id, order=order, _counter=self._meet(mailbox, learner_id)
+        )
         return dataset
 
     @staticmethod
