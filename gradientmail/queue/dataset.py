@@ -37,12 +37,13 @@ from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT
+from gradientmail.queue.elastic_options import ElasticOptions, check_elastic, elastic_options
 from gradientmail.queue.figures import queue_figures
 from gradientmail.queue.group import LeaderLoad, Split, follower_batches, leader_batches, split_rows, tagged_units
 from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, elastic_options
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.queue.unfinished import untracked_record, warn_unfinished
 from gradientmail.queue.worker_control import WorkerControl, exit_with_parent, guarded
 from gradientmail.run_record import prepare_mailbox

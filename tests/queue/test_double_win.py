@@ -21,9 +21,9 @@ from gradientmail.layout import FRAGMENTS_PREFIX, claim_key, learner_key, lease_
 from gradientmail.mailbox.confirmed import create_confirmed, holds, replace_confirmed
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.presence import Presence
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.lease import OwnLease, fence
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticOptions
 from gradientmail.records import FENCED, RELEASED, RUNNING, ClaimRecord, LeaseRecord, PresenceRecord, WorkRecord
 from gradientmail.session.folded_units import close_slots
 from gradientmail.session.mail import ClosedSlot

@@ -15,9 +15,10 @@ from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import claim_key, done_key, lease_key, work_key
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.queue.claims import claim_body
+from gradientmail.queue.elastic_options import ElasticOptions, check_elastic
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.queue.takeover import take_over
 
 

@@ -11,8 +11,8 @@ import threading
 
 from gradientmail.layout import claim_key, done_key, work_key
 from gradientmail.mailbox.wrappers import MailboxWrapper
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticOptions
 from gradientmail.records import ClaimRecord, WorkRecord
 
 UNITS = [f"u{i}" for i in range(4)]
