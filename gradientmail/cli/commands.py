@@ -7,8 +7,9 @@ import math
 import time
 from typing import Any
 
-from gradientmail.cli.common import S3_READ_OPTIONS, console, json_document, open_cli_mailbox
 from gradientmail.cli.fitting import compact_count, short_names
+from gradientmail.cli.mailbox_url import S3_READ_OPTIONS, open_cli_mailbox
+from gradientmail.cli.output import console, json_document
 from gradientmail.errors import UsageError
 
 
