@@ -345,7 +345,7 @@ def test_status_shows_done_in_progress_released_and_orphaned(memory_mailbox):
     assert (rows["node-0"]["done"], rows["node-0"]["in_progress"], rows["dead"]["orphaned"]) == (1, 1, 1)
 
 
-def test_status_of_a_seed_run_has_no_elastic_counts(memory_mailbox):
+def test_status_of_a_design_note_run_has_no_elastic_counts(memory_mailbox):
     from gradientmail.status import read_run
 
     memory_mailbox.put_if_absent(claim_key("a"), _body(learner="node-0", token="a"))

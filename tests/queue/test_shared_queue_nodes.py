@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # every test here sta
 
 
 @pytest.mark.timeout(120)
-def test_seed_schedule_four_processes(tmp_path):
+def test_documented_schedule_four_processes(tmp_path):
     """24 units, speeds 1:2:2:4: the shared queue ends at about t = 12 (a fixed split: 24)."""
     tick = 0.25
     mailbox = LocalMailbox(tmp_path / "box")
@@ -69,7 +69,7 @@ def test_seed_schedule_four_processes(tmp_path):
     [{"prefetch": 8, "workers": 1}, {"prefetch": 2, "workers": 0}],
     ids=["shared_queue-defaults", "workers0"],
 )
-def test_seed_schedule_with_one_batch_units_and_default_options(tmp_path, options):
+def test_documented_schedule_with_one_batch_units_and_default_options(tmp_path, options):
     """The documented case with the units many users pick, one batch each, and the defaults:
     the fast node takes the most units and the slow one the fewest (each node's buffer could
     hold 8 of the 24 units; a node that filled it would keep units a faster node starts sooner)."""

@@ -59,7 +59,7 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
 @pytest.mark.parametrize(
     ("elastic", "store"),
     [(False, "local"), (True, "local"), (True, "seaweedfs")],
-    ids=["seed-queue", "elastic-queue", "elastic-seaweedfs"],
+    ids=["design-note-queue", "elastic-queue", "elastic-seaweedfs"],
 )
 def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elastic, store, request):
     import fsdp_nodes as nodes  # tests/helpers/ is on sys.path (tests/conftest.py)

@@ -81,13 +81,13 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
+@pytest.mark.parametrize("elastic", [False, True], ids=["design-note-queue", "elastic-queue"])
 def test_two_groups_of_two_train_every_row_once_in_lockstep(tmp_path, elastic):
     assert_every_row_once_in_lockstep(tmp_path, run_groups(tmp_path, elastic=elastic))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
+@pytest.mark.parametrize("elastic", [False, True], ids=["design-note-queue", "elastic-queue"])
 def test_a_group_s_ranks_iterate_the_dataset_in_their_own_dataloader_every_row_once(tmp_path, elastic):
     assert_every_row_once_in_lockstep(tmp_path, run_groups(tmp_path, elastic=elastic, dataset=True))
 

@@ -35,13 +35,13 @@ def run_nodes(kind: str, configs: list[dict], timeout: float = 150) -> list[dict
 
 
 @pytest.mark.timeout(240)
-def test_seed_training_example_runs_as_written_on_two_processes(tmp_path, monkeypatch):
+def test_documented_training_example_runs_as_written_on_two_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADIENTMAIL_SESSION_RETIRE_AFTER_S", "0")  # the nodes inherit it
     box_path = tmp_path / "mailbox"
     configs = [
         {"rank": rank, "mailbox": str(box_path), "out": str(tmp_path / f"{rank}.json")} for rank in range(nodes.nodes)
     ]
-    results = run_nodes("seed", configs)
+    results = run_nodes("documented", configs)
     box = LocalMailbox(box_path)
 
     # Every unit was claimed exactly once and every batch of the run was trained once.
