@@ -35,7 +35,8 @@ PATTERN = (1.0, 2.0, 2.0, 4.0)
 NODE_COUNTS = (4, 64, 256)
 HEADLINE_NODES = 64
 SLOWDOWN_FACTOR = 4.0
-SEED_UNITS = {"node-0": 11, "node-1": 5, "node-2": 5, "node-3": 3}
+DOCUMENTED_UNITS = {"node-0": 11, "node-1": 5, "node-2": 5, "node-3": 3}
+"""Units per node in the design note's example: A claims 11, B and C 5 each, D 3."""
 
 
 def unit_times(nodes: int) -> list[float]:
@@ -81,7 +82,7 @@ class SlowingTimes(Sequence[float]):
             reported = finish[f"node-{rank}"]
             if not math.isclose(reported, clock, rel_tol=1e-9, abs_tol=1e-9):
                 raise RuntimeError(
-                    f"simulate() no longer reads unit_times once per batch (node-{rank}: "
+                    f"simulate() does not read unit_times once per batch (node-{rank}: "
                     f"finished at {reported}, this benchmark's clock says {clock}); "
                     "the slowdown run needs updating"
                 )
@@ -173,9 +174,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     units = 500 if args.quick else 10_000
     jobs = args.jobs or (1 if args.quick else default_jobs())  # starting a process costs more than a quick case
 
-    seed = run_case("design note example", 4, 24)
-    seed_units = [seed.units_by_learner[f"node-{rank}"] for rank in range(4)]
-    reproduced = seed.shared == 12.0 and seed.fixed == 24.0 and seed.units_by_learner == SEED_UNITS
+    documented = run_case("design note example", 4, 24)
+    documented_units = [documented.units_by_learner[f"node-{rank}"] for rank in range(4)]
+    reproduced = (
+        documented.shared == 12.0 and documented.fixed == 24.0 and documented.units_by_learner == DOCUMENTED_UNITS
+    )
     todo = [(f"{nodes} nodes", nodes, units, False) for nodes in NODE_COUNTS]
     todo.append((f"{HEADLINE_NODES} nodes, one 4x slower halfway", HEADLINE_NODES, units, True))
     # The largest case first, so that it never starts last.
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"one batch per unit{' (quick)' if args.quick else ''}"
     )
     rows = []
-    for case in [seed, *cases]:
+    for case in [documented, *cases]:
         rows.append(
             [
                 case.name,
@@ -222,9 +225,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     names = "ABCD"
     print(
-        f"design note example: shared queue t = {seed.shared:g} with "
-        + ", ".join(f"{names[rank]} {count}" for rank, count in enumerate(seed_units))
-        + f"; fixed split t = {seed.fixed:g}: "
+        f"design note example: shared queue t = {documented.shared:g} with "
+        + ", ".join(f"{names[rank]} {count}" for rank, count in enumerate(documented_units))
+        + f"; fixed split t = {documented.fixed:g}: "
         + ("reproduced exactly" if reproduced else "MISMATCH (expected t = 12 with A 11, B 5, C 5, D 3; fixed 24)")
     )
 
@@ -240,9 +243,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         figures[f"fixed_over_bound_{nodes}"] = case.fixed_over_bound
     figures["shared_over_bound_slowdown"] = slowdown.shared_over_bound
     figures["fixed_over_bound_slowdown"] = slowdown.fixed_over_bound
-    figures["seed_makespan"] = seed.shared
-    figures["seed_fixed_makespan"] = seed.fixed
-    figures["seed_units"] = seed_units
+    figures["documented_makespan"] = documented.shared
+    figures["documented_fixed_makespan"] = documented.fixed
+    figures["documented_units"] = documented_units
     figures["units"] = units
     for line in verdicts({"shared_over_bound": headline.shared_over_bound}):
         print(line)

@@ -7,8 +7,9 @@ what the queue claimed and when it trained each unit (``report_figures`` / ``que
 They meet at the one ``MeetingPoint`` of their store and learner id in this process
 (``meeting_point``). The store is told by its identity (``store_identity``: the URL that
 ``open_mailbox`` opens the same store from, or, for a mailbox without a URL, the object
-itself), never by a description, so two mailbox objects over one store meet, and two stores
-that print alike do not. Details: docs/development.md.
+itself; a wrapper from ``gradientmail.mailbox.wrappers`` is told by the store it wraps), never
+by a description, so two mailbox objects over one store meet, and two stores that print alike
+do not. Details: docs/development.md.
 
 Example:
     >>> from gradientmail.mailbox.memory import MemoryMailbox
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradientmail.fold_gate import FoldGate
+from gradientmail.mailbox.wrappers import MailboxWrapper
 
 __all__ = ["MeetingPoint", "QueueFigures", "meeting_point", "store_identity"]
 
@@ -86,9 +88,14 @@ class MeetingPoint:
 
 def store_identity(mailbox: object) -> Hashable:
     """Which store ``mailbox`` reaches, equal for every mailbox object over that store: its URL
-    (what ``open_mailbox`` opens the same store from), or the object itself when it has none."""
+    (what ``open_mailbox`` opens the same store from), or, when it has none, the object itself
+    (for a ``MailboxWrapper``, the store it wraps)."""
     url = getattr(mailbox, "url", None)
-    return ("url", url) if isinstance(url, str) and url else ("object", mailbox)
+    if isinstance(url, str) and url:
+        return ("url", url)
+    if isinstance(mailbox, MailboxWrapper):
+        return store_identity(mailbox.inner)
+    return ("object", mailbox)
 
 
 _POINTS: dict[tuple[Hashable, str], MeetingPoint] = {}

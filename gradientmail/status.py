@@ -400,7 +400,7 @@ class RunReader:
         self._done.update(key[len(DONE_PREFIX) :] for key in self.mailbox.list(DONE_PREFIX))
         lease_keys = [key for key in self.mailbox.list(LEASES_PREFIX) if key.endswith(".json")]
         elastic = bool(self._done or lease_keys or any(claim.state is not None for claim in self._claims.values()))
-        # Seed claims are permanent; elastic claims change hands until their unit is done.
+        # The design note's claims are permanent; elastic claims change hands until their unit is done.
         new = [
             CLAIMS_PREFIX + identifier
             for identifier in listed

@@ -18,19 +18,18 @@ from gradientmail.cli.commands import (
     status_table,
     unreadable_notes,
 )
-from gradientmail.cli.common import (
+from gradientmail.cli.entry import main
+from gradientmail.cli.exits import (
     DEBUG_ENV,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     PROG,
-    S3_READ_OPTIONS,
     USER_ERRORS,
     describe_error,
-    json_document,
-    open_cli_mailbox,
 )
-from gradientmail.cli.entry import main
+from gradientmail.cli.mailbox_url import S3_READ_OPTIONS, open_cli_mailbox
+from gradientmail.cli.output import json_document
 from gradientmail.cli.parser import build_parser
 from gradientmail.errors import UsageError
 

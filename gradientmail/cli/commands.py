@@ -7,8 +7,9 @@ import math
 import time
 from typing import Any
 
-from gradientmail.cli.common import S3_READ_OPTIONS, console, json_document, open_cli_mailbox
 from gradientmail.cli.fitting import compact_count, short_names
+from gradientmail.cli.mailbox_url import S3_READ_OPTIONS, open_cli_mailbox
+from gradientmail.cli.output import console, json_document
 from gradientmail.errors import UsageError
 
 
@@ -269,7 +270,7 @@ def cmd_bucket(args: argparse.Namespace) -> int:
     if scheme.lower() not in ("s3", "s3a") or not bucket:
         raise UsageError(f"{args.url}: expected s3://bucket (a directory mailbox needs no bucket)")
     from gradientmail.mailbox.s3 import S3Mailbox
-    from gradientmail.mailbox.s3_client import ensure_bucket
+    from gradientmail.mailbox.s3_bucket import ensure_bucket
 
     mailbox = S3Mailbox(bucket, endpoint_url=args.endpoint_url)
     where = f" at {args.endpoint_url}" if args.endpoint_url else ""

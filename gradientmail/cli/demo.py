@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradientmail.cli.common import console, open_cli_mailbox
 from gradientmail.cli.demo_plan import Plan, make_plan, makespan, simulate
 from gradientmail.cli.demo_views import BarView, LineView, NodeState, draw_chart, summary_table
+from gradientmail.cli.mailbox_url import open_cli_mailbox
+from gradientmail.cli.output import console
 from gradientmail.errors import DemoError
 from gradientmail.plot import Span
 

@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gradientmail.cli.common import (
+from gradientmail.cli.exits import (
     DEBUG_ENV,
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,

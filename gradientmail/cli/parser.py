@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gradientmail.cli.commands import check_demo, cmd_bucket, cmd_demo, cmd_plot, cmd_status
-from gradientmail.cli.common import DEBUG_ENV, PROG
+from gradientmail.cli.exits import DEBUG_ENV, PROG
 from gradientmail.cli.tokens import add_tokens_command
 
 

@@ -18,24 +18,13 @@ from typing import Any, TypeVar
 
 import botocore.config
 import botocore.exceptions
+import urllib3.exceptions
 
 from gradientmail.errors import MailboxError, UnsafeStoreError, ValueTooLargeError
 from gradientmail.mailbox.base import BaseVersionedMailbox
 from gradientmail.mailbox.keys import validate_prefix
-from gradientmail.mailbox.s3_client import (
-    CONFLICT,
-    CREDENTIAL_ERRORS,
-    EXISTS,
-    MISSING,
-    REQUEST_ERRORS,
-    TRANSIENT,
-    UNSUPPORTED,
-    ProcessClient,
-    bucket_is_missing,
-    denied,
-    explain_failure,
-    outcome,
-)
+from gradientmail.mailbox.s3_bucket import bucket_is_missing
+from gradientmail.mailbox.s3_client import ProcessClient
 from gradientmail.mailbox.s3_common import (
     EMPTY_RANGE_CODE,
     TOKEN_METADATA,
@@ -44,14 +33,25 @@ from gradientmail.mailbox.s3_common import (
     list_keys,
     stored_size,
 )
-from gradientmail.mailbox.s3_retry import (
+from gradientmail.mailbox.s3_failures import (
+    CONFLICT,
     CONNECT_ERRORS,
+    CREDENTIAL_ERRORS,
+    EXISTS,
+    MISSING,
+    REQUEST_ERRORS,
+    TRANSIENT,
+    UNSUPPORTED,
+    denied,
+    explain_failure,
+    outcome,
+)
+from gradientmail.mailbox.s3_retry import (
     DEFAULT_RETRY_WINDOW,
     RetryBudget,
     check_retry_window,
     log_recovery,
     log_retry,
-    read_body,
 )
 
 __all__ = [
@@ -372,12 +372,12 @@ class S3Mailbox(BaseVersionedMailbox):
                     return None
                 raise
             if max_bytes is None:
-                return read_body(response), str(response["ETag"])
+                return _read_body(response), str(response["ETag"])
             size = stored_size(response)
             if size is not None and size > max_bytes:
                 response["Body"].close()
                 raise ValueTooLargeError(key, max_bytes, size, store=self._store)
-            return read_body(response, max_bytes + 1), str(response["ETag"])
+            return _read_body(response, max_bytes + 1), str(response["ETag"])
 
         return self._retrying(operation, key, request)
 
@@ -435,3 +435,36 @@ class S3Mailbox(BaseVersionedMailbox):
             return self._retrying("list", prefix, lambda client: client.list_objects_v2(**request))
 
         return list_keys(fetch, self.bucket, self.prefix, prefix, start_after)
+
+
+_READ_BLOCK = 2**20
+
+
+def _read_body(response: dict[str, Any], limit: int | None = None) -> bytes:
+    """The body of a ``GetObject`` answer, whole or its first ``limit`` bytes; a broken body
+    raises a botocore error (retried). The body is closed after: the rest is never downloaded.
+
+    Raises:
+        botocore.exceptions.BotoCoreError: the body was cut off, stalled or short.
+    """
+    # StreamingBody.read turns a dropped, stalled or short body into botocore's
+    # ResponseStreamingError, ReadTimeoutError or IncompleteReadError; `with body as stream`
+    # would yield the raw urllib3 stream, whose errors are not botocore's.
+    body = response["Body"]
+    try:
+        if limit is None:
+            return body.read()
+        chunks = []
+        while limit > 0:
+            # A block at a time (a read of n bytes may allocate n first); at the end b"", and
+            # StreamingBody then checks the length.
+            chunk = body.read(min(limit, _READ_BLOCK))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            limit -= len(chunk)
+        return b"".join(chunks)
+    except urllib3.exceptions.HTTPError as exc:  # in case a urllib3 error slips through
+        raise botocore.exceptions.ResponseStreamingError(error=exc) from exc
+    finally:
+        body.close()

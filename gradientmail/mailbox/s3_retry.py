@@ -1,4 +1,4 @@
-"""How long ``S3Mailbox`` keeps retrying, and reading a response body so that it can retry.
+"""The retry window: how long, and how often, ``S3Mailbox`` retries one operation's transient faults.
 
 Transient faults are retried until ``retry_window`` has passed since the first failure, with
 capped, fully jittered backoff (nodes neither give up early nor retry in lockstep); an endpoint
@@ -7,27 +7,22 @@ that never answered gets ``FIRST_CONTACT_ATTEMPTS`` rounds. See docs/mailboxes.m
 
 from __future__ import annotations
 
-import collections
 import datetime
 import logging
 import random
 import time
 from typing import Any
 
-import botocore.exceptions
-import urllib3.exceptions
+from gradientmail.mailbox.s3_failures import root_cause
 
 __all__ = [
     "check_retry_window",
-    "CONNECT_ERRORS",
     "DEFAULT_RETRY_WINDOW",
     "FIRST_CONTACT_ATTEMPTS",
     "log_recovery",
     "log_retry",
     "MAX_BACKOFF",
-    "read_body",
     "RetryBudget",
-    "root_cause",
 ]
 
 
@@ -45,13 +40,6 @@ WARN_AFTER_FAILURES = 2
 
 WARN_EVERY_S = 30.0
 """While an outage lasts, one WARNING per operation at most this often."""
-
-CONNECT_ERRORS = (
-    botocore.exceptions.EndpointConnectionError,  # refused, no route, unknown host
-    botocore.exceptions.ConnectTimeoutError,
-    botocore.exceptions.ProxyConnectionError,
-)
-"""No connection could be made: the request never reached the store."""
 
 
 def check_retry_window(window: Any) -> datetime.timedelta:
@@ -157,58 +145,3 @@ def log_recovery(log: logging.Logger, store: str, operation: str, budget: RetryB
             budget.failures,
             budget.elapsed,
         )
-
-
-_READ_BLOCK = 2**20
-
-
-def read_body(response: dict[str, Any], limit: int | None = None) -> bytes:
-    """The body of a ``GetObject`` answer, whole or its first ``limit`` bytes; a broken body
-    raises a botocore error (retried). The body is closed after: the rest is never downloaded.
-
-    Raises:
-        botocore.exceptions.BotoCoreError: the body was cut off, stalled or short.
-    """
-    # StreamingBody.read turns a dropped, stalled or short body into botocore's
-    # ResponseStreamingError, ReadTimeoutError or IncompleteReadError; `with body as stream`
-    # would yield the raw urllib3 stream, whose errors are not botocore's.
-    body = response["Body"]
-    try:
-        if limit is None:
-            return body.read()
-        chunks = []
-        while limit > 0:
-            # A block at a time (a read of n bytes may allocate n first); at the end b"", and
-            # StreamingBody then checks the length.
-            chunk = body.read(min(limit, _READ_BLOCK))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            limit -= len(chunk)
-        return b"".join(chunks)
-    except urllib3.exceptions.HTTPError as exc:  # in case a urllib3 error slips through
-        raise botocore.exceptions.ResponseStreamingError(error=exc) from exc
-    finally:
-        body.close()
-
-
-def root_cause(exc: BaseException) -> str:
-    """The operating-system reason under a connection error (``Connection refused``), or ""."""
-    seen: set[int] = set()
-    fallback = ""
-    pending: collections.deque[Any] = collections.deque([exc])
-    while pending:
-        current = pending.popleft()
-        if not isinstance(current, BaseException) or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.strerror:
-            return str(current.strerror)
-        if isinstance(current, OSError) and not fallback:
-            fallback = str(current)  # e.g. http.client's RemoteDisconnected, without strerror
-        kwargs = getattr(current, "kwargs", None)  # botocore keeps the urllib3 error here
-        if isinstance(kwargs, dict):
-            pending.append(kwargs.get("error"))
-        pending += [getattr(current, "reason", None), current.__cause__, current.__context__]
-        pending += current.args  # urllib3's ProtocolError carries the socket error as an arg
-    return fallback

@@ -34,8 +34,12 @@ class MailboxWrapper:
         self.inner = inner
 
     @property
-    def url(self) -> str:
-        return describe(self.inner)
+    def url(self) -> str | None:
+        """The wrapped store's URL (None when it has none: a description is not an address)."""
+        return getattr(self.inner, "url", None)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({describe(self.inner)})"
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.inner.put_if_absent(key, data)

@@ -1,10 +1,11 @@
-"""Units claimed per learner, counted across this process and its DataLoader workers."""
+"""Units claimed per learner (and store), counted across this process and its DataLoader workers."""
 
 from __future__ import annotations
 
 import ctypes
 import multiprocessing
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 __all__ = [
@@ -18,7 +19,7 @@ __all__ = [
 SLOTS = 256
 """Counter slots per dataset: 0 for this process, 1 + worker id for DataLoader workers."""
 
-_COUNTERS: dict[str, list[ClaimCounter]] = {}
+_COUNTERS: dict[str, list[tuple[Hashable, ClaimCounter]]] = {}
 _COUNTERS_LOCK = threading.Lock()
 
 
@@ -61,24 +62,27 @@ class ClaimCounter:
         return sum(self._slots)
 
 
-def register_counter(learner_id: str) -> ClaimCounter:
-    """A new counter that ``units_claimed_by(learner_id)`` includes."""
+def register_counter(learner_id: str, store: Hashable = None) -> ClaimCounter:
+    """A new counter that ``units_claimed_by(learner_id)`` includes, and
+    ``units_claimed_by(learner_id, store)`` too (``store``: where its queue claims, as
+    ``meeting_point.store_identity`` tells it)."""
     counter = ClaimCounter()
     with _COUNTERS_LOCK:
-        _COUNTERS.setdefault(learner_id, []).append(counter)
+        _COUNTERS.setdefault(learner_id, []).append((store, counter))
     return counter
 
 
-def units_claimed_by(learner_id: str) -> int:
-    """Units that ``learner_id`` claimed through queues created in this process.
+def units_claimed_by(learner_id: str, store: Hashable = None) -> int:
+    """Units that ``learner_id`` claimed through queues created in this process (on ``store``
+    only, when given: a ``meeting_point.store_identity``).
 
     Counts claims made here and in the DataLoader workers of those queues; a ``Session``
-    reports it as ``"units"`` in the learner's progress record.
+    reports those on its own store as ``"units"`` in the learner's progress record.
 
     Example:
         >>> units_claimed_by("a-learner-this-process-never-ran")
         0
     """
     with _COUNTERS_LOCK:
-        counters = list(_COUNTERS.get(learner_id, ()))
+        counters = [counter for where, counter in _COUNTERS.get(learner_id, ()) if store is None or where == store]
     return sum(counter.total() for counter in counters)

@@ -32,17 +32,18 @@ from gradientmail.queue.batch_checks import (
 )
 from gradientmail.queue.batches import TensorTree
 from gradientmail.queue.claim_ahead import ClaimAhead
-from gradientmail.queue.claim_counter import register_counter
+from gradientmail.queue.claim_counter import ClaimCounter, register_counter
 from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 from gradientmail.queue.claimer import DEFAULT_LISTING, LISTING_POLICIES, Claimer
 from gradientmail.queue.claims import validate_identifiers, validate_learner_id
 from gradientmail.queue.crowd import CROWD_LIMIT, SHARED_CROWD_LIMIT
+from gradientmail.queue.elastic_options import ElasticOptions, check_elastic, elastic_options
 from gradientmail.queue.figures import queue_figures
 from gradientmail.queue.group import LeaderLoad, Split, follower_batches, leader_batches, split_rows, tagged_units
 from gradientmail.queue.loading_marks import LoadingMarks
 from gradientmail.queue.pacing import BufferGauge, Endgame, UnitPacer
 from gradientmail.queue.progress import ProgressTracker, consume_inline, tagged_items
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic, elastic_options
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.queue.unfinished import untracked_record, warn_unfinished
 from gradientmail.queue.worker_control import WorkerControl, exit_with_parent, guarded
 from gradientmail.run_record import prepare_mailbox
@@ -168,24 +169,22 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         # Every node without an order walks the mapping's: they crowd the same next units.
         self._crowd_limit = SHARED_CROWD_LIMIT if order is None else CROWD_LIMIT
         self.claim_ahead = checked_count("claim_ahead", claim_ahead, 0)
-        self._counter = register_counter(self.learner_id)
-        point = meeting_point(mailbox, self.learner_id)
-        point.report_figures(queue_figures(point))
+        self._counter = self._meet(mailbox, self.learner_id)
         self._listing = listing
         self._claim_index: ClaimIndex | None = claim_index  # built on first use unless shared
         self._claim_stats: Counter[str] = Counter()  # per process, shared by configured copies
         self.lease_s = check_elastic(mailbox, resume, lease)
         self.wiring = Wiring(prepared=prepared, elastic=elastic_options(mailbox, resume, self.lease_s))
+        """How ``shared_queue`` runs this dataset (``configured`` returns a copy wired otherwise)."""
         self.resume = self.wiring.elastic is not None and self.wiring.elastic.resume
+        """Whether a restarted learner takes its own unfinished units back (``resume`` resolved)."""
         self.marks_loading = resume is None
         """The design note's queue chosen by the automatic mode (a DataLoader worker, a store
         without ``replace_if``) marks each unit it loads in ``work/`` (a PUT and a DELETE per
         unit), so that ``status`` and a restart see what it left; ``resume=False`` records nothing."""
-        """Whether a restarted learner takes its own unfinished units back (``resume`` resolved)."""
         self.incarnation = uuid.uuid4().hex
         """This dataset's run of the learner in the design note's queue (its workers share it):
         ``work/`` records of another one are units an earlier run left unfinished."""
-        """How ``shared_queue`` runs this dataset (``configured`` returns a copy wired otherwise)."""
         self._halt = [False]  # set when the consumer leaves (workers=0 has no control)
         self._restore: dict[str, dict[str, Any]] = {}
         self._positions: dict[str, dict[str, Any]] = {}  # unit -> token, last step yielded
@@ -228,20 +227,32 @@ class SharedQueueDataset(IterableDataset[Batch], Generic[V]):
         """A copy that claims as another node of this run: its own mailbox client, learner id and
         preference order (positions in this dataset's shared ``claim_index``).
 
-        The copy shares the units, claim index, claim counter and claim statistics: the queue
-        simulator runs a thousand nodes in one process without building and checking the units
-        once per node.
+        The copy shares the units, claim index and claim statistics: the queue simulator runs a
+        thousand nodes in one process without building and checking the units once per node. Its
+        claims count as ``learner_id``'s on its mailbox's store (``units_claimed_by``, the
+        learner's meeting point), never as this dataset's learner's.
 
         Raises:
             ValueError: ``order`` holds positions of another claim index than this dataset's.
         """
         if order.index is not self._claim_index:
             raise ValueError("order must hold positions in this dataset's claim_index (give it claim_index=)")
+        learner_id = validate_learner_id(learner_id)
         dataset = copy.copy(self)
-        dataset.mailbox = mailbox
-        dataset.learner_id = validate_learner_id(learner_id)
-        dataset.order = order
+        # vars(): the copy's own counter is a private field, set where this class is written.
+        vars(dataset).update(
+            mailbox=mailbox, learner_id=learner_id, order=order, _counter=self._meet(mailbox, learner_id)
+        )
         return dataset
+
+    @staticmethod
+    def _meet(mailbox: Mailbox, learner_id: str) -> ClaimCounter:
+        """A new claim counter of ``learner_id`` on ``mailbox``'s store, reported at their
+        meeting point (what the learner's Session shows as the units it claimed)."""
+        point = meeting_point(mailbox, learner_id)
+        counter = register_counter(learner_id, point.store)
+        point.report_figures(queue_figures(point))
+        return counter
 
     @property
     def elastic(self) -> ElasticOptions | None:

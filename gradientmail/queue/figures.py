@@ -13,5 +13,5 @@ __all__ = ["queue_figures"]
 
 def queue_figures(point: MeetingPoint) -> Callable[[], QueueFigures]:
     """What this process's queues of ``point``'s learner report to its Session
-    (``MeetingPoint.report_figures``): units claimed here, workers included, and recent units' spans."""
-    return lambda: QueueFigures(units=units_claimed_by(point.learner_id), unit_spans=spans_record(point))
+    (``MeetingPoint.report_figures``): units claimed here on its store, workers included, and recent units' spans."""
+    return lambda: QueueFigures(units=units_claimed_by(point.learner_id, point.store), unit_spans=spans_record(point))

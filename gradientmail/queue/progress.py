@@ -24,8 +24,9 @@ from gradientmail.mailbox.confirmed import replace_confirmed
 from gradientmail.meeting_point import meeting_point
 from gradientmail.queue.batch_checks import Item, UnitTag
 from gradientmail.queue.claims import load_claim
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.lease import OwnLease
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.records import (
     RELEASED,
     RUNNING,

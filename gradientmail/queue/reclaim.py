@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 from gradientmail.errors import RecordError, UnfinishedUnitsWarning
-from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import (
     CLAIMS_PREFIX,
     DONE_PREFIX,
@@ -29,14 +26,15 @@ from gradientmail.layout import (
     work_key,
     work_prefix,
 )
-from gradientmail.mailbox.base import Mailbox, describe, require_replace_if, supports_replace_if
+from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.presence import RENEW_S, process_gone
 from gradientmail.queue.claim_ahead import ClaimAhead
 from gradientmail.queue.claimer import Claimer, Pick
 from gradientmail.queue.claims import try_claim
 from gradientmail.queue.crowd import CROWD_LIMIT
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.lease import UNREADABLE_LEASE, fence
-from gradientmail.queue.liveness import POLL_S, LeaseWatch, lease_seconds
+from gradientmail.queue.liveness import POLL_S, LeaseWatch
 from gradientmail.queue.pacing import BufferGauge
 from gradientmail.queue.takeover import Assignment, take_over
 from gradientmail.queue.unfinished import untracked_claims_error
@@ -55,72 +53,9 @@ from gradientmail.records import (
 from gradientmail.session.folded_units import close_slots
 from gradientmail.verdict import LIVE, judge_lease
 
-__all__ = [
-    "check_elastic",
-    "elastic_options",
-    "ElasticClaimer",
-    "ElasticOptions",
-]
+__all__ = ["ElasticClaimer"]
 
 log = logging.getLogger("gradientmail.queue")
-
-
-@dataclass(frozen=True)
-class ElasticOptions:
-    """What a dataset carries into its workers when resume or leases are on.
-
-    ``incarnation`` names one run of a learner (a fresh ``uuid4`` each time a queue is
-    iterated), so that a restarted node tells its own earlier, dead self's units from the
-    units its current workers hold.
-    """
-
-    resume: bool
-    lease_s: float | None
-    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
-    automatic: bool = False
-    """Chosen by ``resume=None`` (the default), not asked for: a clean exit keeps this learner's
-    unfinished units reserved for it (``releases``), and where consumption cannot be seen (a
-    DataLoader worker) the dataset falls back to the design note's queue instead of refusing."""
-    joined_marks: tuple[tuple[UnitMark, ...], ...] | None = None
-    """This learner's unit marks per fragment as its Session read them when joining (its counts
-    continue from that read), for taking its earlier incarnation's units back; None: read the
-    store (``FoldGate.take_join_marks``)."""
-
-    @property
-    def releases(self) -> bool:
-        """Whether a clean exit releases unfinished units to any node: asked for with
-        ``resume=True`` or ``lease=``; the automatic mode keeps them for this learner id (the
-        design note's reservations stay permanent, only their owner takes them back)."""
-        return not self.automatic or self.lease_s is not None
-
-
-def check_elastic(mailbox: Mailbox, resume: object, lease: timedelta | float | None) -> float | None:
-    """Validate ``resume`` / ``lease`` and refuse a store without compare-and-swap for them.
-
-    ``resume=None`` (automatic) needs nothing: without ``replace_if`` it is the design note's queue.
-    """
-    if resume is not None and not isinstance(resume, bool):
-        raise TypeError(f"resume must be True, False or None (automatic), not {type(resume).__name__}")
-    seconds = lease_seconds(lease)
-    if resume or seconds is not None:
-        feature = "resume=True" if resume else f"lease={lease!r}"
-        require_replace_if(mailbox, feature)
-    return seconds
-
-
-def elastic_options(mailbox: Mailbox, resume: bool | None, lease_s: float | None) -> ElasticOptions | None:
-    """The elastic options ``resume`` and ``lease_s`` ask for (None: the design note's queue).
-
-    ``resume=None`` keeps the resume bookkeeping wherever the store has ``replace_if``, so a
-    learner restarted under the same id takes its unfinished units back exactly.
-    """
-    if resume is None:
-        if supports_replace_if(mailbox):
-            return ElasticOptions(True, lease_s, automatic=True)
-        resume = False
-    if resume or lease_s is not None:
-        return ElasticOptions(resume, lease_s)
-    return None
 
 
 class _FreshClaimer(Claimer):

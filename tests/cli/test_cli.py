@@ -20,7 +20,7 @@ from cli_helpers import (
     assert_user_error,
     cli_env,
     run_cli,
-    write_seed_run,
+    write_documented_run,
 )
 
 from gradientmail import LocalMailbox
@@ -69,9 +69,9 @@ LEARNER_KEYS = {
 
 
 @pytest.fixture
-def seed_run(tmp_path):
+def documented_run(tmp_path):
     mailbox = LocalMailbox(tmp_path / "run")
-    counts = write_seed_run(mailbox)
+    counts = write_documented_run(mailbox)
     return tmp_path / "run", counts
 
 
@@ -86,8 +86,8 @@ def _assert_png(path) -> None:
 
 # -- status ---------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_status_json_reports_the_seed_schedule(seed_run):
-    path, counts = seed_run
+def test_status_json_reports_the_documented_schedule(documented_run):
+    path, counts = documented_run
     result = run_cli("status", "--json", str(path))
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
@@ -108,10 +108,10 @@ def test_status_json_reports_the_seed_schedule(seed_run):
     }
 
 
-def test_a_reader_that_leaves_the_pipe_early_is_not_a_store_error(seed_run):
+def test_a_reader_that_leaves_the_pipe_early_is_not_a_store_error(documented_run):
     """``gradientmail status --json | true``: the reader closed the pipe before the output was
     written; that is the shell's business, not "is the endpoint URL right"."""
-    path, _ = seed_run
+    path, _ = documented_run
     read, write = os.pipe()
     os.close(read)  # the reader is gone before anything is written
     try:
@@ -130,8 +130,8 @@ def test_a_reader_that_leaves_the_pipe_early_is_not_a_store_error(seed_run):
 
 
 @pytest.mark.slow
-def test_status_table_shows_learners_and_claimed_of_total(seed_run):
-    path, _ = seed_run
+def test_status_table_shows_learners_and_claimed_of_total(documented_run):
+    path, _ = documented_run
     result = run_cli("status", str(path), env=cli_env(COLUMNS="120"))
     assert result.returncode == 0, result.stderr
     assert "24/24" in result.stdout
@@ -144,7 +144,7 @@ def test_status_table_shows_learners_and_claimed_of_total(seed_run):
 def test_status_without_run_json_or_progress(tmp_path):
     """Claims alone are a run: the total is unknown and progress fields are null."""
     mailbox = LocalMailbox(tmp_path / "run")
-    write_seed_run(mailbox, run_json=False, progress=False)
+    write_documented_run(mailbox, run_json=False, progress=False)
     mailbox.put_if_absent("units/000099-0.json", b"not json at all\nreally")
     mailbox.put("progress/node-E.json", json.dumps({"learner": "node-E", "samples": 7}).encode())
     result = run_cli("status", "--json", str(tmp_path / "run"))
@@ -160,8 +160,8 @@ def test_status_without_run_json_or_progress(tmp_path):
 
 
 @pytest.mark.slow
-def test_status_watch_refreshes_until_ctrl_c(seed_run):
-    path, _ = seed_run
+def test_status_watch_refreshes_until_ctrl_c(documented_run):
+    path, _ = documented_run
     process = subprocess.Popen(
         [sys.executable, "-m", "gradientmail", "status", "--watch", "--json", "--interval", "0.1", str(path)],
         stdout=subprocess.PIPE,
@@ -191,8 +191,8 @@ def test_status_watch_refreshes_until_ctrl_c(seed_run):
 
 # -- plot -----------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_plot_writes_a_png(seed_run, tmp_path):
-    path, _ = seed_run
+def test_plot_writes_a_png(documented_run, tmp_path):
+    path, _ = documented_run
     output = tmp_path / "charts" / "gantt.png"
     result = run_cli("plot", str(path), "-o", str(output))
     assert result.returncode == 0, result.stderr
@@ -206,7 +206,7 @@ def test_plot_spans_follow_claims_and_progress(tmp_path):
     from gradientmail.status import read_run
 
     mailbox = LocalMailbox(tmp_path / "run")
-    write_seed_run(mailbox, t0=0.0)
+    write_documented_run(mailbox, t0=0.0)
     spans = spans_from_run(read_run(mailbox))
     assert len(spans) == 24 and not any(span.estimated for span in spans)
     assert max(span.end for span in spans) == 12.0
@@ -252,8 +252,8 @@ def test_unusable_urls_are_errors(command, url, fragment, tmp_path):
 
 
 @pytest.mark.slow
-def test_file_url_works_like_a_path(seed_run):
-    path, _ = seed_run
+def test_file_url_works_like_a_path(documented_run):
+    path, _ = documented_run
     result = run_cli("status", "--json", path.as_uri())
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["units_claimed"] == 24
@@ -305,9 +305,9 @@ def _s3_env(endpoint: str, **extra: str) -> dict[str, str]:
 def test_status_json_on_s3(s3_endpoint, s3_bucket):
     from gradientmail import open_mailbox
 
-    mailbox = open_mailbox(f"s3://{s3_bucket}/runs/seed", endpoint_url=s3_endpoint)
-    counts = write_seed_run(mailbox)
-    result = run_cli("status", "--json", f"s3://{s3_bucket}/runs/seed", env=_s3_env(s3_endpoint))
+    mailbox = open_mailbox(f"s3://{s3_bucket}/runs/documented", endpoint_url=s3_endpoint)
+    counts = write_documented_run(mailbox)
+    result = run_cli("status", "--json", f"s3://{s3_bucket}/runs/documented", env=_s3_env(s3_endpoint))
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["units_total"] == 24 and doc["units_claimed"] == 24
@@ -315,7 +315,7 @@ def test_status_json_on_s3(s3_endpoint, s3_bucket):
     # --endpoint-url works as well as AWS_ENDPOINT_URL
     env = cli_env()
     env.pop("AWS_ENDPOINT_URL", None)
-    flagged = run_cli("status", "--json", "--endpoint-url", s3_endpoint, f"s3://{s3_bucket}/runs/seed", env=env)
+    flagged = run_cli("status", "--json", "--endpoint-url", s3_endpoint, f"s3://{s3_bucket}/runs/documented", env=env)
     assert flagged.returncode == 0, flagged.stderr
     assert json.loads(flagged.stdout)["units_claimed"] == 24
 
@@ -324,7 +324,7 @@ def test_status_json_on_s3(s3_endpoint, s3_bucket):
 def test_plot_on_s3(s3_endpoint, s3_bucket, tmp_path):
     from gradientmail import open_mailbox
 
-    write_seed_run(open_mailbox(f"s3://{s3_bucket}/run", endpoint_url=s3_endpoint))
+    write_documented_run(open_mailbox(f"s3://{s3_bucket}/run", endpoint_url=s3_endpoint))
     output = tmp_path / "s3.png"
     result = run_cli("plot", f"s3://{s3_bucket}/run", "-o", str(output), env=_s3_env(s3_endpoint))
     assert result.returncode == 0, result.stderr

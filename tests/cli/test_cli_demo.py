@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import PNG_SIGNATURE, assert_user_error, cli_env, run_cli, write_seed_run
+from cli_helpers import PNG_SIGNATURE, assert_user_error, cli_env, run_cli, write_documented_run
 
 from gradientmail import LocalMailbox
 
@@ -101,7 +101,7 @@ def test_demo_on_s3_with_a_slowdown(s3_endpoint, s3_bucket, tmp_path):
 
 
 def test_demo_refuses_a_mailbox_that_holds_a_run(tmp_path):
-    write_seed_run(LocalMailbox(tmp_path / "used"))
+    write_documented_run(LocalMailbox(tmp_path / "used"))
     result = run_cli("demo", *SMALL, "--mailbox", str(tmp_path / "used"), "--out", str(tmp_path / "out"))
     assert_user_error(result, "already holds a run")
 
@@ -127,7 +127,7 @@ def test_a_failing_node_is_one_line(tmp_path):
     assert (tmp_path / "out" / "logs").is_dir()
 
 
-def test_simulated_schedules_are_the_seed_s():
+def test_simulated_schedules_are_the_design_notes():
     """The demo's ideal and fixed-split numbers: the design note's 11/5/5/3 at t=12 vs t=24."""
     from collections import Counter
 

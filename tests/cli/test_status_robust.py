@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import cli_env, run_cli, run_cli_measured, write_seed_run
+from cli_helpers import cli_env, run_cli, run_cli_measured, write_documented_run
 
 from gradientmail.errors import RunNotFoundError
 from gradientmail.status import read_run, require_run
@@ -63,7 +63,7 @@ ODD_KEYS = {
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_status_json_of_odd_records_is_strict_json_listing_them(request, mailbox_factory, backend):
     box = mailbox_factory(backend)
-    write_seed_run(box, units=8)
+    write_documented_run(box, units=8)
     _plant_odd_records(box)
     if backend == "local":
         url, env = str(box.path), cli_env()
@@ -91,7 +91,7 @@ def test_status_table_of_odd_records_prints_one_line_notes(tmp_path):
     from gradientmail import LocalMailbox
 
     box = LocalMailbox(tmp_path / "run")
-    write_seed_run(box, units=8)
+    write_documented_run(box, units=8)
     _plant_odd_records(box)
     result = run_cli("status", str(tmp_path / "run"), env=cli_env(COLUMNS="400"))
     assert result.returncode == 0, result.stderr
@@ -148,7 +148,7 @@ def test_status_lists_huge_stray_files_as_unreadable_without_reading_them(tmp_pa
     from gradientmail import LocalMailbox
 
     box = LocalMailbox(tmp_path / "run")
-    write_seed_run(box, units=8)
+    write_documented_run(box, units=8)
     strays = ["progress/stray.json", "units/stray.json", "leases/stray.json"]
     for key in strays:
         (tmp_path / "run" / key).parent.mkdir(exist_ok=True)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from big_run import learner_names, write_big_run
-from cli_helpers import cli_env, run_cli, write_seed_run
+from cli_helpers import cli_env, run_cli, write_documented_run
 
 from gradientmail import LocalMailbox, MemoryMailbox
 from gradientmail.cli import status_table
@@ -81,8 +81,8 @@ def test_names_stay_distinct_and_whole_in_the_width(hosts, width, samples_in_run
 
 
 def test_a_table_that_fits_is_left_as_it_was():
-    box = MemoryMailbox(f"width-seed-{random.random()}")
-    write_seed_run(box, t0=time.time() - 60)
+    box = MemoryMailbox(f"width-run-{random.random()}")
+    write_documented_run(box, t0=time.time() - 60)
     run = read_run(box)
     table = status_table(run, 80)
     assert shown_names(table) == ["node-A", "node-B", "node-C", "node-D"]
@@ -144,7 +144,7 @@ def test_columns_nobody_fills_go_before_any_name_is_shortened():
     ``-``. At 80 columns they are left out, and 11-character names stay whole."""
     box = MemoryMailbox(f"width-{random.random()}")
     names = [f"machine-{letter}-0" for letter in "abcdefgh"]
-    write_seed_run(box, progress=False)
+    write_documented_run(box, progress=False)
     for index, name in enumerate(names):  # one more claim each, under the long names
         box.put_if_absent(f"units/extra-{index}", f'{{"learner": "{name}", "token": "t{index}"}}'.encode())
     table = status_table(read_run(box), width=80)

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
-SEED_SPEEDS = {"node-A": 1, "node-B": 2, "node-C": 2, "node-D": 4}
+DESIGN_NOTE_SPEEDS = {"node-A": 1, "node-B": 2, "node-C": 2, "node-D": 4}
 """The design note's example: time units per unit of work; 24 units give A 11, B 5, C 5, D 3."""
 
 
@@ -83,7 +83,7 @@ def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str)
         assert fragment.lower() in lines[0].lower(), (fragment, lines[0])
 
 
-def write_seed_run(
+def write_documented_run(
     mailbox, *, t0: float = 1_700_000_000.0, units: int = 24, run_json: bool = True, progress: bool = True
 ) -> dict[str, int]:
     """The design note's schedule written as claims: each learner claims the next unit when ready.
@@ -92,9 +92,9 @@ def write_seed_run(
     """
     if run_json:
         mailbox.put_if_absent("run.json", json.dumps({"units": units, "created": t0}).encode())
-    ready = dict.fromkeys(SEED_SPEEDS, 0.0)
-    counts = dict.fromkeys(SEED_SPEEDS, 0)
-    lanes = len(SEED_SPEEDS)
+    ready = dict.fromkeys(DESIGN_NOTE_SPEEDS, 0.0)
+    counts = dict.fromkeys(DESIGN_NOTE_SPEEDS, 0)
+    lanes = len(DESIGN_NOTE_SPEEDS)
     for index in range(units):
         identifier = f"{index // lanes:06d}-{index % lanes}.json"
         learner = min(ready, key=lambda name: (ready[name], name))
@@ -107,7 +107,7 @@ def write_seed_run(
             "claimed_at": t0 + ready[learner],
         }
         assert mailbox.put_if_absent(f"units/{identifier}", json.dumps(body).encode())
-        ready[learner] += SEED_SPEEDS[learner]
+        ready[learner] += DESIGN_NOTE_SPEEDS[learner]
         counts[learner] += 1
     if progress:
         for learner, seconds in ready.items():
@@ -115,7 +115,7 @@ def write_seed_run(
                 "learner": learner,
                 "steps": 20 * counts[learner],
                 "samples": 640 * counts[learner],
-                "samples_per_s": 640 / SEED_SPEEDS[learner],
+                "samples_per_s": 640 / DESIGN_NOTE_SPEEDS[learner],
                 "units": counts[learner],
                 "started": t0,
                 "last_seen": t0 + seconds,

@@ -50,7 +50,7 @@ def _append(path: Path, line: str) -> None:
 
 @dataclass(frozen=True)
 class RecordingLoad:
-    """Loads an ``Item`` (or a seed ``Unit``): records the unit, sleeps ``delay`` per batch.
+    """Loads an ``Item`` (or a ``Unit`` of the design note's grid): records the unit, sleeps ``delay`` per batch.
 
     Each batch is ``tensor([index, step])`` so the consumer can tell which unit it came from.
     """

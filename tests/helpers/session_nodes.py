@@ -1,6 +1,6 @@
 """Node processes for ``test_session_processes.py``: ``python tests/helpers/session_nodes.py KIND JSON``.
 
-``seed``: the documented example (``shared_queue`` + ``Session``), its loop
+``documented``: the documented example (``shared_queue`` + ``Session``), its loop
 verbatim, with a tiny language model on the CPU and small constants.
 
 ``regression``: linear regression with a known weight vector; each node sleeps ``delay`` seconds
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-from seed_loop import run_seed_loop  # tests/helpers/ is on sys.path (tests/conftest.py)
+from documented_loop import run_documented_loop  # tests/helpers/ is on sys.path (tests/conftest.py)
 from torch import Tensor
 
 from gradientmail import LocalMailbox, Session
@@ -94,7 +94,7 @@ def start_line(box: LocalMailbox, rank: int, count: int) -> None:
         time.sleep(0.01)
 
 
-def seed_node(config: dict) -> dict:
+def documented_node(config: dict) -> dict:
     rank = config["rank"]
     box = LocalMailbox(config["mailbox"])
     device = "cpu"
@@ -104,7 +104,7 @@ def seed_node(config: dict) -> dict:
     session = Session(model, mailbox=box, learner_id=f"node-{rank}", every_steps=2)
     start_line(box, rank, nodes)
 
-    last_loss = run_seed_loop(
+    last_loss = run_documented_loop(
         units=units,
         box=box,
         rank=rank,
@@ -229,6 +229,6 @@ def regression_run(config: dict, run: dict) -> dict:
 
 if __name__ == "__main__":
     kind, config = sys.argv[1], json.loads(sys.argv[2])
-    result = {"seed": seed_node, "regression": regression_node}[kind](config)
+    result = {"documented": documented_node, "regression": regression_node}[kind](config)
     with open(config["out"], "w") as handle:
         json.dump(result, handle)

@@ -120,7 +120,7 @@ for i in range(int(sys.argv[2])):
 def test_listings_see_every_key_created_before_they_started(local_mailbox, scans):
     (local_mailbox.path / "units").mkdir()
     for i in range(2000):  # more keys than the writers change: never cheaper to read them all again
-        (local_mailbox.path / "units" / f"{i:05d}-seed").write_bytes(b"v")
+        (local_mailbox.path / "units" / f"{i:05d}-before").write_bytes(b"v")
     assert len(list(local_mailbox.list("units/"))) == 2000
     built = scans.mark()
     writers = [_run(_CREATOR, str(local_mailbox.path), "400", name) for name in ("a", "b")]
@@ -137,9 +137,9 @@ def test_listings_see_every_key_created_before_they_started(local_mailbox, scans
                         break
                     progressed = True
                     reported[line[1:].strip()] = line[0] == "+"
-            listed = set(local_mailbox.list("units/", "units/00000-seed" if round_ % 2 else None))
+            listed = set(local_mailbox.list("units/", "units/00000-before" if round_ % 2 else None))
             for key, present in reported.items():
-                if key > "units/00000-seed" or round_ % 2 == 0:
+                if key > "units/00000-before" or round_ % 2 == 0:
                     assert (key in listed) == present, (key, present)
             if not progressed:
                 break

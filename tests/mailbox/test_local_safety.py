@@ -117,7 +117,7 @@ def test_a_fifo_is_refused_without_hanging(local_mailbox):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    reader.join(timeout=60)  # a hang guard only: the old code blocked here forever
+    reader.join(timeout=60)  # a hang guard only: opening a FIFO to read blocks forever
     assert not reader.is_alive(), "get() blocked opening a FIFO"
     assert isinstance(outcome[0], MailboxError) and "FIFO" in str(outcome[0])
     with pytest.warns(MailSkippedWarning, match=r"'units/a'.*FIFO"):

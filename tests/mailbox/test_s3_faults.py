@@ -128,8 +128,8 @@ def test_broken_bodies_past_the_retries_raise_mailbox_error(proxy, s3_bucket):
 
 @pytest.mark.slow
 def test_cut_listing_pages_and_error_bodies(proxy, s3_bucket):
-    """Already handled before the fix (botocore turns an unparseable page into a 500, and an
-    error body cut short still carries its status); kept so that it stays that way."""
+    """A cut listing page or error body is retried like any other failure: botocore turns an
+    unparseable page into a 500, and an error body cut short still carries its status."""
     mailbox = through(proxy.url, s3_bucket)
     mailbox.put("k", b"v")
     proxy.rule = first(1, TRUNCATE, is_listing)

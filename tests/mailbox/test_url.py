@@ -132,7 +132,7 @@ def test_bad_urls(url):
 
 
 def test_missing_boto3_names_the_extra(monkeypatch):
-    for module in ("gradientmail.mailbox.s3", "gradientmail.mailbox.s3_client", "gradientmail.mailbox.s3_retry"):
+    for module in ("gradientmail.mailbox.s3", "gradientmail.mailbox.s3_client"):
         monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, "boto3", None)  # "import boto3" now raises ImportError
     with pytest.raises(MissingExtraError, match=r"pip install 'gradientmail\[s3\]'") as caught:

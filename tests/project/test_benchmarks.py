@@ -20,9 +20,9 @@ FIGURES = {
         "fixed_over_bound_256",
         "shared_over_bound_slowdown",
         "fixed_over_bound_slowdown",
-        "seed_makespan",
-        "seed_fixed_makespan",
-        "seed_units",
+        "documented_makespan",
+        "documented_fixed_makespan",
+        "documented_units",
     ],
     "small_units": [
         "small_units_makespan",

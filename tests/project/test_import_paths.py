@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SEED_PATH = "gradientmail.patterns.shared_queue"
-SEED_NAMES = {"shared_queue", "SharedQueueDataset"}
+DESIGN_NOTE_PATH = "gradientmail.patterns.shared_queue"
+DESIGN_NOTE_NAMES = {"shared_queue", "SharedQueueDataset"}
 LAZY_EXPORT = re.compile(r'"(\w+)": "gradientmail[\w.]*"')
 
 
@@ -71,7 +71,7 @@ def crossings(source: str, where: str) -> list[str]:
             name = alias.name
             if name in defined or (package and name in exported) or module_file(f"{module}.{name}")[0]:
                 continue
-            if module == SEED_PATH and name in SEED_NAMES:
+            if module == DESIGN_NOTE_PATH and name in DESIGN_NOTE_NAMES:
                 continue
             found.append(f"{where}:{node.lineno}: from {module} import {name}")
     return found
@@ -102,7 +102,7 @@ def test_no_module_but_a_package_init_re_exports():
     found = []
     for path in sorted((ROOT / "gradientmail").rglob("*.py")):
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        if path.name == "__init__.py" or module == SEED_PATH:
+        if path.name == "__init__.py" or module == DESIGN_NOTE_PATH:
             continue
         tree = ast.parse(path.read_text())
         imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
@@ -111,13 +111,13 @@ def test_no_module_but_a_package_init_re_exports():
     assert not found, "modules that list an imported name in __all__:\n" + "\n".join(found)
 
 
-def test_the_seed_path_names_only_the_seed_entry_points():
+def test_the_design_note_path_names_only_its_entry_points():
     import gradientmail
-    from gradientmail.patterns import shared_queue as seed
+    from gradientmail.patterns import shared_queue as design_note
 
-    assert set(seed.__all__) == SEED_NAMES
-    assert seed.shared_queue is gradientmail.shared_queue
-    assert seed.SharedQueueDataset is gradientmail.SharedQueueDataset
+    assert set(design_note.__all__) == DESIGN_NOTE_NAMES
+    assert design_note.shared_queue is gradientmail.shared_queue
+    assert design_note.SharedQueueDataset is gradientmail.SharedQueueDataset
     assert sorted(p.name for p in (ROOT / "gradientmail" / "patterns").glob("*.py")) == [
         "__init__.py",
         "shared_queue.py",

@@ -35,6 +35,16 @@ HISTORY = {
 }
 """What reads as development history, by the words that give it away."""
 
+SEED_NAMED = re.compile(
+    r"(?i)(?<![A-Za-z0-9])(?:[A-Za-z0-9]+[-_])*?"
+    r"(?:(?:queue|the)[-_]seeds?(?![A-Za-z0-9_-])|seeds?[-_](?:"
+    r"case|claims?|demo|entry|example|figures|fixed|grid|kind|loop|makespan|mapping|names|nodes?|"
+    r"path|protocol|queue|rotation|runs?|s|schedules?|speeds|training|units?)(?![A-Za-z0-9]))"
+)
+"""A name (identifier, file, test id, figure key) that calls the design note or its example "the
+seed": ``seed_loop``, ``SEED_SPEEDS``, ``seed-queue``, ``test_shared_queue_seed``. A random seed
+(``manual_seed``, ``--seed``, ``PYTHONHASHSEED``, ``the_same_seed_and``) is another word."""
+
 FIGURE_BLOCK = re.compile(r"<!-- figures: .*?<!-- /figures -->", re.DOTALL)
 
 
@@ -65,6 +75,15 @@ def history_lines(path: Path, root: Path = ROOT) -> list[str]:
     return found
 
 
+def seed_names(path: Path, root: Path = ROOT) -> list[str]:
+    """``file[:line]: name`` for the file's name and every name in it that calls a thing "the seed"."""
+    where = path.relative_to(root)
+    found = [f"{where}: {match.group()}" for match in SEED_NAMED.finditer(path.name)]
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        found += [f"{where}:{number}: {match.group()}" for match in SEED_NAMED.finditer(line)]
+    return found
+
+
 def test_no_development_history_in_the_manual_the_code_or_the_tests() -> None:
     found = [line for path in scanned_files() for line in history_lines(path)]
     assert not found, "development history (it belongs in CHANGELOG.md, in user terms):\n" + "\n".join(found)
@@ -81,6 +100,30 @@ def test_the_history_scan_names_file_and_line(tmp_path: Path) -> None:
         ["page.md:2", "an issue number"],
         ["page.md:2", "the seed as product vocabulary"],
         ["page.md:6", "what was tried and dropped"],
+    ]
+
+
+def test_no_name_calls_the_design_note_the_seed() -> None:
+    # results.json too: its figure keys are names that the README and docs show.
+    paths = [*scanned_files(), ROOT / "benchmarks" / "results.json"]
+    found = [name for path in paths for name in seed_names(path)]
+    assert not found, 'names for "the seed" (say what it is: design_note, documented, ...):\n' + "\n".join(found)
+
+
+def test_the_seed_name_scan_tells_product_names_from_random_seeds(tmp_path: Path) -> None:
+    module = tmp_path / "test_shared_queue_seed.py"
+    module.write_text(
+        "from seed_loop import run_seed_loop\nSEED_SPEEDS = {}\nids=['seed-queue']\nfigures['seed_makespan'] = 1\n"
+        "torch.manual_seed(0); random.seed(1); parser.add_argument('--seed'); env['PYTHONHASHSEED']\n"
+        "def test_a_run_continues_with_the_same_seed_and_refuses_another(seed, hash_seed, MODEL_SEED): ...\n"
+    )
+    assert [line.split(": ", 1) for line in seed_names(module, tmp_path)] == [
+        ["test_shared_queue_seed.py", "test_shared_queue_seed"],
+        ["test_shared_queue_seed.py:1", "seed_loop"],
+        ["test_shared_queue_seed.py:1", "run_seed_loop"],
+        ["test_shared_queue_seed.py:2", "SEED_SPEEDS"],
+        ["test_shared_queue_seed.py:3", "seed-queue"],
+        ["test_shared_queue_seed.py:4", "seed_makespan"],
     ]
 
 

@@ -92,6 +92,20 @@ def test_every_module_says_its_one_concept_in_its_first_line(name: str) -> None:
     assert len(first) <= 120 and ". " not in first.rstrip("."), f"{where}: one sentence, one line: {first!r}"
 
 
+NO_CONCEPT = {"common", "helpers", "misc", "shared", "util", "utils"}
+"""Module names that say where code is used, not what it is."""
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_is_named_for_its_concept(name: str) -> None:
+    # "Helpers every command shares" is a drawer, not a concept: its parts each get a module
+    # named for what they are (cli/exits.py, cli/output.py, ...).
+    docstring = ast.get_docstring(ast.parse(MODULES[name].read_text())) or ""
+    where = MODULES[name].relative_to(ROOT)
+    assert name.rpartition(".")[2] not in NO_CONCEPT, f"{where}: name the module for its concept"
+    assert not re.match(r"(Helpers|Utilities|Miscellaneous)\b", docstring), f"{where}: say the concept, not 'helpers'"
+
+
 GLUED = re.compile(r"^Section ``\w+`` below:", re.MULTILINE)
 """A docstring paragraph that introduces one of several modules pasted into one file."""
 

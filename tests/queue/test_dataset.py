@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 import gradientmail
 from gradientmail import MemoryMailbox, SharedQueueDataset, units_claimed_by
 from gradientmail.layout import RUN_KEY
+from gradientmail.meeting_point import meeting_point, store_identity
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.claim_index import ClaimIndex, PositionOrder
 
@@ -95,6 +96,22 @@ def test_empty_mapping_yields_nothing_and_claims_nothing(memory_mailbox):
 def test_exported_from_package():
     assert gradientmail.SharedQueueDataset is SharedQueueDataset
     assert gradientmail.shared_queue is shared_queue
+
+
+def test_a_copy_for_another_node_counts_its_claims_as_that_node(memory_mailbox):
+    """A copy that claims as node-1 counts its units as node-1's on the store (the figure node-1's
+    Session reports), and none as the original's node-0."""
+    units = named_units(3, steps=1)
+    index = ClaimIndex(list(units))
+    first = SharedQueueDataset(
+        units, mailbox=memory_mailbox, learner_id="node-0", load=load_item, claim_index=index, resume=False
+    )
+    second = first.for_node(mailbox=memory_mailbox, learner_id="node-1", order=PositionOrder(index, [0, 1, 2]))
+    assert len(list(second)) == 3
+    store = store_identity(memory_mailbox)
+    assert (units_claimed_by("node-1", store), units_claimed_by("node-0", store)) == (3, 0)
+    assert (second.units_claimed(), first.units_claimed()) == (3, 0)
+    assert meeting_point(memory_mailbox, "node-1").queue_figures().units == 3
 
 
 def test_a_copy_for_another_node_claims_under_its_own_name_and_order(memory_mailbox):

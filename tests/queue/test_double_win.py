@@ -21,9 +21,9 @@ from gradientmail.layout import FRAGMENTS_PREFIX, claim_key, learner_key, lease_
 from gradientmail.mailbox.confirmed import create_confirmed, holds, replace_confirmed
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.presence import Presence
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.lease import OwnLease, fence
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticOptions
 from gradientmail.records import FENCED, RELEASED, RUNNING, ClaimRecord, LeaseRecord, PresenceRecord, WorkRecord
 from gradientmail.session.folded_units import close_slots
 from gradientmail.session.mail import ClosedSlot
@@ -71,7 +71,7 @@ def test_a_beat_whose_fence_landed_instead_loses_the_lease(box):
     seen = LeaseRecord.from_bytes(box.get(lease_key("owner")))
     box.rivals[lease_key("owner")] = seen.replace(state=FENCED, fenced_by="taker", fenced_at=time.time()).to_bytes()
     with pytest.raises(LeaseLostError, match="taker"):
-        lease.write(RUNNING, 1)  # before: returned as written, and the owner went on folding
+        lease.write(RUNNING, 1)  # not "written": the owner would go on folding
     assert lease.lost
 
 
@@ -81,7 +81,7 @@ def test_a_fence_whose_owner_beat_landed_instead_takes_nothing(box):
     seen = box.get_versioned(lease_key("owner"))
     beat = LeaseRecord.new("owner", "inc-1", 2, 1, 30.0, RUNNING).to_bytes()
     box.rivals[lease_key("owner")] = beat
-    assert fence(box, "owner", seen, "taker", 30.0, "inc-1") is False  # before: True, a double training
+    assert fence(box, "owner", seen, "taker", 30.0, "inc-1") is False  # not True: two learners would train the unit
     assert LeaseRecord.from_bytes(box.get(lease_key("owner"))).state == RUNNING  # the beat stands
 
 
@@ -102,7 +102,7 @@ def test_a_presence_whose_rival_registered_instead_is_a_duplicate(box):
 
     presence = Presence(box, "node-0", "mine", renew_s=10.0, clock=lambda: clock[0], sleep=sleep)
     with pytest.raises(DuplicateLearnerError):
-        presence.start()  # before: both processes registered under one learner id
+        presence.start()  # else both processes would run under one learner id
     assert PresenceRecord.from_bytes(box.get(learner_key("node-0"))).incarnation == "other"
 
 
@@ -112,7 +112,7 @@ def test_a_release_whose_takeover_landed_instead_releases_nothing(box):
     box.put_if_absent(claim_key("u"), json.dumps({"learner": "me", "token": "t", "state": "active"}).encode())
     taken = json.dumps({"learner": "taker", "token": "t2", "state": "active", "taken_from": "me"}).encode()
     box.rivals[claim_key("u")] = taken
-    assert ProgressTracker(box, "me", options).release() == 0  # before: 1, counted as handed back
+    assert ProgressTracker(box, "me", options).release() == 0  # not 1: the unit was taken, not handed back
     claim = ClaimRecord.from_bytes(box.get(claim_key("u")))
     assert claim.learner == "taker" and claim.state != RELEASED
 
@@ -171,7 +171,7 @@ def test_a_slot_closure_whose_contribution_landed_instead_closes_nothing(memory_
         first.step(samples=1)
         first.wait()
     box.rivals[FRAGMENTS_PREFIX] = b"the learner's late contribution"  # over the slot being closed
-    assert close_slots(box, "node-0", "node-1") == 0  # before: 1, counted as closed
+    assert close_slots(box, "node-0", "node-1") == 0  # not 1: the slot holds a contribution, it was not closed
 
 
 class AbsorbedAtOnce(MailboxWrapper):

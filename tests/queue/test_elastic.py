@@ -15,9 +15,10 @@ from gradientmail.fold_gate import UnitMark
 from gradientmail.layout import claim_key, done_key, lease_key, work_key
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.queue.claims import claim_body
+from gradientmail.queue.elastic_options import ElasticOptions, check_elastic
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions, check_elastic
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.queue.takeover import take_over
 
 
@@ -344,7 +345,7 @@ def test_status_shows_done_in_progress_released_and_orphaned(memory_mailbox):
     assert (rows["node-0"]["done"], rows["node-0"]["in_progress"], rows["dead"]["orphaned"]) == (1, 1, 1)
 
 
-def test_status_of_a_seed_run_has_no_elastic_counts(memory_mailbox):
+def test_status_of_a_design_note_run_has_no_elastic_counts(memory_mailbox):
     from gradientmail.status import read_run
 
     memory_mailbox.put_if_absent(claim_key("a"), _body(learner="node-0", token="a"))

@@ -159,7 +159,7 @@ def _drain_claimer(mailbox, order, learner) -> None:
         pass
 
 
-def test_with_resume_false_the_queue_is_the_seeds(memory_mailbox, mailbox_factory, monkeypatch):
+def test_with_resume_false_the_queue_is_the_design_notes(memory_mailbox, mailbox_factory, monkeypatch):
     """Same requests as the design note's claim protocol plus start-up and one count of the nodes near
     the end, and claims stay permanent."""
     monkeypatch.setattr("gradientmail.presence.RENEW_S", 3600.0)  # no renewal mid-test

@@ -54,7 +54,7 @@ def test_a_slow_mark_write_delays_no_batch():
     store = HeldMarks(MemoryMailbox("loading-marks-held"))
     dataset = SharedQueueDataset({"a": 1, "b": 2}, mailbox=store, learner_id="node-0", load=_load)
     batches = iter(dataset)
-    first = next(batches)  # before: waited for the mark's put (HELD_S) before loading the unit
+    first = next(batches)  # not after the mark's put (HELD_S): the mark is written off the loader's path
     store.release.set()
     rest = list(batches)
     assert not store.timed_out, "the loader waited for the mark of its unit"

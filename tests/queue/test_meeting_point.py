@@ -9,8 +9,9 @@ import uuid
 import torch
 from session_toys import exchange, scalar, session  # tests/helpers/ is on sys.path (tests/conftest.py)
 
-from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset
+from gradientmail import LocalMailbox, MemoryMailbox, SharedQueueDataset, units_claimed_by
 from gradientmail.mailbox.base import describe
+from gradientmail.mailbox.wrappers import CountingMailbox, MailboxWrapper
 from gradientmail.meeting_point import meeting_point
 
 
@@ -37,6 +38,24 @@ def test_stores_that_print_alike_do_not_meet():
     assert meeting_point(other, learner).gate is not meeting_point(queued, learner).gate
 
 
+def test_wrapped_stores_that_print_alike_do_not_meet():
+    """A wrapper (a request counter, say) reaches its store by the store's identity, not by how it prints."""
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    queued, other = MailboxWrapper(Unnamed(f"q-{learner}")), MailboxWrapper(Unnamed(f"o-{learner}"))
+    assert describe(queued) == describe(other)  # one description, two stores
+    _queue(queued, learner)
+    assert meeting_point(queued, learner).queue_figures().units == 0, "the queue reports where it runs"
+    assert meeting_point(other, learner).queue_figures().units is None, "another store sees no queue"
+
+
+def test_a_wrapper_meets_the_store_it_wraps():
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    store = Unnamed(f"s-{learner}")
+    _queue(CountingMailbox(store), learner)  # the queue's requests counted, the Session's not
+    assert meeting_point(store, learner).queue_figures().units == 0
+    assert meeting_point(MailboxWrapper(store), learner) is meeting_point(store, learner)
+
+
 def test_two_mailbox_objects_over_one_store_meet(tmp_path):
     learner = f"meet-{uuid.uuid4().hex[:8]}"
     _queue(LocalMailbox(tmp_path / "run", create=True), learner)
@@ -51,6 +70,16 @@ def test_each_learner_meets_its_own_queue():
     _queue(box, f"{run}-0")
     assert meeting_point(box, f"{run}-0").queue_figures().units == 0
     assert meeting_point(box, f"{run}-1").queue_figures().units is None
+
+
+def test_a_learner_s_claims_on_another_store_are_not_reported_here():
+    learner = f"meet-{uuid.uuid4().hex[:8]}"
+    elsewhere, here = MemoryMailbox(f"e-{learner}"), MemoryMailbox(f"h-{learner}")
+    assert list(_queue(elsewhere, learner)) == []  # claims both units; they hold no batch
+    _queue(here, learner)
+    assert meeting_point(here, learner).queue_figures().units == 0, "this store's queue claimed nothing"
+    assert meeting_point(elsewhere, learner).queue_figures().units == 2
+    assert units_claimed_by(learner) == 2  # the learner's claims in this process, every store
 
 
 def test_the_progress_record_holds_what_the_learners_queue_hands_over(memory_mailbox):

@@ -31,7 +31,8 @@ from gradientmail.layout import (
     work_key,
 )
 from gradientmail.patterns.shared_queue import shared_queue
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
+from gradientmail.queue.elastic_options import ElasticOptions
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.records import (
     CLAIM,
     ClaimRecord,

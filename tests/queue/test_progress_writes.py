@@ -11,8 +11,8 @@ import threading
 
 from gradientmail.layout import claim_key, done_key, work_key
 from gradientmail.mailbox.wrappers import MailboxWrapper
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticOptions
 from gradientmail.records import ClaimRecord, WorkRecord
 
 UNITS = [f"u{i}" for i in range(4)]
@@ -48,7 +48,7 @@ def test_the_records_of_units_finished_together_are_written_side_by_side(memory_
         tracker.finished(identifier, f"t-{identifier}")
     tracker.start()
     tracker.flush()
-    tracker.check()  # before: threading.BrokenBarrierError, the reads came one at a time
+    tracker.check()  # the reads overlap: one at a time they would break the barrier
     tracker.close(release=False, clean=True)
     assert tracker.writes["done"] == len(UNITS)
     assert all(memory_mailbox.get(done_key(identifier)) is not None for identifier in UNITS)

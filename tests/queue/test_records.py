@@ -22,9 +22,10 @@ from gradientmail import RecordError, RecordSkippedWarning, RunMismatchError
 from gradientmail.layout import claim_key, learner_key, lease_key, work_key
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.claims import parse_claim
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.liveness import LeaseWatch
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.queue.takeover import take_over
 from gradientmail.records import (
     CLAIM,

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # every test here sta
 
 
 @pytest.mark.timeout(120)
-def test_seed_schedule_four_processes(tmp_path):
+def test_documented_schedule_four_processes(tmp_path):
     """24 units, speeds 1:2:2:4: the shared queue ends at about t = 12 (a fixed split: 24)."""
     tick = 0.25
     mailbox = LocalMailbox(tmp_path / "box")
@@ -48,7 +48,7 @@ def test_seed_schedule_four_processes(tmp_path):
     counts = {learner: len(by_learner.get(learner, [])) for learner in ("node-0", "node-1", "node-2", "node-3")}
     reports = {learner: node_report(tmp_path, learner) for learner in counts}
     makespan = max(r["end"] for r in reports.values()) - min(r["start"] for r in reports.values())
-    print(f"seed schedule: units {counts}, makespan {makespan / tick:.2f} time units (ideal 12, fixed split 24)")
+    print(f"design-note schedule: units {counts}, makespan {makespan / tick:.2f} time units (ideal 12, fixed split 24)")
     # The design note: A 11, B and C 5, D 3. Which of A, B, C wins the last unit at t = 10 is a race.
     assert (
         counts["node-0"]
@@ -69,7 +69,7 @@ def test_seed_schedule_four_processes(tmp_path):
     [{"prefetch": 8, "workers": 1}, {"prefetch": 2, "workers": 0}],
     ids=["shared_queue-defaults", "workers0"],
 )
-def test_seed_schedule_with_one_batch_units_and_default_options(tmp_path, options):
+def test_documented_schedule_with_one_batch_units_and_default_options(tmp_path, options):
     """The documented case with the units many users pick, one batch each, and the defaults:
     the fast node takes the most units and the slow one the fewest (each node's buffer could
     hold 8 of the 24 units; a node that filled it would keep units a faster node starts sooner)."""

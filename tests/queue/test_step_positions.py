@@ -18,8 +18,9 @@ from queue_nodes import named_units
 from gradientmail import LocalMailbox, SharedQueueDataset
 from gradientmail.layout import claim_key
 from gradientmail.patterns.shared_queue import shared_queue
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.progress import Consumption, ProgressTracker, tagged_items
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.status import read_run
 
 pytestmark = pytest.mark.timeout(90)

@@ -31,7 +31,7 @@ def _load(sizes: dict[str, int]):
 def test_one_batch_units_send_one_end_marker_in_all():
     units = [f"u{i}" for i in range(5)]
     items = list(tagged_items(Claims(units), _load(dict.fromkeys(units, 1))))
-    assert [item.tag.unit for item in items] == [*units, "u4"]  # before: an end marker per unit
+    assert [item.tag.unit for item in items] == [*units, "u4"]  # not an end marker per unit
     assert [item.tag.end for item in items] == [False] * 5 + [True]
     assert [item.tag.ended and item.tag.ended[0] for item in items] == [None, "u0", "u1", "u2", "u3", None]
 

@@ -11,9 +11,9 @@ from gradientmail import Unit, rotated_order, unit_grid
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_unit_grid_is_the_seeds_mapping():
+def test_unit_grid_is_the_design_notes_mapping():
     steps, unit_steps, nodes = 4000, 20, 4
-    seed = {
+    design_note = {
         f"{first // unit_steps:06d}-{lane}.json": Unit(
             first=first,
             count=min(unit_steps, steps - first),
@@ -24,7 +24,7 @@ def test_unit_grid_is_the_seeds_mapping():
         for lane in range(nodes)
     }
     grid = unit_grid(steps, unit_steps, nodes)
-    assert list(grid.items()) == list(seed.items())
+    assert list(grid.items()) == list(design_note.items())
     assert len(grid) == 800 and grid["000000-2.json"] == Unit(first=0, count=20, lane=2, lanes=4)
 
 
@@ -35,7 +35,7 @@ def test_unit_grid_shortens_the_last_group():
         unit_grid(10, 0, 2)
 
 
-def test_rotated_order_plain_is_the_seeds_rotation():
+def test_rotated_order_plain_is_the_design_notes_rotation():
     units = unit_grid(steps=2, unit_steps=1, lanes=4)
     assert rotated_order(units, 1, 4, block=1, lag=0) == [
         "000000-1.json",

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from process_harness import failures_of, free_port, kill_running, outputs_of, start_script
 
 from gradientmail import LocalMailbox, consensus
 from gradientmail.errors import MailRejectedError
@@ -28,14 +27,7 @@ from gradientmail.session.chain import run_cut
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 NODE_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "fsdp_nodes.py"
-ROOT = NODE_SCRIPT.parents[2]
 GROUPS, SIZE = 2, 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_groups(tmp_path: Path, **options) -> list[dict]:
@@ -56,29 +48,9 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
                     **options,
                 }
             )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(NODE_SCRIPT), json.dumps(config)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for config in configs
-    ]
-    failures = []
-    try:
-        for config, process in zip(configs, processes):
-            output, _ = process.communicate(timeout=120)
-            if process.returncode != 0:
-                failures.append(
-                    f"group {config['group']} rank {config['rank']} exited {process.returncode}:\n{output[-4000:]}"
-                )
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    processes = [start_script(NODE_SCRIPT, json.dumps(config)) for config in configs]
+    outputs = outputs_of(processes, 120)
+    failures = failures_of([f"group {c['group']} rank {c['rank']}" for c in configs], processes, outputs)
     assert not failures, "\n".join(failures)
     return [json.loads(Path(config["out"]).read_text()) for config in configs]
 
@@ -87,7 +59,7 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
 @pytest.mark.parametrize(
     ("elastic", "store"),
     [(False, "local"), (True, "local"), (True, "seaweedfs")],
-    ids=["seed-queue", "elastic-queue", "elastic-seaweedfs"],
+    ids=["design-note-queue", "elastic-queue", "elastic-seaweedfs"],
 )
 def test_two_sharded_groups_train_every_step_once_and_sum_exactly(tmp_path, elastic, store, request):
     import fsdp_nodes as nodes  # tests/helpers/ is on sys.path (tests/conftest.py)
@@ -156,15 +128,6 @@ def test_a_killed_rank_stops_its_group_which_restarts_with_nothing_lost(tmp_path
             **extra,
         }
 
-    def start(settings: dict) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, str(NODE_SCRIPT), json.dumps(settings)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
     first = [free_port(), free_port()]
     configs = [
         config(0, 0, first[0], "dead-0.json"),
@@ -172,27 +135,22 @@ def test_a_killed_rank_stops_its_group_which_restarts_with_nothing_lost(tmp_path
         config(1, 0, first[1], "out-1-0.json"),
         config(1, 1, first[1], "out-1-1.json"),
     ]
-    processes = [start(c) for c in configs]
+    processes = [start_script(NODE_SCRIPT, json.dumps(c)) for c in configs]
     restarted: list[subprocess.Popen] = []
     try:
-        output, _ = processes[1].communicate(timeout=120)
+        [output] = outputs_of(processes[1:2], 120)
         assert processes[1].returncode == -signal.SIGKILL, output[-3000:]
         processes[0].kill()  # as torchrun stops the group when one of its processes fails
-        processes[0].communicate(timeout=60)
+        outputs_of(processes[:1], 60)
         port = free_port()
         again = [config(0, rank, port, f"out-0-{rank}.json") for rank in range(SIZE)]
-        restarted = [start(c) for c in again]
-        failures = []
-        for settings, process in [*zip(configs[2:], processes[2:]), *zip(again, restarted)]:
-            output, _ = process.communicate(timeout=150)
-            if process.returncode != 0:
-                failures.append(f"{settings['out']} exited {process.returncode}:\n{output[-4000:]}")
+        restarted = [start_script(NODE_SCRIPT, json.dumps(c)) for c in again]
+        waited = [*processes[2:], *restarted]
+        outputs = outputs_of(waited, 150)
+        failures = failures_of([settings["out"] for settings in [*configs[2:], *again]], waited, outputs)
         assert not failures, "\n".join(failures)
     finally:
-        for process in processes + restarted:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        kill_running(processes + restarted)
     results = [json.loads((tmp_path / name).read_text()) for name in ("out-0-0.json", "out-0-1.json", "out-1-0.json")]
     dead = json.loads((tmp_path / "dead-1.json.trained").read_text())
     assert len(dead) == 4

@@ -13,29 +13,20 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from process_harness import free_port, outputs_of, start_script  # tests/helpers/ (tests/conftest.py)
 
 from gradientmail import LocalMailbox, consensus
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 NODE_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "group_nodes.py"
-ROOT = NODE_SCRIPT.parents[2]
 GROUPS, SIZE = 2, 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def configs_of(tmp_path: Path, group: int, **options) -> list[dict]:
@@ -58,30 +49,12 @@ def configs_of(tmp_path: Path, group: int, **options) -> list[dict]:
 
 
 def start(configs: list[dict]) -> list[subprocess.Popen]:
-    return [
-        subprocess.Popen(
-            [sys.executable, str(NODE_SCRIPT), json.dumps(config)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for config in configs
-    ]
+    return [start_script(NODE_SCRIPT, json.dumps(config)) for config in configs]
 
 
 def finish(configs: list[dict], processes: list[subprocess.Popen], timeout: float = 120) -> list[dict]:
     """Every rank's result (``{"error": ...}`` for a rank that stopped on one); a hang fails."""
-    deadline = time.monotonic() + timeout
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    outputs = outputs_of(processes, timeout)
     results = []
     for config, process, output in zip(configs, processes, outputs):
         path = Path(config["out"])
@@ -108,13 +81,13 @@ def run_groups(tmp_path: Path, **options) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
+@pytest.mark.parametrize("elastic", [False, True], ids=["design-note-queue", "elastic-queue"])
 def test_two_groups_of_two_train_every_row_once_in_lockstep(tmp_path, elastic):
     assert_every_row_once_in_lockstep(tmp_path, run_groups(tmp_path, elastic=elastic))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("elastic", [False, True], ids=["seed-queue", "elastic-queue"])
+@pytest.mark.parametrize("elastic", [False, True], ids=["design-note-queue", "elastic-queue"])
 def test_a_group_s_ranks_iterate_the_dataset_in_their_own_dataloader_every_row_once(tmp_path, elastic):
     assert_every_row_once_in_lockstep(tmp_path, run_groups(tmp_path, elastic=elastic, dataset=True))
 

@@ -77,7 +77,7 @@ def test_a_reader_far_from_the_store_reads_a_chain_that_moves_fast(memory_mailbo
         finally:
             stop.set()
             writer.join(30)
-    assert samples["fast"] >= 1  # before: SessionError, "kept vanishing while being read"
+    assert samples["fast"] >= 1  # no SessionError ("kept vanishing while being read")
 
 
 @pytest.mark.parametrize("value", ["soon", "-1", "inf", "nan"])

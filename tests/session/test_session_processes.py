@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,35 +20,17 @@ from gradientmail.session.chain import KEEP, TOMBSTONE
 pytest.importorskip("gradientmail.patterns.shared_queue")
 
 import session_nodes as nodes  # noqa: E402  (tests/helpers/ is on sys.path: tests/conftest.py)
+from process_harness import failures_of, outputs_of, start_script  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 NODE_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "session_nodes.py"
-ROOT = NODE_SCRIPT.parents[2]
 
 
 def run_nodes(kind: str, configs: list[dict], timeout: float = 150) -> list[dict]:
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(NODE_SCRIPT), kind, json.dumps(config)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for config in configs
-    ]
-    failures = []
-    try:
-        for config, process in zip(configs, processes):
-            output, _ = process.communicate(timeout=timeout)
-            if process.returncode != 0:
-                failures.append(f"node {config['rank']} exited {process.returncode}:\n{output[-4000:]}")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    processes = [start_script(NODE_SCRIPT, kind, json.dumps(config)) for config in configs]
+    outputs = outputs_of(processes, timeout)
+    failures = failures_of([f"node {config['rank']}" for config in configs], processes, outputs)
     assert not failures, "\n".join(failures)
     return [json.loads(Path(config["out"]).read_text()) for config in configs]
 
@@ -62,7 +42,7 @@ def test_the_documented_training_example_runs_as_written_on_two_processes(tmp_pa
     configs = [
         {"rank": rank, "mailbox": str(box_path), "out": str(tmp_path / f"{rank}.json")} for rank in range(nodes.nodes)
     ]
-    results = run_nodes("seed", configs)
+    results = run_nodes("documented", configs)
     box = LocalMailbox(box_path)
 
     # Every unit was claimed exactly once and every batch of the run was trained once.

@@ -16,7 +16,7 @@ ORDER_SHAPES = [None, {}, {"block": 1, "lag": 0}, {"block": 8, "lag": 1}, {"bloc
 
 
 @pytest.mark.parametrize("shape", ORDER_SHAPES)
-def test_seed_schedule(shape):
+def test_documented_schedule(shape):
     """Greedy claiming of equal units: the preference order changes which units, not how many."""
     units = unit_grid(steps=6, unit_steps=1, lanes=4)
     result = simulate(units, unit_times=[1, 2, 2, 4], rotate_lanes=None if shape is None else 4, **(shape or {}))

@@ -1,4 +1,4 @@
-"""The documented loop (``../shared/seed/shared-queue.txt``), verbatim, once for every test that runs it."""
+"""The documented loop (the design note's ``shared-queue.txt``), verbatim, once for every test that runs it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 
-def run_seed_loop(
+def run_documented_loop(
     *,
     units: Mapping[str, Any],
     box: Any,

@@ -2,7 +2,7 @@
 restarts of a process slot, used when ``learner_id`` is omitted.
 
 ``f"node-{rank}"`` repeats on every machine that runs its own launcher: the second machine's
-processes waited, then were refused, or got in after the first finished and overwrote its
+processes would wait, then be refused, or get in after the first finished and overwrite its
 progress record. The default is the host name plus the launcher's rank.
 """
 

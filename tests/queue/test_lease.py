@@ -26,8 +26,9 @@ from gradientmail.mailbox.memory import MemoryMailbox
 from gradientmail.mailbox.wrappers import CountingMailbox, MailboxWrapper
 from gradientmail.patterns.shared_queue import shared_queue
 from gradientmail.queue.claims import claim_body
+from gradientmail.queue.elastic_options import ElasticOptions
 from gradientmail.queue.progress import ProgressTracker
-from gradientmail.queue.reclaim import ElasticClaimer, ElasticOptions
+from gradientmail.queue.reclaim import ElasticClaimer
 from gradientmail.records import LeaseRecord
 from gradientmail.session.folded_units import close_slots
 from gradientmail.session.mail import VoidSlotError, decode_pending

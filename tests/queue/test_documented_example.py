@@ -1,7 +1,7 @@
 """The design note's shared-queue example, as written (smaller constants), on a LocalMailbox.
 
 Only the surroundings are supplied here: ``sequences`` (the application's reader), a tiny model,
-optimizer, device, learning-rate schedule and a stand-in session. The blocks marked "seed" are
+optimizer, device, learning-rate schedule and a stand-in session. The blocks marked "the design note" are
 the design note's text; ``steps`` is 4 instead of 4,000 and ``unit_steps`` 2 instead of 20.
 """
 
@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from seed_loop import run_seed_loop  # tests/helpers/ is on sys.path (tests/conftest.py)
+from documented_loop import run_documented_loop  # tests/helpers/ is on sys.path (tests/conftest.py)
 
 from gradientmail import LocalMailbox, unit_grid
 from gradientmail import Unit as LibraryUnit
@@ -28,7 +28,7 @@ def sequences(start: int, count: int) -> torch.Tensor:
     return (rows + torch.arange(SEQUENCE)) % VOCAB
 
 
-# -- seed ------------------------------------------------------------------------------------
+# -- the design note ------------------------------------------------------------------------------------
 from dataclasses import dataclass  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def load_unit(unit: Unit) -> Iterator[tuple[int, Tensor]]:
         yield step, sequences(start, share)
 
 
-# -- end of seed -------------------------------------------------------------------------------
+# -- end of the design note -------------------------------------------------------------------------------
 
 
 class TinyModel(torch.nn.Module):
@@ -103,7 +103,7 @@ class StandInSession:
         self.samples += samples
 
 
-def test_library_grid_matches_the_seed_grid():
+def test_library_grid_matches_the_design_note_grid():
     grid = unit_grid(steps, unit_steps, nodes)
     assert list(grid) == list(units)
     assert all(
@@ -115,7 +115,7 @@ def test_library_grid_matches_the_seed_grid():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_seed_training_loop_runs_as_written(tmp_path):
+def test_documented_training_loop_runs_as_written(tmp_path):
     box = LocalMailbox(tmp_path / "run")
     rank = 0
     device = torch.device("cpu")
@@ -131,7 +131,7 @@ def test_seed_training_loop_runs_as_written(tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
         warnings.filterwarnings("ignore", message=".*device_type of 'cuda'.*")
-        run_seed_loop(
+        run_documented_loop(
             units=units,
             box=box,
             rank=rank,
