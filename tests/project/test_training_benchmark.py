@@ -70,8 +70,9 @@ def test_quick_training_benchmark_prints_its_figures_as_json_last() -> None:
     assert 0.25 <= figures["int8_bytes_over_float32"] < 0.5, figures["int8_bytes_over_float32"]
 
 
+@pytest.mark.timeout(960)
 def test_quick_groups_benchmark_reports_each_method_and_the_traffic_per_machine() -> None:
-    lines, figures = quick_run("training", "--groups")
+    lines, figures = quick_run("training", "--groups", timeout=900)  # 4 processes per method, on a busy machine
     assert any(line.startswith("method") for line in lines), lines
     for name in ("learners", "groups"):
         for figure in ("loss_over_ddp", "makespan_over_ddp", "read_per_machine", "written_per_machine"):

@@ -49,7 +49,7 @@ def test_a_claim_holder_reads_the_pending_contributions_beside_the_base_in_one_t
         contribute("d", 0)
         chain["b"].fold(holder, "b", {"w": torch.ones(256)}, Contribution(0, 1, 1, 0.0))  # version 1
         started = clock.now
-        view = chain["a"].view(me="a", claim=True)  # a claims version 2: base and both pending
+        view = chain["a"].view(me="a", claim=True)  # a claims the next version: base and both pending
         waited["view"] = clock.now - started
         assert view is not None and view.claimed and len(view.absorbed) == 2
 
