@@ -194,6 +194,7 @@ SUMMARY: tuple[tuple[str, str, str], ...] = (
         for figure, words in (
             ("exchange_rate", "completed / intended exchanges, slowest learner"),
             ("lag_intervals", "progress not yet in the run, intervals, worst learner"),
+            ("versions_lag_intervals", "progress not yet in the newest versions (what nodes read), worst learner"),
             ("read_per_exchange", "model sizes read per learner per exchange"),
             ("written_per_exchange", "model sizes written per learner per exchange"),
             ("reads_per_s", "reads per second on the busiest prefix (S3: 5,500)"),

@@ -154,6 +154,11 @@ TARGETS: dict[str, Target] = {
             f"session_sim_lag_intervals_{count}": Target(
                 "<=", 2.0, f"progress not yet in the run, in intervals, worst of {count} learners (virtual clock)"
             ),
+            f"session_sim_versions_lag_intervals_{count}": Target(
+                "<=",
+                2.0,
+                f"progress not yet in the fragments' newest versions (what nodes read), worst of {count} learners",
+            ),
             f"session_sim_read_per_exchange_{count}": Target(
                 "<=", 2.5, f"model sizes read per learner per exchange, {count} learners (virtual clock)"
             ),

@@ -23,8 +23,9 @@ Figures per learner count N (suffix ``_N``), with ``benchmarks.session_scale``'s
 - ``session_sim_versions_lag_intervals_N``: the same, counting only what every fragment's newest
   *version* holds (what a learner's fold reads), not the contributions still pending beside it
   (which ``consensus`` adds): whether the chains keep up with the contributions they receive.
-- ``session_sim_absorbed_per_version_N``: contributions folded in the window / versions created
-  in it; ``session_sim_pending_at_end_N``: contributions pending per fragment at the window's end.
+- ``session_sim_contributions_per_version_N``: contributions made in the window / versions created
+  in it (a version absorbs at most ``chain.MAX_ABSORBED + 1``: above that the chain falls behind);
+  ``session_sim_pending_at_end_N``: contributions pending per fragment at the window's end.
 - ``session_sim_read_per_exchange_N``, ``session_sim_written_per_exchange_N``: bytes a learner moved per
   completed exchange, in model sizes (the modelled model's bytes in its wire dtype), mean over
   learners, from the first step to the end of the exchange in flight at the window's end;
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -398,7 +400,7 @@ class Run:
             "exact": 1.0 if exact else 0.0,
             "fragments": float(config.fragment_count),
             "switches": float(self.clock.switches),
-            "absorbed_per_version": sum(
+            "contributions_per_version": sum(
                 learner.at_end * len(learner.plan) - learner.exchanges_before for learner in learners
             )
             / max(self.chains_after[0] - self.chains_before[0], 1),
@@ -407,10 +409,10 @@ class Run:
 
 
 def simulate_row(config: SimConfig) -> dict[str, float]:
-    """``simulate(config)``, printing the row when done (a long run's rows as they come)."""
+    """``simulate(config)``, printing the row on stderr when done (a long run's rows as they come)."""
     row = simulate(config)
     done = ", ".join(f"{header} {shape.format(row[key])}" for key, header, shape in COLUMNS)
-    print(f"{config.learners} learners: {done}", flush=True)
+    print(f"{config.learners} learners: {done}", file=sys.stderr, flush=True)
     return row
 
 
@@ -437,7 +439,7 @@ COLUMNS = (
     ("written_per_exchange", "written", "{:.2f}"),
     ("requests_per_exchange", "requests", "{:.1f}"),
     ("conflicts_per_fold", "conflicts/fold", "{:.2f}"),
-    ("absorbed_per_version", "per version", "{:.1f}"),
+    ("contributions_per_version", "per version", "{:.1f}"),
     ("pending_at_end", "pending", "{:.1f}"),
     ("reads_per_s", "reads/s/prefix", "{:.0f}"),
     ("writes_per_s", "writes/s/prefix", "{:.0f}"),

@@ -196,6 +196,7 @@ SLOW = {
         for figure in (
             "exchange_rate",
             "lag_intervals",
+            "versions_lag_intervals",
             "read_per_exchange",
             "written_per_exchange",
             "reads_per_s",
