@@ -27,6 +27,7 @@ from benchmarks._virtual_clock import VirtualClock
 from gradientmail.errors import ValueTooLargeError
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.mailbox.wrappers import MailboxWrapper
+from gradientmail.records import MAX_RECORD_BYTES
 
 T = TypeVar("T")
 
@@ -172,9 +173,14 @@ class SimulatedMailbox(MailboxWrapper):
         if max_bytes is None:
             return self._send(key, READ, None, lambda: self.inner.get(key), lambda data: data)
         # As the S3 mailbox reads it: one GET of the first ``max_bytes + 1`` bytes, refused when the
-        # object (at its modelled size) is larger, having carried only those bytes.
+        # object (at its modelled size) is larger, having carried only those bytes. A bound of at
+        # most a record's size is a record's bound (``min(len(data), MAX_RECORD_BYTES)``, reckoned
+        # by the caller on the real bytes): in the modelled run it is the modelled body's, capped
+        # at a record's size.
         data = self._send(key, READ, None, lambda: self.inner.get(key, max_bytes=max_bytes), lambda _: None)
         billed = self.store.model.billed(data)
+        if max_bytes <= MAX_RECORD_BYTES:
+            max_bytes = min(int(max_bytes * self.store.model.body_scale), MAX_RECORD_BYTES)
         carried = min(billed, max_bytes + 1)
         self.bytes_read += carried
         self.store.clock.sleep_until(self.store.clock.now + carried / self.store.model.bandwidth_bytes_s)
