@@ -76,7 +76,20 @@ FULL_OPTIONS: dict[str, tuple[str, ...]] = {
     "scale": ("--direct", "--repeats", "3"),
     "requests": ("--repeats", "3"),
     "local_scale": ("--large",),
-    "session_sim": ("--learners", "16", "64", "256", "1024"),
+    "session_sim": (
+        "--learners",
+        "16",
+        "64",
+        "256",
+        "1024",
+        "--fragments",
+        "16",
+        "16",
+        "16",
+        "64",
+        "--also",
+        "1024:16",
+    ),
 }
 """Options a script gets in a full (not ``--quick``) run: the 1M rows are measured, not estimated."""
 

@@ -14,7 +14,8 @@ exchange job in the background while it steps, its merges applied at the next st
 once done, a final fold of every fragment on leaving. Learners step at ``--steps-per-s`` times a
 speed drawn per learner from ``1 ± --speed-spread``.
 
-Figures per learner count N (suffix ``_N``), with ``benchmarks.session_scale``'s definitions:
+Figures per row (suffix ``_N``, the learner count, or ``_NxF`` for a row of ``--also``: N learners
+on F fragments), with ``benchmarks.session_scale``'s definitions:
 
 - ``session_sim_exchange_rate_N``: completed whole exchanges (fragment exchanges / fragments) per learner
   over the window / the intended ``window / every``, the smallest over learners (``_mean``).
@@ -25,7 +26,10 @@ Figures per learner count N (suffix ``_N``), with ``benchmarks.session_scale``'s
   (which ``consensus`` adds): whether the chains keep up with the contributions they receive.
 - ``session_sim_contributions_per_version_N``: contributions made in the window / versions created
   in it (a version absorbs at most ``chain.MAX_ABSORBED + 1``: above that the chain falls behind);
-  ``session_sim_pending_at_end_N``: contributions pending per fragment at the window's end.
+  ``session_sim_pending_at_end_N``: contributions pending per fragment at the window's end;
+  ``session_sim_backlog_warnings_N``: the share of (learner, fragment) pairs that warned of a
+  growing backlog (``chain.BACKLOG_WARNING``), ``session_sim_other_warnings_N`` the Session's
+  other warnings (their first is printed on stderr).
 - ``session_sim_read_per_exchange_N``, ``session_sim_written_per_exchange_N``: bytes a learner moved per
   completed exchange, in model sizes (the modelled model's bytes in its wire dtype), mean over
   learners, from the first step to the end of the exchange in flight at the window's end;
@@ -41,18 +45,22 @@ Figures per learner count N (suffix ``_N``), with ``benchmarks.session_scale``'s
   seconds for the row.
 
 Usage: ``python -m benchmarks.session_sim [--quick] [--learners 16 64 256 1024] [--jobs 2]
-[--params 1e9] [--every 60] [--intervals 3] [--fragments F] [--latency-ms 20] [--bandwidth-mbs 100]
+[--params 1e9] [--every 60] [--intervals 3] [--fragments F ...] [--also N:F ...] [--latency-ms 20] [--bandwidth-mbs 100]
 [--reads-per-s 5500] [--writes-per-s 3500] [--steps-per-s 1] [--speed-spread 0.2] [--seed 0]``.
 ``--quick`` (CI: 4 and 8 learners, a few seconds) judges nothing. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import sys
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +76,7 @@ from gradientmail.session import consensus
 from gradientmail.session.chain import FragmentChain
 from gradientmail.session.exchange import Exchanger, Merge
 from gradientmail.session.fragments import FragmentPlan, accumulation_dtype, auto_fragments, float_state
+from gradientmail.session.mail import Ledger
 from gradientmail.session.outer import resolve_outer
 from gradientmail.session.schedule import Schedule
 
@@ -228,6 +237,58 @@ class Learner:
             self.job = self.job_for_now(clock, self.schedule.take(self.steps), final=False)
 
 
+class WarningCounter(logging.Handler):
+    """Counts the Session's warnings by their first words (``fragment 3 of 16: 70 contributions
+    ... wait`` counts as a backlog warning), instead of printing thousands of learners' lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.backlog = 0
+        self.other = 0
+        self.first_other = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "contributions of other learners wait to be folded" in message:
+            self.backlog += 1
+        else:
+            self.other += 1
+            self.first_other = self.first_other or message[:300]
+
+
+@contextmanager
+def ledgers_parsed_once(keep: int) -> Iterator[None]:
+    """Within the block, learners that read the same ledger share one parse (and its lines).
+
+    Thousands of simulated learners in one process would otherwise each parse every ledger (N lines
+    each) and hold their own copy of every line: CPU and memory that grow as N², where a real
+    learner, alone in its process, parses each ledger once. The answer is the same (a ledger is
+    never changed once written, and the parse is a function of its bytes), so nothing billed
+    changes. ``keep``: the ledgers remembered, newest used last.
+    """
+    parse = Ledger.__dict__["from_bytes"]
+    parsed: OrderedDict[tuple[Any, ...], Ledger] = OrderedDict()
+
+    def from_bytes(cls: type[Ledger], data: bytes, *, key: str, fragment: int, fragments: int, version: int) -> Ledger:
+        token = (key, fragment, fragments, version, data)
+        ledger = parsed.get(token)
+        if ledger is None:
+            ledger = parsed[token] = parse.__func__(
+                cls, data, key=key, fragment=fragment, fragments=fragments, version=version
+            )
+            if len(parsed) > keep:
+                parsed.popitem(last=False)
+        else:
+            parsed.move_to_end(token)
+        return ledger
+
+    Ledger.from_bytes = classmethod(from_bytes)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        Ledger.from_bytes = parse  # type: ignore[method-assign]
+
+
 class Run:
     """One simulated run: the clock, the store, the learners, and the figures once done."""
 
@@ -248,6 +309,7 @@ class Run:
         self.in_versions: dict[str, int] = {}
         self.chains_before = self.chains_after = (0, 0)
         self._joins = self._waits = 0
+        self.warnings = WarningCounter()
 
     def _learner(self, index: int, speed: float) -> Learner:
         config = self.config
@@ -276,7 +338,15 @@ class Run:
         for learner in self.learners:
             at = config.every * config.join_spread * learner.index / config.learners
             self.clock.spawn(lambda learner=learner: self.life(learner), at=at, name=learner.name)
-        self.clock.run()
+        log = logging.getLogger("gradientmail.session")
+        log.addHandler(self.warnings)
+        propagate, log.propagate = log.propagate, False  # thousands of learners: counted, not printed
+        try:
+            with ledgers_parsed_once(keep=8 * config.fragment_count):
+                self.clock.run()
+        finally:
+            log.removeHandler(self.warnings)
+            log.propagate = propagate
 
     def life(self, learner: Learner) -> None:
         config, clock = self.config, self.clock
@@ -405,6 +475,8 @@ class Run:
             )
             / max(self.chains_after[0] - self.chains_before[0], 1),
             "pending_at_end": self.chains_after[1] / config.fragment_count,
+            "backlog_warnings": self.warnings.backlog / (config.learners * config.fragment_count),
+            "other_warnings": float(self.warnings.other),
         }
 
 
@@ -426,6 +498,11 @@ def simulate(config: SimConfig) -> dict[str, float]:
     finally:
         run.inner.clear()
     figures["wall_s"] = time.perf_counter() - started
+    if run.warnings.other:
+        print(
+            f"{config.learners} learners: {run.warnings.other} warnings, the first: {run.warnings.first_other}",
+            file=sys.stderr,
+        )
     return figures
 
 
@@ -441,6 +518,7 @@ COLUMNS = (
     ("conflicts_per_fold", "conflicts/fold", "{:.2f}"),
     ("contributions_per_version", "per version", "{:.1f}"),
     ("pending_at_end", "pending", "{:.1f}"),
+    ("backlog_warnings", "warned", "{:.2f}"),
     ("reads_per_s", "reads/s/prefix", "{:.0f}"),
     ("writes_per_s", "writes/s/prefix", "{:.0f}"),
     ("exact", "exact", "{:.0f}"),
@@ -462,6 +540,14 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+def learners_by_fragments(text: str) -> tuple[int, int]:
+    """``"1024:16"`` -> ``(1024, 16)`` (``--also``)."""
+    count, colon, cut = text.partition(":")
+    if not (colon and count.isdigit() and cut.isdigit() and int(count) > 0 and int(cut) > 0):
+        raise ValueError(f"expected learners:fragments, such as 1024:16, not {text!r}")
+    return int(count), int(cut)
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     command = parser(__doc__)
     command.add_argument("--learners", type=int, nargs="+", help="learner counts (default 16 64 256 1024 4096)")
@@ -473,6 +559,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         type=int,
         nargs="+",
         help="fragments: one count for every row, or one per learner count (default: what Session picks for the model)",
+    )
+    command.add_argument(
+        "--also",
+        type=learners_by_fragments,
+        nargs="+",
+        metavar="N:F",
+        help="more rows: N learners on F fragments each, named NxF (a count of --learners on another cut)",
     )
     command.add_argument("--latency-ms", type=float, help="the store's round trip per request, ms (default 20)")
     command.add_argument("--bandwidth-mbs", type=float, help="bandwidth of one request's stream, MB/s (default 100)")
@@ -500,8 +593,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     counts, cuts = chosen["learners"], chosen["fragments"] or [None]
     if len(cuts) not in (1, len(counts)):
         command.error(f"--fragments takes one count or one per learner count ({len(counts)}), not {len(cuts)}")
-    configs = [
-        SimConfig(
+
+    def config(count: int, cut: int | None) -> SimConfig:
+        return SimConfig(
             learners=count,
             every=chosen["every"],
             intervals=chosen["intervals"],
@@ -512,14 +606,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             store=store,
             seed=chosen["seed"],
         )
-        for count, cut in zip(counts, cuts * len(counts) if len(cuts) == 1 else cuts)
-    ]
+
+    # Rows by their name: the learner count, or "1024x16" for a row of --also.
+    configs = {
+        str(count): config(count, cut) for count, cut in zip(counts, cuts * len(counts) if len(cuts) == 1 else cuts)
+    }
+    configs.update({f"{count}x{cut}": config(count, cut) for count, cut in args.also or []})
     # The largest rows first, each in its own process: a row's figures do not depend on where it ran.
-    largest_first = sorted(configs, key=lambda config: -config.learners * config.fragment_count)
-    rows = dict(
-        zip((config.learners for config in largest_first), parallel_map(simulate_row, largest_first, args.jobs))
-    )
-    results = {config.learners: rows[config.learners] for config in configs}
+    largest_first = sorted(configs, key=lambda name: -configs[name].learners * configs[name].fragment_count)
+    rows = dict(zip(largest_first, parallel_map(simulate_row, [configs[name] for name in largest_first], args.jobs)))
+    results = {name: rows[name] for name in configs}
 
     print(
         f"Session on a virtual clock: {chosen['params']:.3g} parameters in bfloat16 ({2 * chosen['params'] / 1e9:.3g} GB),"
@@ -545,7 +641,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     }
     for line in verdicts({name: value for name, value in figures.items() if isinstance(value, float)}):
         print(line)
-    figures.update({name: chosen[name] for name in DEFAULTS if name != "learners"}, learners=list(chosen["learners"]))
+    figures.update(
+        {name: chosen[name] for name in DEFAULTS if name != "learners"},
+        learners=list(chosen["learners"]),
+        also=[f"{count}:{cut}" for count, cut in args.also or []],
+    )
     emit(figures)
     return figures
 

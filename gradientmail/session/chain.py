@@ -94,6 +94,10 @@ long it takes (one transfer time each way) whatever the number of learners: past
 fragment's chain absorbs ``MAX_ABSORBED + 1`` contributions per fold time, which sets how many
 learners a fragment serves (docs/session.md, "What it costs")."""
 BACKLOG_SHARE = 4
+BACKLOG_WARNING = 4 * MAX_ABSORBED
+"""Others' pending contributions above which, at two of a learner's folds of a fragment in a row
+(not fewer at the second), the chain is falling behind: a steady chain leaves about what arrives
+during one fold (17 at 256 learners on 16 fragments of a 1B model, the simulator finds)."""
 READ_ATTEMPTS = 20
 """Listings a reader makes before concluding that something deletes the run's state."""
 
@@ -230,6 +234,8 @@ class FragmentChain:
         self._reused = 0  # folds built on a version held in memory since the last download
         self._ledger: tuple[LedgerRef, Ledger] | None = None  # the last ledger read or written
         self._blocked: int | None = None  # the newest version when a peer's claim last stood in the way
+        self._backlog = 0  # others' pending contributions seen at this learner's previous fold
+        self._backlog_warned = False
 
     def __repr__(self) -> str:
         return f"FragmentChain({self.index}/{self.count} on {describe(self.mailbox)})"
@@ -419,6 +425,8 @@ class FragmentChain:
                 wanted += candidates[learner][:budget]
                 budget -= len(candidates[learner][:budget])
         rest = self._absorbable(candidates, others) if claim else []
+        if claim:
+            self._watch_backlog(sum(len(candidates[learner]) for learner in others))
 
         def claim_then_read() -> tuple[bool, list[Any]]:
             # The others' contributions are read as soon as the claim is known to be this
@@ -475,6 +483,28 @@ class FragmentChain:
             newest=newest,
             listed=listed,
             claimed=claimed,
+        )
+
+    def _watch_backlog(self, backlog: int) -> None:
+        """Warn (once) when others' pending contributions are above ``BACKLOG_WARNING`` at two of
+        this learner's folds of the fragment in a row, and not fewer at the second: its chain
+        absorbs fewer than the learners contribute, and their progress reaches the others later
+        and later (a burst, such as everyone's last fold at once, is gone by the next fold)."""
+        before, self._backlog = self._backlog, backlog
+        if self._backlog_warned or not BACKLOG_WARNING < before <= backlog:
+            return
+        self._backlog_warned = True
+        logging.getLogger("gradientmail.session").warning(
+            "fragment %d of %d: %d contributions of other learners wait to be folded, and more "
+            "than at this learner's previous fold of it (%d): a fold absorbs at most %d, so this "
+            "fragment's chain folds more slowly than the learners contribute and their progress "
+            "reaches the others later and later. Start the run with more fragments "
+            "(Session(fragments=...): docs/session.md, 'How many nodes a fragment serves')",
+            self.index,
+            self.count,
+            backlog,
+            before,
+            MAX_ABSORBED + 1,
         )
 
     @staticmethod

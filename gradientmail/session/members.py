@@ -105,8 +105,9 @@ class SignsOfLife:
         self.me = me
         self.clock = time.monotonic if clock is None else clock  # looked up now: a virtual clock may stand in
         self._keys: frozenset[str] = frozenset()  # the member keys of the previous listing
-        self._lines: dict[tuple[int, str], tuple[int, float]] = {}  # (fragment, learner) -> (seq, time) read
-        self._read: set[int] = set()  # fragments read at least once
+        # Per fragment, the lines as last read: the reader's own table, kept as it was handed over
+        # (tables are never changed once built), so a learner holds no copy of N lines per fragment.
+        self._lines: dict[int, Mapping[str, Contribution]] = {}
         self._alive: dict[str, float] = {}  # learner -> its last sign of life, on this clock
         self._advanced: dict[str, float] = {}  # learner -> when its line was last seen advancing
 
@@ -120,14 +121,18 @@ class SignsOfLife:
     def read(self, fragment: int, learners: Mapping[str, Contribution], at: float) -> None:
         """Note each learner's line in ``fragment`` as read at ``at``: a line that advanced since
         this fragment was last read (or appeared in it) is a sign of life. The first read of a
-        fragment only sets where the lines stand: their dates say nothing this clock can judge."""
-        first = fragment not in self._read
-        self._read.add(fragment)
+        fragment only sets where the lines stand: their dates say nothing this clock can judge.
+        ``learners`` is kept, not copied: it must not change afterwards (``View.table`` does not)."""
+        previous = self._lines.get(fragment)
+        self._lines[fragment] = learners
+        if previous is None:
+            return
         for learner, line in learners.items():
-            before = self._lines.get((fragment, learner))
-            self._lines[(fragment, learner)] = (line.seq, line.time)
+            before = previous.get(learner)
+            if before is line:  # the same line object (a shared ledger's): nothing moved
+                continue
             # A slot a peer closed advances the seq but keeps the learner's last time: no sign.
-            if not first and (before is None or (line.seq > before[0] and line.time != before[1])):
+            if before is None or (line.seq > before.seq and line.time != before.time):
                 self._alive[learner] = self._advanced[learner] = at
 
     def counted(

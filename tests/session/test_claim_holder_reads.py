@@ -8,13 +8,15 @@ most ``MAX_ABSORBED`` pending contributions, the rest going to the next version,
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from benchmarks._simulated_store import SimulatedMailbox, SimulatedStore, StoreModel
 from benchmarks._virtual_clock import VirtualClock
 from gradientmail import MemoryMailbox
-from gradientmail.session.chain import MAX_ABSORBED, FragmentChain
+from gradientmail.session.chain import BACKLOG_WARNING, MAX_ABSORBED, FragmentChain
 from gradientmail.session.fragments import spec_of
 from gradientmail.session.mail import Contribution
 
@@ -87,3 +89,36 @@ def test_a_claim_holder_absorbs_at_most_max_absorbed_and_the_next_one_the_rest_e
     assert final is not None and not final.absorbed
     assert set(final.base.learners) == {"b", "x", "y", *waiting}  # each contribution once
     assert torch.equal(final.base.tensors["w"], torch.full((256,), float(len(waiting) + 3)))
+
+
+def test_a_backlog_that_grows_between_two_folds_of_a_learner_warns_once_naming_more_fragments(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mailbox = MemoryMailbox("claim-holder-backlog")
+    mailbox.clear()
+    chain = lambda: FragmentChain(mailbox, 0, 1, spec_of(TENSORS))  # noqa: E731 - one per learner
+    chain().create_base(TENSORS, "a")
+    held = chain().view(me="b", claim=True)  # b claims version 1 and stalls: contributions pile up
+    assert held is not None and held.claimed
+
+    def leave_pending(names: list[str]) -> None:
+        for name in names:
+            view = chain().view(me=name, claim=True)
+            assert view is not None and view.claimed is False
+            chain().fold(view, name, {"w": torch.ones(256)}, Contribution(0, 1, 1, 0.0))
+
+    watcher = chain()
+    leave_pending([f"w{i:03d}" for i in range(BACKLOG_WARNING + 1)])
+    with caplog.at_level(logging.WARNING, logger="gradientmail.session"):
+        first = watcher.view(me="x", claim=True)  # above the bound, at a first fold: a burst?
+        assert first is not None and first.claimed is False
+        assert not caplog.records
+        leave_pending([f"w{i:03d}" for i in range(BACKLOG_WARNING + 1, BACKLOG_WARNING + 3)])
+        watcher.view(me="x", claim=True)  # still above it at the next, and more: warned
+        assert len(caplog.records) == 1
+        watcher.view(me="x", claim=True)  # once
+    mailbox.clear()
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert f"{BACKLOG_WARNING + 3} contributions of other learners wait" in warnings[0]
+    assert "more fragments" in warnings[0] and "Session(fragments=" in warnings[0]

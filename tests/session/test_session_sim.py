@@ -165,7 +165,7 @@ def test_the_simulation_agrees_with_real_sessions_on_a_paced_store(learners: int
     assert simulated["exchange_rate"] == pytest.approx(real["exchange_rate"], abs=0.1), (real, simulated)
     assert simulated["lag_intervals"] == pytest.approx(real["lag_intervals"], abs=0.5)
     for figure in ("read_per_exchange", "written_per_exchange", "requests_per_exchange"):
-        assert simulated[figure] == pytest.approx(real[figure], rel=0.15), figure
+        assert simulated[figure] == pytest.approx(real[figure], rel=0.15), (figure, real[figure], simulated[figure])
     # Per fragment fold: the versions lost to another writer.
     real_per_fold = real["conflicts_per_exchange"] / real["fragments"]
     assert simulated["conflicts_per_fold"] == pytest.approx(real_per_fold, abs=0.1)
