@@ -74,11 +74,13 @@ line adds ``<figure>_range`` pairs. The last line printed is one JSON object.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import shutil
 import tempfile
 import threading
@@ -99,6 +101,8 @@ from gradientmail.layout import FRAGMENTS_PREFIX
 from gradientmail.mailbox.base import LIST_PAGE, Mailbox
 from gradientmail.mailbox.wrappers import MailboxWrapper
 from gradientmail.session import Session, consensus
+from gradientmail.session import core as session_core
+from gradientmail.session.schedule import Schedule
 
 LEARNERS = (4, 16, 64)
 QUICK = {"learners": [2, 4], "seconds": 2.0, "every": 0.5, "params": 10_000, "latency_ms": 2.0}
@@ -188,6 +192,36 @@ class Config:
     steps_per_s: float
     latency_s: float
     bandwidth_bytes_s: float
+    phase_seed: int | None = None
+    """Each learner's exchange phase drawn from ``phase_generator(phase_seed, index)`` (as
+    ``session_sim`` can draw it, to compare the two runs); None: a random one, as ``Session`` draws."""
+
+
+def phase_generator(seed: int, index: int) -> random.Random:
+    """Where learner ``index``'s exchange phase comes from in a run of ``phase_seed`` ``seed``."""
+    return random.Random(f"phases-{seed}-{index}")
+
+
+_entering = threading.local()  # the index of the learner whose Session this thread enters
+
+
+@contextlib.contextmanager
+def seeded_phases(seed: int | None) -> Iterator[None]:
+    """Within the block, a ``Session`` entered by ``enter`` draws its phase from
+    ``phase_generator(seed, index)`` (None: changes nothing)."""
+    if seed is None:
+        yield
+        return
+    drawn = session_core.Schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Schedule:
+        return drawn(*args, **kwargs, rng=phase_generator(seed, _entering.index))
+
+    session_core.Schedule = schedule  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        session_core.Schedule = drawn  # type: ignore[misc]
 
 
 @dataclass
@@ -282,6 +316,7 @@ def run_all(items: list[Learner], body: Callable[[Learner], None]) -> None:
 def enter(learner: Learner, config: Config, joined: float) -> None:
     """Join at ``joined`` plus this learner's share of one interval (the exchanges' phases spread)."""
     time.sleep(max(0.0, joined + config.every * learner.index / config.learners - time.monotonic()))
+    _entering.index = learner.index
     try:
         learner.session.__enter__()
         learner.entered = True
@@ -358,7 +393,8 @@ def measure(config: Config) -> dict[str, float]:
     learners = [make_learner(i, config, store) for i in range(config.learners)]
     try:
         joined = time.monotonic()
-        run_all(learners, lambda learner: enter(learner, config, joined))
+        with seeded_phases(config.phase_seed):
+            run_all(learners, lambda learner: enter(learner, config, joined))
         active = [learner for learner in learners if learner.entered]
         for learner in active:
             learner.before = learner.box.counters()

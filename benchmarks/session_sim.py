@@ -69,7 +69,7 @@ import torch
 from benchmarks._common import default_jobs, emit, parallel_map, parser, table, verdicts
 from benchmarks._simulated_store import READ, WRITE, SimulatedMailbox, SimulatedStore, StoreModel
 from benchmarks._virtual_clock import Event, Task, VirtualClock
-from benchmarks.session_scale import make_model
+from benchmarks.session_scale import make_model, phase_generator
 from gradientmail import MemoryMailbox
 from gradientmail.layout import parse_state_key, pending_prefix, versions_prefix
 from gradientmail.session import consensus
@@ -103,6 +103,8 @@ class SimConfig:
         seed: everything random (phases, speeds, which pending contributions a fold reads).
         join_spread: learners join spread over this many intervals (unsynchronised phases).
         threads: run the tasks as threads even where ``greenlet`` is installed (same figures).
+        phase_seed: each learner's phase from ``session_scale.phase_generator(phase_seed, index)``
+            (a real run of ``session_scale`` with the same draws the same); None: from ``seed``.
     """
 
     learners: int
@@ -118,6 +120,7 @@ class SimConfig:
     seed: int = 0
     join_spread: float = 1.0
     threads: bool = False
+    phase_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.every <= 0 or self.intervals <= 0 or self.steps_per_s <= 0:
@@ -170,16 +173,17 @@ class Learner:
     conflicts: int = 0
     exchanges_before: int = 0
 
-    def start_schedule(self) -> None:
+    def start_schedule(self, phase_seed: int | None) -> None:
         """A random phase, as ``Session`` starts one on entering: its own ``Schedule``, on the
-        virtual clock (read through ``time.monotonic`` at each call, which the clock patches)."""
+        virtual clock (read through ``time.monotonic`` at each call, which the clock patches),
+        drawn from the run's seeded generator or ``session_scale.phase_generator(phase_seed, index)``."""
         self.schedule = Schedule(
             len(self.plan),
             every_s=self.every,
             every_steps=math.inf,
             steps=self.steps,
             clock=lambda: time.monotonic(),
-            rng=random.Random(random.random()),  # drawn from the run's seeded generator
+            rng=random.Random(random.random()) if phase_seed is None else phase_generator(phase_seed, self.index),
         )
 
     def progress(self, *, finished: bool) -> dict[str, Any]:
@@ -356,7 +360,7 @@ class Run:
         for fragment, value in zip(learner.plan.fragments, values):
             fragment.load_into(learner.model, value)
         learner.exchanger.put_progress(learner.progress(finished=False))
-        learner.start_schedule()
+        learner.start_schedule(config.phase_seed)
         self._joins += 1
         if self._joins == len(self.learners):  # everyone steps from the same moment on
             self.start = clock.now + 0.05
