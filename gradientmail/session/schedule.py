@@ -3,9 +3,12 @@
 An interval (``every``) is cut into one slot per fragment. Each learner draws a random phase
 when it joins and exchanges on the grid ``joined + phase + k * slot``, one fragment per slot, in
 turn from a random first one, so that learners that joined together still fold each fragment
-at different moments. A fold that ends late (a slow store, a late first ``step()``) skips the
-slots it missed and resumes on its own grid: it never takes ``now`` as its new phase, which
-would line learners up behind the same slow moments and keep them folding in lock-step.
+at different moments. Folds start at steps, one job at a time: the slots that came while a job
+ran, or within a step longer than a slot, are all due at the next step (each fragment at most
+once), so a learner folds every fragment once per ``every`` whenever its store and steps allow
+it, and resumes on its own grid: it never takes ``now`` as its new phase, which would line
+learners up behind the same slow moments and keep them folding in lock-step. A first ``step()``
+long after joining folds one fragment (there was no progress to fold before it).
 By steps (``every_steps``) each learner counts its own steps: no clock is shared to align on.
 """
 
@@ -57,6 +60,7 @@ class Schedule:
         self.phase_s = rng.uniform(0, self.slot_s) if math.isfinite(self.slot_s) else math.inf
         self.origin = clock()
         self.slot = 0  # due_time = origin + phase_s + slot * slot_s: always on this learner's grid
+        self.taken = False  # whether a fold was taken yet (slots before the first are not made up)
         self.due_step = steps + self.slot_steps
 
     @property
@@ -71,18 +75,21 @@ class Schedule:
     def take(self, steps: int, span_s: float = 0.0) -> list[int]:
         """The fragments to exchange now, and the schedule moved past them.
 
-        By time: one fragment per slot; slots missed while the store was slow are dropped
-        (exchanges get rarer and carry more progress), and the next is the first slot of this
-        learner's grid after now. A group starts exchanges only at its word steps: there the
-        slots of the ``span_s`` seconds since the previous word step are all due now. By steps:
-        every fragment whose slot has come, so that ``every_steps`` exchanges the whole model.
+        By time: one fragment per slot; every slot that came since the previous take is due
+        (a job that ran long, a step longer than a slot), each fragment at most once, and the
+        next is the first slot of this learner's grid after now. A group starts exchanges only
+        at its word steps: there the slots of the ``span_s`` seconds since the previous word
+        step are all due too, from its first. By steps: every fragment whose slot has come, so
+        that ``every_steps`` exchanges the whole model.
         """
         due = 1
         if steps >= self.due_step:
             due = min(self.count, 1 + int((steps - self.due_step) / self.slot_steps))
         now = self.clock()
-        if span_s > 0 and math.isfinite(self.slot_s) and self.due_time <= now:
-            due = max(due, min(self.count, 1 + int(min(now - self.due_time, span_s) / self.slot_s)))
+        if math.isfinite(self.slot_s) and self.due_time <= now:
+            came = now - self.due_time if self.taken else min(now - self.due_time, span_s)
+            due = max(due, min(self.count, 1 + int(came / self.slot_s)))
+        self.taken = True
         self.due_step += due * self.slot_steps
         if self.due_time <= now:
             self.slot = math.floor((now - self.origin - self.phase_s) / self.slot_s) + 1

@@ -463,6 +463,26 @@ def test_learners_that_join_together_keep_their_own_phases_however_late_they_fol
     assert len({plan.due_time for plan in plans}) == len(plans)  # no two fold together
 
 
+def test_a_learner_whose_steps_are_longer_than_a_slot_still_folds_every_fragment_once_per_interval():
+    # 64 fragments every 64 s: a slot of 1 s. The learner steps every 1.3 s and a fold takes
+    # 0.7 s: one fold per step would exchange each fragment every 83 s instead of 64.
+    now = [0.0]
+    every, count, step_s, fold_s = 64.0, 64, 1.3, 0.7
+    plan = Schedule(count, every_s=every, every_steps=math.inf, steps=0, clock=lambda: now[0], rng=random.Random(5))
+    folded = [0] * count
+    busy_until = 0.0
+    for step in range(1, round(10 * every / step_s)):  # ten intervals
+        now[0] = step * step_s
+        if now[0] < busy_until or not plan.due(steps=step):
+            continue  # the job in flight ends at a later step
+        fragments = plan.take(steps=step)
+        assert len(fragments) == len(set(fragments))  # a fragment at most once per job
+        for fragment in fragments:
+            folded[fragment] += 1
+        busy_until = now[0] + fold_s * len(fragments)
+    assert min(folded) >= 9 and max(folded) <= 10, folded  # once per interval, each
+
+
 def test_a_session_reads_and_writes_no_more_than_the_fragments_it_exchanges():
     box = MemoryMailbox("fragments-bytes")
     box.clear()
