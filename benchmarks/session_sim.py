@@ -52,6 +52,7 @@ Usage: ``python -m benchmarks.session_sim [--quick] [--learners 16 64 256 1024] 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import random
@@ -548,7 +549,7 @@ def learners_by_fragments(text: str) -> tuple[int, int]:
     """``"1024:16"`` -> ``(1024, 16)`` (``--also``)."""
     count, colon, cut = text.partition(":")
     if not (colon and count.isdigit() and cut.isdigit() and int(count) > 0 and int(cut) > 0):
-        raise ValueError(f"expected learners:fragments, such as 1024:16, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected learners:fragments, such as 1024:16, not {text!r}")
     return int(count), int(cut)
 
 
