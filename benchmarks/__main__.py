@@ -64,8 +64,8 @@ cores, 35 s), the model-quality benchmark, which trains for about 7 minutes, the
 with the 1M-unit, 1,024-node simulation itself (``--direct``: about 4 minutes a run, 3 runs), and the Session at
 4, 16 and 64 learners over a store with S3-like latency (``session_scale``, a few minutes), the
 Session at 16 to 1,024 learners with a 1B-parameter model on S3's figures, on a virtual clock
-(``session_sim``: about 30 minutes, the 1,024-learner rows on 64 and on 16 fragments in processes of their own; 4,096 learners
-take hours of this machine's CPU and are asked for with ``--learners 4096``),
+(``session_sim``: about 40 minutes, the 1,024-learner rows on 64 and on 16 fragments and the 4,096-learner row on 512,
+4 of them simulated, in processes of their own),
 64 and 128 learners dealt to 8 processes on one store (``session_processes``, about 2 minutes), and
 50 kill-and-restart trials on node processes (``faults``: samples lost or doubled in the model,
 about a minute), and two node processes against one on a ``LocalMailbox`` (``local_scale --large``:
@@ -82,13 +82,23 @@ FULL_OPTIONS: dict[str, tuple[str, ...]] = {
         "64",
         "256",
         "1024",
+        "4096",
         "--fragments",
         "16",
         "16",
         "16",
         "64",
+        "512",
+        "--simulate",
+        "16",
+        "16",
+        "16",
+        "64",
+        "4",
         "--also",
         "1024:16",
+        "1024:64:4",
+        "256:16:4",
     ),
 }
 """Options a script gets in a full (not ``--quick``) run: the 1M rows are measured, not estimated."""

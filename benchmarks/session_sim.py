@@ -8,6 +8,15 @@ learner holds a tiny real model (``--real-params``) cut into the fragments the m
 have, and the store bills every tensor body at the modelled size (``StoreModel.body_scale``). CPU
 is not billed: virtual time passes only in the store and between steps.
 
+Thousands of learners on hundreds of fragments make millions of folds an interval; a row can
+simulate some of the fragments (``--simulate S``, spread evenly over the cut). A fragment's chain
+shares nothing with another's but its learners' time: every learner still folds every fragment on
+its schedule, and a fold of a fragment not simulated is a wait as long as a simulated fold drawn
+from the run's recent ones (``FoldDurations``). The simulated chains then see the whole run's
+traffic, and the figures are theirs scaled to a whole exchange; what depends on how many
+fragments are seen (the busiest prefix, the worst learner's unabsorbed lag) is taken over the
+simulated ones only.
+
 The learner mirrors ``Session``'s training-thread side: a random phase at enter, one fragment per
 slot of ``every / fragments`` on its own grid (``Session``'s ``Schedule``, by time), the
 exchange job in the background while it steps, its merges applied at the next step
@@ -45,7 +54,8 @@ on F fragments), with ``benchmarks.session_scale``'s definitions:
   seconds for the row.
 
 Usage: ``python -m benchmarks.session_sim [--quick] [--learners 16 64 256 1024] [--jobs 2]
-[--params 1e9] [--every 60] [--intervals 3] [--fragments F ...] [--also N:F ...] [--latency-ms 20] [--bandwidth-mbs 100]
+[--params 1e9] [--every 60] [--intervals 3] [--fragments F ...] [--simulate S ...] [--also N:F[:S] ...]
+[--latency-ms 20] [--bandwidth-mbs 100]
 [--reads-per-s 5500] [--writes-per-s 3500] [--steps-per-s 1] [--speed-spread 0.2] [--seed 0]``.
 ``--quick`` (CI: 4 and 8 learners, a few seconds) judges nothing. The last line is one JSON object.
 """
@@ -56,10 +66,11 @@ import argparse
 import logging
 import math
 import random
+import resource
 import sys
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,16 +83,21 @@ from benchmarks._simulated_store import READ, WRITE, SimulatedMailbox, Simulated
 from benchmarks._virtual_clock import Event, Task, VirtualClock
 from benchmarks.session_scale import make_model, phase_generator
 from gradientmail import MemoryMailbox
-from gradientmail.layout import parse_state_key, pending_prefix, versions_prefix
-from gradientmail.session import consensus
+from gradientmail.layout import MEMBERS_PREFIX, parse_state_key, pending_prefix, versions_prefix
+from gradientmail.mailbox import Mailbox
+from gradientmail.session import consensus, exchange
 from gradientmail.session.chain import FragmentChain
-from gradientmail.session.exchange import Exchanger, Merge
+from gradientmail.session.exchange import FOLD_LANES, Exchanger, Merge
 from gradientmail.session.fragments import FragmentPlan, accumulation_dtype, auto_fragments, float_state
 from gradientmail.session.mail import Ledger
+from gradientmail.session.members import Members
 from gradientmail.session.outer import resolve_outer
+from gradientmail.session.overlap import parallel
 from gradientmail.session.schedule import Schedule
 
-LEARNERS = (16, 64, 256, 1024, 4096)
+LEARNERS = (16, 64, 256)
+"""The rows of a plain run (a few minutes); `python -m benchmarks --full` adds 1,024 and 4,096 learners
+on more fragments (``benchmarks.__main__.FULL_OPTIONS``)."""
 QUICK = {"learners": [4, 8], "params": 1e8, "every": 10.0, "intervals": 4, "steps_per_s": 4.0}
 WIRE_BYTES = {torch.float32: 4, torch.bfloat16: 2}
 
@@ -106,6 +122,11 @@ class SimConfig:
         threads: run the tasks as threads even where ``greenlet`` is installed (same figures).
         phase_seed: each learner's phase from ``session_scale.phase_generator(phase_seed, index)``
             (a real run of ``session_scale`` with the same draws the same); None: from ``seed``.
+        simulated: how many fragments run the real protocol (spread evenly over the cut; None or
+            more than the cut: all). Every learner still folds every fragment on its schedule; a
+            fold of a fragment not simulated is a wait as long as a simulated fold drawn from the
+            run's recent ones (``FoldDurations``). Fragments' chains share nothing but their
+            learners' time, so the simulated ones see the traffic of the full run.
     """
 
     learners: int
@@ -122,6 +143,7 @@ class SimConfig:
     join_spread: float = 1.0
     threads: bool = False
     phase_seed: int | None = None
+    simulated: int | None = None
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.every <= 0 or self.intervals <= 0 or self.steps_per_s <= 0:
@@ -132,6 +154,20 @@ class SimConfig:
             raise ValueError(f"speed_spread must be in [0, 1), not {self.speed_spread}")
         if self.wire_dtype not in WIRE_BYTES:
             raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16, not {self.wire_dtype}")
+        if self.simulated is not None and self.simulated < 1:
+            raise ValueError(f"simulated must be at least 1 fragment (None: all), not {self.simulated}")
+
+    @property
+    def simulated_fragments(self) -> tuple[int, ...]:
+        """The fragments whose chains run the real protocol, spread evenly over the cut."""
+        count = self.fragment_count
+        kept = count if self.simulated is None else min(self.simulated, count)
+        return tuple(i * count // kept for i in range(kept))
+
+    @property
+    def simulated_share(self) -> float:
+        """The simulated fragments' share of the model (what a learner's bytes are scaled by)."""
+        return len(self.simulated_fragments) / self.fragment_count
 
     @property
     def fragment_count(self) -> int:
@@ -163,7 +199,8 @@ class Learner:
     samples: int = 0
     exchanges: int = 0
     job: Task | None = None
-    landed: list[Merge] = field(default_factory=list)
+    landed: list[Merge | None] = field(default_factory=list)
+    """The running job's folds, in order: a merge, or None for a fragment not simulated."""
     schedule: Schedule | None = None
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
     before: tuple[int, float, float] = (0, 0.0, 0.0)
@@ -172,14 +209,26 @@ class Learner:
     at_end: float = 0.0
     completed: float = 0.0
     conflicts: int = 0
-    exchanges_before: int = 0
+    merged: int = 0
+    """Folds of simulated fragments applied (``exchanges`` counts every fragment's)."""
+    merged_before: int = 0
+    merged_at_end: int = 0
+    weights: list[torch.nn.Parameter] = field(default_factory=list)
+    """The model's parameters, listed once (a step adds 1.0 to each)."""
+    stood_in: dict[int, int] = field(default_factory=dict)
+    """A fragment not simulated -> the samples its latest fold (a wait) would have put in the run."""
+    count: int = 0
+    """Fragments in the run's cut (the schedule's); ``plan`` holds the simulated ones."""
+    positions: dict[int, int] = field(default_factory=dict)
+    """A simulated fragment's index in the cut -> its index in ``plan``."""
+    durations: FoldDurations | None = None
 
     def start_schedule(self, phase_seed: int | None) -> None:
         """A random phase, as ``Session`` starts one on entering: its own ``Schedule``, on the
         virtual clock (read through ``time.monotonic`` at each call, which the clock patches),
         drawn from the run's seeded generator or ``session_scale.phase_generator(phase_seed, index)``."""
         self.schedule = Schedule(
-            len(self.plan),
+            self.count,
             every_s=self.every,
             every_steps=math.inf,
             steps=self.steps,
@@ -200,15 +249,31 @@ class Learner:
         }
 
     def job_for_now(self, clock: VirtualClock, indices: list[int], *, final: bool) -> Task:
-        """Snapshot ``indices`` now and fold them in a background task (``Session``'s job)."""
-        snapshots = [(i, self.plan.fragments[i].snapshot_into(self.buffers[i], self.model)) for i in indices]
+        """Snapshot ``indices`` (of the cut) now and fold them in a background task (``Session``'s
+        job); a fragment not simulated is a wait as long as a simulated fold."""
+        positions = [(i, self.positions.get(i)) for i in indices]
+        snapshots = [
+            (i, p, None if p is None else self.plan.fragments[p].snapshot_into(self.buffers[p], self.model))
+            for i, p in positions
+        ]
         taken, totals = time.monotonic(), (self.steps, self.samples)
-        progress = self.progress(finished=final) if final or len(self.plan) - 1 in indices else None
-        exchanger = self.exchanger
+        progress = self.progress(finished=final) if final or self.count - 1 in indices else None
+        exchanger, durations = self.exchanger, self.durations
+        assert durations is not None
+
+        def fold(item: tuple[int, int | None, dict[str, torch.Tensor] | None]) -> None:
+            index, position, snapshot = item
+            if position is None or snapshot is None:
+                clock.sleep(durations.draw())
+                self.stood_in[index] = totals[1]
+                self.landed.append(None)
+                return
+            began = clock.now
+            self.landed.append(exchanger.exchange(position, snapshot, totals, final, taken))
+            durations.record(clock.now - began)
 
         def job() -> None:
-            for i, snapshot in snapshots:
-                self.landed.append(exchanger.exchange(i, snapshot, totals, final, taken))
+            parallel(fold, snapshots, lanes=FOLD_LANES)  # as Session's job: folds overlapped
             if final:
                 exchanger.leave()
             if progress is not None:
@@ -222,15 +287,18 @@ class Learner:
         merges, self.landed = self.landed, []
         for merge in merges:
             self.exchanges += 1
-            merge.apply_to(self.model)
+            if merge is not None:
+                self.merged += 1
+                merge.apply_to(self.model)
         if job is not None:
             clock.join(job)
 
     def step(self, clock: VirtualClock) -> None:
         """``Session.step(samples=1)`` after a training step that adds 1.0 to every weight."""
+        if not self.weights:
+            self.weights = list(self.model.parameters())
         with torch.no_grad():
-            for parameter in self.model.parameters():
-                parameter.add_(1.0)
+            torch._foreach_add_(self.weights, 1.0)
         self.steps += 1
         self.samples += 1
         if self.job is not None:
@@ -240,6 +308,24 @@ class Learner:
         assert self.schedule is not None
         if self.schedule.due(self.steps):
             self.job = self.job_for_now(clock, self.schedule.take(self.steps), final=False)
+
+
+class FoldDurations:
+    """The run's recent simulated folds' durations (virtual seconds), from which each fold of a
+    fragment not simulated draws its wait: those folds take the learners' time as the simulated
+    ones do, with their spread (a claim holder's long fold, a quick one), not only their mean."""
+
+    def __init__(self, first_guess_s: float, seed: int, keep: int = 256) -> None:
+        self.recent: deque[float] = deque(maxlen=keep)
+        self.first_guess_s = first_guess_s
+        self.draws = random.Random(seed)
+
+    def record(self, seconds: float) -> None:
+        self.recent.append(seconds)
+
+    def draw(self) -> float:
+        """A recent simulated fold's duration (before the first: ``first_guess_s``)."""
+        return self.draws.choice(self.recent) if self.recent else self.first_guess_s
 
 
 class WarningCounter(logging.Handler):
@@ -294,6 +380,36 @@ def ledgers_parsed_once(keep: int) -> Iterator[None]:
         Ledger.from_bytes = parse  # type: ignore[method-assign]
 
 
+@contextmanager
+def members_listed_once() -> Iterator[None]:
+    """Within the block, learners whose listings of the members find the same keys share one
+    ``Members`` (each learner's listing is still made and billed).
+
+    Once everyone joined, every listing finds the same keys: thousands of simulated learners would
+    otherwise each hold their own copy of the run's member list, N² entries, where a real learner
+    holds one. ``Members`` is not changed once listed, so the answer is the same.
+    """
+    listed: dict[tuple[str, ...], Members] = {}
+
+    def list_members(mailbox: Mailbox) -> Members:
+        keys = tuple(mailbox.list(MEMBERS_PREFIX))
+        members = listed.get(keys)
+        if members is None:
+            members = Members()
+            for key in keys:
+                members.add(key)
+            listed.clear()  # the newest only: the list changes when someone joins or leaves
+            listed[keys] = members
+        return members
+
+    real = exchange.list_members
+    exchange.list_members = list_members  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        exchange.list_members = real  # type: ignore[assignment]
+
+
 class Run:
     """One simulated run: the clock, the store, the learners, and the figures once done."""
 
@@ -304,6 +420,10 @@ class Run:
         store = StoreModel(**{**config.store.__dict__, "body_scale": config.body_scale, "seed": config.seed})
         self.store = SimulatedStore(self.inner, self.clock, store)
         draws = random.Random(config.seed)
+        fragment_bytes = config.model_bytes / config.fragment_count
+        self.durations = FoldDurations(  # a read and a write of one fragment, three round trips
+            3 * store.latency_s + 2 * fragment_bytes / store.bandwidth_bytes_s, config.seed
+        )
         self.learners = [
             self._learner(i, 1 + config.speed_spread * draws.uniform(-1, 1)) for i in range(config.learners)
         ]
@@ -313,7 +433,7 @@ class Run:
         self.folded: dict[str, int] = {}
         self.in_versions: dict[str, int] = {}
         self.chains_before = self.chains_after = (0, 0)
-        self._joins = self._waits = 0
+        self._joins = self._waits = self._exits = 0
         self.warnings = WarningCounter()
 
     def _learner(self, index: int, speed: float) -> Learner:
@@ -329,10 +449,18 @@ class Run:
             catch_up=True,
             max_staleness_s=600.0,
         )
-        plan = FragmentPlan.of(model, config.fragment_count)
-        buffers: list[dict[str, torch.Tensor]] = [{} for _ in plan.fragments]
+        cut = FragmentPlan.of(model, config.fragment_count)
+        simulated = config.simulated_fragments
+        plan = (
+            cut
+            if len(simulated) == len(cut)
+            else FragmentPlan(tuple(cut.fragments[i] for i in simulated), cut.dtypes, count=len(cut))
+        )
         learner = Learner(index, name, config.steps_per_s * speed, model, box, exchanger, plan, config.every)
-        learner.buffers = buffers
+        learner.buffers = [{} for _ in plan.fragments]
+        learner.count = len(cut)
+        learner.positions = {fragment: position for position, fragment in enumerate(simulated)}
+        learner.durations = self.durations
         return learner
 
     def run(self) -> None:
@@ -343,15 +471,36 @@ class Run:
         for learner in self.learners:
             at = config.every * config.join_spread * learner.index / config.learners
             self.clock.spawn(lambda learner=learner: self.life(learner), at=at, name=learner.name)
+        self.clock.spawn(self.report, name="report")
         log = logging.getLogger("gradientmail.session")
         log.addHandler(self.warnings)
         propagate, log.propagate = log.propagate, False  # thousands of learners: counted, not printed
         try:
-            with ledgers_parsed_once(keep=8 * config.fragment_count):
+            with ledgers_parsed_once(keep=8 * len(config.simulated_fragments)), members_listed_once():
                 self.clock.run()
         finally:
             log.removeHandler(self.warnings)
             log.propagate = propagate
+
+    def report(self, every_s: float = 60.0) -> None:
+        """While learners live, print on stderr where a long row is, at most once a minute of
+        this machine's time: the virtual time, the window's, and the memory held."""
+        config, clock = self.config, self.clock
+        began = last = time.perf_counter()
+        while self._exits < len(self.learners):
+            clock.sleep(config.every / 20)
+            if time.perf_counter() - last >= every_s:
+                last = time.perf_counter()
+                where = (
+                    "joining" if math.isinf(self.start) else f"{(clock.now - self.start) / config.every:.2f} intervals"
+                )
+                held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+                print(
+                    f"{config.learners} learners: {where} ({clock.now:.0f} s virtual) after {last - began:.0f} s, "
+                    f"{held:.1f} GB at most",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def life(self, learner: Learner) -> None:
         config, clock = self.config, self.clock
@@ -368,7 +517,7 @@ class Run:
             self.joined.set()
         self.joined.wait()
         learner.before = learner.box.counters()
-        learner.exchanges_before = learner.exchanges
+        learner.merged_before = learner.merged
         if learner.index == 0:
             self.chains_before = self.chain_ends()
         end = self.end = self.start + config.every * config.intervals
@@ -378,30 +527,37 @@ class Run:
             learner.step(clock)
         clock.sleep_until(end)
         learner.samples_at_end = learner.samples
-        learner.at_end = learner.exchanges / len(learner.plan)
+        learner.at_end = learner.exchanges / learner.count
+        learner.merged_at_end = learner.merged
         if learner.index == 0:  # the run as the window closes, before any exit folds the rest
-            self.folded = consensus(self.inner, make_model(config.real_params).to(config.wire_dtype))
+            self.folded = self.consensus()
+            stood_in = config.fragment_count - len(config.simulated_fragments)
+            for each in self.learners:  # and what the waits that stood in for folds would hold
+                if stood_in:
+                    held = min(each.stood_in.values()) if len(each.stood_in) == stood_in else 0
+                    self.folded[each.name] = min(self.folded.get(each.name, 0), held)
             self.chains_after = self.chain_ends()
             self.in_versions = self.samples_in_versions()
         if learner.job is not None:
             clock.join(learner.job)
             learner.apply(clock)
         learner.after = learner.box.counters()
-        learner.completed = learner.exchanges / len(learner.plan)
+        learner.completed = learner.exchanges / learner.count
         learner.conflicts = learner.exchanger.conflicts
         self._waits += 1
         if self._waits == len(self.learners):
             self.waited.set()
         self.waited.wait()
-        learner.job = learner.job_for_now(clock, list(range(len(learner.plan))), final=True)
+        learner.job = learner.job_for_now(clock, list(range(learner.count)), final=True)
         clock.join(learner.job)
         learner.apply(clock)
+        self._exits += 1
 
     def chain_ends(self) -> tuple[int, int]:
         """``(versions, pending)``: the fragments' newest version numbers summed, and the
         contributions pending, read from the store directly (no request billed)."""
         versions, pending = 0, 0
-        for fragment in range(self.config.fragment_count):
+        for fragment in self.config.simulated_fragments:
             numbers = [parse_state_key(key, fragment) for key in self.inner.list(versions_prefix(fragment))]
             versions += max((n for n in numbers if n is not None), default=0)
             pending += sum(1 for _ in self.inner.list(pending_prefix(fragment)))
@@ -411,7 +567,7 @@ class Run:
         """``{learner: samples}`` every fragment's newest version holds: what a learner's fold
         reads from the run, without the contributions still pending (which ``consensus`` adds)."""
         held: dict[str, int] = {}
-        for fragment in range(self.config.fragment_count):
+        for fragment in self.config.simulated_fragments:
             view = FragmentChain(self.inner, fragment, self.config.fragment_count, None, shards=None).view(absorb=0)
             lines = {} if view is None else view.base.learners
             for learner in self.learners:
@@ -419,6 +575,18 @@ class Run:
                 samples = 0 if line is None else line.samples
                 held[learner.name] = min(held.get(learner.name, samples), samples)
         return held
+
+    def consensus(self) -> dict[str, int]:
+        """``{learner: samples}`` every simulated fragment holds (``consensus``, when all are)."""
+        config = self.config
+        if len(config.simulated_fragments) == config.fragment_count:
+            return consensus(self.inner, make_model(config.real_params).to(config.wire_dtype))
+        tables = []
+        for fragment in config.simulated_fragments:
+            view = FragmentChain(self.inner, fragment, config.fragment_count, None, shards=None).view(exact=True)
+            tables.append({} if view is None else view.table)
+        names = set().union(*tables)
+        return {name: min(table[name].samples if name in table else 0 for table in tables) for name in names}
 
     def figures(self) -> dict[str, float]:
         """The row's figures (without the ``_N`` suffix); see the module docstring."""
@@ -434,10 +602,10 @@ class Run:
                 (learner.after[column] - learner.before[column]) / scale / max(learner.completed, 1e-9)
                 for learner in learners
             ]
-            for name, column, scale in (
-                ("requests", 0, 1),
-                ("read", 1, config.model_bytes),
-                ("written", 2, config.model_bytes),
+            for name, column, scale in (  # the simulated fragments' share of a whole exchange
+                ("requests", 0, config.simulated_share),
+                ("read", 1, config.model_bytes * config.simulated_share),
+                ("written", 2, config.model_bytes * config.simulated_share),
             )
         }
         unabsorbed = [
@@ -446,7 +614,8 @@ class Run:
         ]
         exchanges = sum(learner.completed for learner in learners)
         conflicts = sum(learner.conflicts for learner in learners)
-        final = consensus(self.inner, make_model(config.real_params).to(config.wire_dtype))
+        simulated = len(config.simulated_fragments)
+        final = self.consensus()
         exact = all(final.get(learner.name) == learner.samples for learner in learners)
         return {
             "exchange_rate": min(rates),
@@ -460,8 +629,8 @@ class Run:
             "written_per_exchange_max": max(per["written"]),
             "requests_per_exchange": sum(per["requests"]) / len(learners),
             "conflicts": float(conflicts),
-            "conflicts_per_exchange": conflicts / exchanges if exchanges else math.nan,
-            "conflicts_per_fold": conflicts / (exchanges * config.fragment_count) if exchanges else math.nan,
+            "conflicts_per_exchange": conflicts / config.simulated_share / exchanges if exchanges else math.nan,
+            "conflicts_per_fold": conflicts / (exchanges * simulated) if exchanges else math.nan,
             "reads_per_s": float(self.store.peak(READ, self.start, self.end)[1]),
             "writes_per_s": float(self.store.peak(WRITE, self.start, self.end)[1]),
             "queued_s": self.store.waited_s,
@@ -471,16 +640,16 @@ class Run:
                     for (prefix, kind, _), n in self.store.per_second.items()
                     if kind == WRITE and prefix.endswith("/pending")
                 )
+                / config.simulated_share
             ),
             "exact": 1.0 if exact else 0.0,
             "fragments": float(config.fragment_count),
             "switches": float(self.clock.switches),
-            "contributions_per_version": sum(
-                learner.at_end * len(learner.plan) - learner.exchanges_before for learner in learners
-            )
+            "contributions_per_version": sum(learner.merged_at_end - learner.merged_before for learner in learners)
             / max(self.chains_after[0] - self.chains_before[0], 1),
-            "pending_at_end": self.chains_after[1] / config.fragment_count,
-            "backlog_warnings": self.warnings.backlog / (config.learners * config.fragment_count),
+            "pending_at_end": self.chains_after[1] / simulated,
+            "backlog_warnings": self.warnings.backlog / (config.learners * simulated),
+            "simulated_fragments": float(simulated),
             "other_warnings": float(self.warnings.other),
         }
 
@@ -503,6 +672,10 @@ def simulate(config: SimConfig) -> dict[str, float]:
     finally:
         run.inner.clear()
     figures["wall_s"] = time.perf_counter() - started
+    busiest = [run.store.peak(kind, run.start, run.end)[0] for kind in (READ, WRITE)]
+    print(
+        f"{config.learners} learners: busiest prefixes {busiest[0]!r} (reads), {busiest[1]!r} (writes)", file=sys.stderr
+    )
     if run.warnings.other:
         print(
             f"{config.learners} learners: {run.warnings.other} warnings, the first: {run.warnings.first_other}",
@@ -545,17 +718,25 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def learners_by_fragments(text: str) -> tuple[int, int]:
-    """``"1024:16"`` -> ``(1024, 16)`` (``--also``)."""
-    count, colon, cut = text.partition(":")
-    if not (colon and count.isdigit() and cut.isdigit() and int(count) > 0 and int(cut) > 0):
-        raise argparse.ArgumentTypeError(f"expected learners:fragments, such as 1024:16, not {text!r}")
-    return int(count), int(cut)
+def learners_by_fragments(text: str) -> tuple[int, int, int | None]:
+    """``"1024:16"`` -> ``(1024, 16, None)``, ``"1024:64:4"`` -> ``(1024, 64, 4)`` (``--also``)."""
+    parts = text.split(":")
+    if not (2 <= len(parts) <= 3 and all(part.isdigit() and int(part) > 0 for part in parts)):
+        raise argparse.ArgumentTypeError(
+            f"expected learners:fragments or learners:fragments:simulated, such as 1024:16 or 1024:64:4, not {text!r}"
+        )
+    count, cut, *simulated = (int(part) for part in parts)
+    return count, cut, simulated[0] if simulated else None
+
+
+def row_name(count: int, cut: int, simulated: int | None) -> str:
+    """A row of ``--also``: ``1024x16``, or ``1024x64s4`` when 4 of its fragments are simulated."""
+    return f"{count}x{cut}" + ("" if simulated is None or simulated >= cut else f"s{simulated}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     command = parser(__doc__)
-    command.add_argument("--learners", type=int, nargs="+", help="learner counts (default 16 64 256 1024 4096)")
+    command.add_argument("--learners", type=int, nargs="+", help="learner counts (default 16 64 256)")
     command.add_argument("--params", type=float, help="the modelled model's parameters (default 1e9)")
     command.add_argument("--every", type=float, help="seconds between a learner's whole exchanges (default 60)")
     command.add_argument("--intervals", type=float, help="the measured window, in intervals (default 3)")
@@ -570,7 +751,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         type=learners_by_fragments,
         nargs="+",
         metavar="N:F",
-        help="more rows: N learners on F fragments each, named NxF (a count of --learners on another cut)",
+        help="more rows: N learners on F fragments each, named NxF (a count of --learners on another cut); "
+        "N:F:S simulates S of the F fragments, named NxFsS",
+    )
+    command.add_argument(
+        "--simulate",
+        type=int,
+        nargs="+",
+        help="fragments whose chains are simulated, the others' folds standing in as waits: one count for every "
+        "row, or one per learner count (default: all)",
     )
     command.add_argument("--latency-ms", type=float, help="the store's round trip per request, ms (default 20)")
     command.add_argument("--bandwidth-mbs", type=float, help="bandwidth of one request's stream, MB/s (default 100)")
@@ -595,11 +784,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         reads_per_s=chosen["reads_per_s"],
         writes_per_s=chosen["writes_per_s"],
     )
-    counts, cuts = chosen["learners"], chosen["fragments"] or [None]
-    if len(cuts) not in (1, len(counts)):
-        command.error(f"--fragments takes one count or one per learner count ({len(counts)}), not {len(cuts)}")
+    counts, cuts, simulated = chosen["learners"], chosen["fragments"] or [None], args.simulate or [None]
+    for option, given in (("--fragments", cuts), ("--simulate", simulated)):
+        if len(given) not in (1, len(counts)):
+            command.error(f"{option} takes one count or one per learner count ({len(counts)}), not {len(given)}")
+    if any(each is not None and each < 1 for each in simulated):
+        command.error(f"--simulate takes counts of at least 1 fragment, not {simulated}")
 
-    def config(count: int, cut: int | None) -> SimConfig:
+    def config(count: int, cut: int | None, kept: int | None = None) -> SimConfig:
         return SimConfig(
             learners=count,
             every=chosen["every"],
@@ -610,15 +802,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             speed_spread=chosen["speed_spread"],
             store=store,
             seed=chosen["seed"],
+            simulated=kept,
         )
 
     # Rows by their name: the learner count, or "1024x16" for a row of --also.
     configs = {
-        str(count): config(count, cut) for count, cut in zip(counts, cuts * len(counts) if len(cuts) == 1 else cuts)
+        str(count): config(count, cut, kept)
+        for count, cut, kept in zip(
+            counts,
+            cuts * len(counts) if len(cuts) == 1 else cuts,
+            simulated * len(counts) if len(simulated) == 1 else simulated,
+        )
     }
-    configs.update({f"{count}x{cut}": config(count, cut) for count, cut in args.also or []})
+    configs.update({row_name(*row): config(*row) for row in args.also or []})
     # The largest rows first, each in its own process: a row's figures do not depend on where it ran.
-    largest_first = sorted(configs, key=lambda name: -configs[name].learners * configs[name].fragment_count)
+    largest_first = sorted(configs, key=lambda name: -configs[name].learners * len(configs[name].simulated_fragments))
     rows = dict(zip(largest_first, parallel_map(simulate_row, [configs[name] for name in largest_first], args.jobs)))
     results = {name: rows[name] for name in configs}
 
@@ -649,7 +847,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     figures.update(
         {name: chosen[name] for name in DEFAULTS if name != "learners"},
         learners=list(chosen["learners"]),
-        also=[f"{count}:{cut}" for count, cut in args.also or []],
+        also=[":".join(str(part) for part in row if part is not None) for row in args.also or []],
+        simulate=args.simulate,
     )
     emit(figures)
     return figures

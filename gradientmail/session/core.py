@@ -28,7 +28,7 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.meeting_point import meeting_point
 from gradientmail.presence import SESSION, PresenceShare
-from gradientmail.session.exchange import Exchanger, Job, Merge, Worker, surface
+from gradientmail.session.exchange import FOLD_LANES, Exchanger, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
 from gradientmail.session.group import (
     APPLY,
@@ -58,6 +58,7 @@ from gradientmail.session.options import (
     seconds,
 )
 from gradientmail.session.outer import OuterOptimizer, resolve_outer
+from gradientmail.session.overlap import parallel
 from gradientmail.session.queue_guard import QueueGuard
 from gradientmail.session.schedule import Schedule
 from gradientmail.session.shards import (
@@ -842,20 +843,32 @@ class Session:
         # Progress is written once per round (and on leaving), not once per fragment.
         progress = self._progress(finished=final) if self._registers and (final or len(plan) - 1 in indices) else None
 
+        watched = threading.Lock()  # the queue's guard and link see one fold at a time
+
+        def before_write(listed: float) -> None:
+            with watched:
+                guard.before_write(listed)
+
         def job() -> None:
             presence.check()  # a freeze between the snapshot and now: another process may run it
             # Many marks (small units) go to one object, written before any fold names it.
             inline, marks = self._marks.inline_or_write(units)
-            for i, snapshot in snapshots:
-                guard.fold_started(since)  # frozen since the last step, units taken over? stop
+
+            def fold(item: tuple[int, dict[str, Tensor]]) -> None:
+                i, snapshot = item
+                with watched:
+                    guard.fold_started(since)  # frozen since the last step, units taken over? stop
                 merge = exchanger.exchange(
-                    i, snapshot, totals, final, taken, inline, marks, marked, before_create=guard.before_write
+                    i, snapshot, totals, final, taken, inline, marks, marked, before_create=before_write
                 )
-                with self._landed_lock:  # applied at the next step even if a later write fails
+                with self._landed_lock:  # applied at the next step even if another fold fails
                     self._landed.append(merge)
-                if shards is not None:
-                    shards.landed(i, totals[0])
-                link.landed(i, mark)
+                with watched:
+                    if shards is not None:
+                        shards.landed(i, totals[0])
+                    link.landed(i, mark)
+
+            parallel(fold, snapshots, lanes=FOLD_LANES)  # the first error raised once all ended
             if final:
                 exchanger.leave()
             if progress is not None:

@@ -131,8 +131,16 @@ class Merge:
         self.fragment.add_into(model, self.delta)
 
 
+FOLD_LANES = 4
+"""Fragments one job folds at once. A fold waits mostly on round trips (a claim, a listing, a
+read, a create): one after another, the folds of many fragments on a far store outlast the
+interval (256 fragments of 0.26 s each take 67 s, past ``every=60 s``); four at a time they
+take a quarter of it. A fold's own state is its fragment's; what the folds share is locked."""
+
+
 class Exchanger:
-    """One learner's exchanges with the run's state; its methods run on the worker thread only.
+    """One learner's exchanges with the run's state; its methods run on the worker thread, the
+    folds of one job on up to ``FOLD_LANES`` threads at once (each its own fragment).
 
     Args:
         mailbox: the run's store.
@@ -181,7 +189,7 @@ class Exchanger:
         self._unsure: list[tuple[int, dict[str, Tensor]] | None] = []  # a fold whose outcome is unknown
         self._since: list[float] = []  # per fragment, when the progress not yet folded began (monotonic)
         self._members: Members | None = None  # the member list, refreshed once per round
-        self._folds = 0
+        self._shared = threading.Lock()  # what a job's concurrent folds share (``FOLD_LANES``)
         self._life = SignsOfLife(learner_id)  # who counts in N, on this node's monotonic clock
         self._member: str | None = None
         self._active: list[int] = []  # per fragment, the largest N seen since its previous fold
@@ -281,17 +289,15 @@ class Exchanger:
                     "(local training diverged: lower the learning rate, clip gradients); nothing "
                     "was folded into the run, whose state stays finite"
                 )
-        # The member list changes rarely: listed once per round of fragments, with the first view.
-        refresh = self._members is None or self._folds % len(self.chains) == 0
-        self._folds += 1
         reads = [lambda: chain.view(self.known[index], absorb=ABSORB, me=me, claim=True)]
-        if refresh:
+        if self._members_due(index):
             reads.append(lambda: list_members(self.mailbox))
         view, *listed = parallel(lambda read: read(), reads)
         now = self._life.clock()
         if listed:
-            self._members = listed[0]
-            self._life.listed(self._members, now)
+            with self._shared:
+                self._members = listed[0]
+                self._life.listed(self._members, now)
         members = self._members
         if view is None:
             raise SessionError(
@@ -320,12 +326,14 @@ class Exchanger:
         # N for the progress made between the previous snapshot and this one, however late
         # this fold runs: learners that left since still count for it.
         since, self._since[index] = self._since[index], taken
-        self._life.read(index, view.table, now)
         staleness = self._staleness(now - since)
-        active = self._life.counted(members, view.table, staleness=staleness, since=since, now=now)
+        with self._shared:
+            self._life.read(index, view.table, now)
+            active = self._life.counted(members, view.table, staleness=staleness, since=since, now=now)
+            scale = self._scale_for(index, len(active))
         seq = self._seqs[index]
         self._unsure[index] = (seq, {name: t.clone() for name, t in local.items()})
-        contribution = self._outer_states[index](local, self._scale_for(index, len(active)))
+        contribution = self._outer_states[index](local, scale)
         entry = Contribution(
             seq=seq,
             step=totals[0],
@@ -339,7 +347,8 @@ class Exchanger:
         folded = chain.fold(view, me, contribution, entry, before_create=before_create)
         self._unsure[index] = None
         self._seqs[index] = folded.learners[me].seq + 1  # past a slot a peer closed (``chain.fold``)
-        self.conflicts += folded.conflicts
+        with self._shared:
+            self.conflicts += folded.conflicts
         self.known[index] = folded.base
         if final:
             chain.settle(folded.base.header.version)
@@ -353,6 +362,18 @@ class Exchanger:
             if gained > 0 or (learner == me and gained >= 0):
                 weights[learner] = gained
         return Merge(fragment=self._plan.fragments[index], delta=delta, weights=weights)
+
+    def _members_due(self, index: int) -> bool:
+        """Whether the fold of fragment ``index`` lists the members (beside its view).
+
+        The first fold lists them (who joined since this learner entered counts in its ``N``
+        from the start); after that the member list changes rarely, and each round lists it once,
+        with fragment 0. That fold's slot falls anywhere in the round (a learner's round starts at
+        a random fragment), so the listings of learners that started together spread over the
+        interval instead of coming in the same slot (``N`` listings of ``N / 1000`` pages each on
+        one prefix).
+        """
+        return self._members is None or index == 0
 
     def _staleness(self, round_s: float) -> float:
         """Seconds of silence after which a peer stops counting: ``max_staleness``, or three of

@@ -500,3 +500,87 @@ def test_a_session_reads_and_writes_no_more_than_the_fragments_it_exchanges():
     assert written < 1.2 * model_bytes  # one round writes the model once, a fragment at a time
     assert read < 0.2 * model_bytes  # alone: its own versions, never downloaded again
     box.clear()
+
+
+def test_a_learner_lists_the_members_at_its_first_fold_then_once_per_round_with_fragment_0(monkeypatch):
+    """The first fold lists the members (who joined meanwhile counts in N at once); then each
+    round lists them with fragment 0, whose slot falls anywhere in the round (a round's first
+    fragment is drawn), not with the round's first fold: learners that started together do not
+    all list them in the same slot, round after round."""
+    from gradientmail.layout import MEMBERS_PREFIX
+    from gradientmail.mailbox.wrappers import MailboxWrapper
+
+    class Events(MailboxWrapper):
+        def __init__(self, inner) -> None:
+            super().__init__(inner)
+            self.events: list[str] = []
+
+        def list(self, prefix: str = "", start_after: str | None = None):
+            if prefix == MEMBERS_PREFIX:
+                self.events.append("members")
+            return super().list(prefix, start_after)
+
+        def put_if_absent(self, key: str, data: bytes) -> bool:
+            self.events.append(key)
+            return super().put_if_absent(key, data)
+
+    monkeypatch.setattr(random.Random, "randrange", lambda rng, stop: 2)  # each round starts at fragment 2
+    box = MemoryMailbox("fragments-member-listings")
+    box.clear()
+    recorder = Events(box)
+    model = vector(8)
+    with session(model, recorder, "a", fragments=4, every_steps=4) as s:
+        recorder.events.clear()
+        for _ in range(8):  # one fragment per step: two rounds, 2 3 0 1 2 3 0 1
+            exchange(s, model, 1.0)
+        events = list(recorder.events)
+    assert s.exchanges >= 8
+    written, listed = [], False  # (fragment, whether its fold listed the members)
+    for event in events:
+        if event == "members":
+            listed = True
+        elif "/versions/" in event:
+            written.append((event.split("fragments/")[1][:4], listed))
+            listed = False
+    assert [fragment for fragment, _ in written] == ["0002", "0003", "0000", "0001"] * 2
+    assert [fragment for fragment, listed in written if listed] == ["0002", "0000", "0000"]
+    box.clear()
+
+
+def test_a_job_folds_its_fragments_concurrently_and_exactly_once():
+    """The fragments of one job fold on up to ``FOLD_LANES`` threads at once: two of its folds'
+    creates wait for each other here, which folds one after another would never do."""
+    from gradientmail.mailbox.wrappers import MailboxWrapper
+    from gradientmail.session.exchange import FOLD_LANES
+
+    assert FOLD_LANES >= 2
+
+    class MeetingCreates(MailboxWrapper):
+        def __init__(self, inner) -> None:
+            super().__init__(inner)
+            self.meet = threading.Barrier(2)
+            self.met = 0
+            self.armed = False
+
+        def put_if_absent(self, key: str, data: bytes) -> bool:
+            if self.armed and "/versions/" in key:
+                try:
+                    self.meet.wait(timeout=20)
+                    self.met += 1
+                except threading.BrokenBarrierError:
+                    pass
+            return super().put_if_absent(key, data)
+
+    box = MemoryMailbox("fragments-concurrent-folds")
+    box.clear()
+    meeting = MeetingCreates(box)
+    model = vector(8)
+    with session(model, meeting, "a", fragments=4, every_steps=1) as s:  # every step: all 4 due
+        meeting.armed = True
+        exchange(s, model, 1.0)
+        meeting.armed = False
+        exchange(s, model, 1.0)
+    assert meeting.met >= 2  # two creates of one job were in flight together
+    assert consensus(box, vector(8)) == {"a": 2}
+    assert values(model) == [2.0] * 8  # each fragment's progress once
+    box.clear()

@@ -11,6 +11,7 @@ from its own generator.
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
@@ -20,7 +21,7 @@ from benchmark_runs import finite, quick_run  # tests/helpers/ is on sys.path (t
 from benchmarks import session_scale
 from benchmarks._simulated_store import WRITE, SimulatedMailbox, SimulatedStore, StoreModel
 from benchmarks._virtual_clock import VirtualClock
-from benchmarks.session_sim import Run, SimConfig, simulate
+from benchmarks.session_sim import Run, SimConfig, learners_by_fragments, simulate
 from gradientmail import MemoryMailbox
 from gradientmail.errors import ValueTooLargeError
 from gradientmail.layout import FRAGMENTS_PREFIX
@@ -175,6 +176,21 @@ def test_the_simulation_agrees_with_real_sessions_on_a_paced_store(learners: int
     assert simulated["conflicts_per_fold"] == pytest.approx(real_per_fold, abs=0.1)
 
 
+def test_simulating_some_fragments_gives_the_figures_of_simulating_them_all() -> None:
+    """Fragments' chains share nothing but their learners' time: a run that simulates 4 of 16
+    fragments (the others' folds waits drawn from the simulated ones) finds the whole run's
+    figures, per whole exchange."""
+    config = SimConfig(learners=24, every=8.0, intervals=3, params=1e8, fragments=16, steps_per_s=4.0)
+    whole, sampled = simulate(config), simulate(SimConfig(**{**config.__dict__, "simulated": 4}))
+    assert sampled["simulated_fragments"] == 4 and whole["simulated_fragments"] == 16
+    assert whole["exact"] == sampled["exact"] == 1.0
+    assert sampled["exchange_rate_mean"] == pytest.approx(whole["exchange_rate_mean"], abs=0.03)
+    assert sampled["lag_intervals"] == pytest.approx(whole["lag_intervals"], abs=0.2)
+    for figure in ("read_per_exchange", "written_per_exchange", "requests_per_exchange"):
+        assert sampled[figure] == pytest.approx(whole[figure], rel=0.15), (figure, whole[figure], sampled[figure])
+    assert sampled["contributions_per_version"] == pytest.approx(whole["contributions_per_version"], rel=0.25)
+
+
 def test_quick_session_sim_benchmark_prints_its_figures_as_json_last() -> None:
     lines, figures = quick_run("session_sim")
     assert any(line.startswith("learners") for line in lines), lines  # the table
@@ -189,6 +205,11 @@ def test_a_run_or_store_that_cannot_be_simulated_is_refused_by_name() -> None:
         SimConfig(learners=0)
     with pytest.raises(ValueError, match="real_params"):
         SimConfig(learners=4, params=1000, real_params=4096)
+    with pytest.raises(ValueError, match="simulated must be at least 1 fragment"):
+        SimConfig(learners=4, simulated=0)
+    assert learners_by_fragments("1024:64:4") == (1024, 64, 4) and learners_by_fragments("64:16") == (64, 16, None)
+    with pytest.raises(argparse.ArgumentTypeError, match="learners:fragments:simulated"):
+        learners_by_fragments("1024:64:0")
     with pytest.raises(ValueError, match="latency_spread"):
         StoreModel(latency_spread=2.0)
     with pytest.raises(ValueError, match="request limit"):
