@@ -103,7 +103,8 @@ def parallel(function: Callable[[T], R], items: Iterable[T], *, lanes: int = PAR
     for group in groups[1:]:
         _LANES.submit(lambda group=group: lane(group))
     run(groups[0])
-    finished.wait()
+    if len(groups) > 1:  # one lane (``lanes=1``): everything ran here
+        finished.wait()
     if errors:
         raise errors[0]
     return results

@@ -149,3 +149,13 @@ def test_a_store_that_never_answers_fails_exit_within_the_timeout(memory_mailbox
                 assert gated.waiting.wait(10)
     finally:
         gated.open()
+
+
+@pytest.mark.timeout(30)
+def test_overlapped_requests_on_one_lane_run_in_order_and_return():
+    from gradientmail.session.overlap import parallel
+
+    seen: list[int] = []
+    assert parallel(lambda item: seen.append(item) or item * 2, [1, 2, 3], lanes=1) == [2, 4, 6]
+    assert seen == [1, 2, 3]
+    assert parallel(lambda item: item + 1, range(10), lanes=4) == list(range(1, 11))
