@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import time
 from typing import Any
 
@@ -204,19 +203,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     mailbox = open_cli_mailbox(args.url, endpoint_url=args.endpoint_url, s3_options=S3_READ_OPTIONS)
     reader = RunReader(mailbox, threads=args.threads)
-
-    def read() -> Any:
-        """One read of the run, a Ctrl-C during it taken once it ended: interrupted inside its
-        thread pool's join, the interpreter could hang at exit waiting for a pool thread."""
-        blocked = hasattr(signal, "pthread_sigmask")
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            return reader.read()
-        finally:
-            if blocked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
     if not args.watch:
         run = require_run(reader.read())
         if args.json:
@@ -230,20 +216,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         if args.json:
             while True:
-                print(json_document(read().to_dict()), flush=True)
+                print(json_document(reader.read().to_dict()), flush=True)
                 time.sleep(args.interval)
         screen = console()
         if not screen.is_terminal:
             while True:
-                screen.print(status_table(read(), screen.width))
+                screen.print(status_table(reader.read(), screen.width))
                 screen.file.flush()
                 time.sleep(args.interval)
         from rich.live import Live
 
-        with Live(status_table(read(), screen.width), console=screen, auto_refresh=False) as live:
+        with Live(status_table(reader.read(), screen.width), console=screen, auto_refresh=False) as live:
             while True:
                 time.sleep(args.interval)
-                live.update(status_table(read(), screen.width), refresh=True)
+                live.update(status_table(reader.read(), screen.width), refresh=True)
     except KeyboardInterrupt:
         return 0
 
