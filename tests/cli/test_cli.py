@@ -168,6 +168,9 @@ def test_status_watch_refreshes_until_ctrl_c(documented_run):
         stderr=subprocess.PIPE,
         text=True,
         env=cli_env(),
+        # Ctrl-C as at a terminal, even when the suite runs in the background (a shell starts
+        # background commands with SIGINT ignored, and the child would inherit that).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         first = json.loads(process.stdout.readline())
