@@ -21,6 +21,7 @@ collective failed, every later one of the group raises at once rather than wait 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import weakref
@@ -43,9 +44,28 @@ __all__ = [
     "PendingStep",
     "StepWord",
     "WordPace",
+    "keep",
 ]
 
 T = TypeVar("T")
+
+_RECENT_WORKS: collections.deque[Any] = collections.deque(maxlen=8)
+"""The last collectives this process started on its groups, kept referenced from Python.
+
+Why: gloo's worker thread drops its reference to a finished collective just after waking the
+rank that waits for it. Were that the last reference, the worker would free the collective's
+tensors there and need the GIL for their Python objects; a ``DistributedDataParallel`` freed
+after ``dist.destroy_process_group()`` (at the end of a script's ``main``, say) destroys the
+group while holding the GIL and joins that very thread: the process would hang at exit. Kept
+here, the worker's reference is never the last; a work leaves this queue on the thread that
+trains, eight collectives later, or at interpreter exit."""
+
+
+def keep(work: Any) -> Any:
+    """``work`` (a collective started with ``async_op=True``), kept among ``_RECENT_WORKS``."""
+    _RECENT_WORKS.append(work)
+    return work
+
 
 NOTHING, APPLY, FAILED = 0, 1, 2
 """Rank 0's word at a step: nothing finished; an exchange finished (apply its fragments); it
@@ -207,19 +227,27 @@ class GroupSync:
         """This rank talks to the store for the group (its rank 0)."""
         return self.rank == 0
 
-    def agree(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank (a learner id: small and picklable)."""
-        box = [value]
-        self.collective(
-            "agreeing on the learner id", lambda: self._dist.broadcast_object_list(box, group=self.group, group_src=0)
-        )
-        return box[0]
+    def agree(self, value: str) -> str:
+        """Rank 0's ``value`` (a learner id) on every rank."""
+        encoded = value.encode() if self.leads else b""
+        (length,) = self.announce([len(encoded)])
+        tensor = torch.zeros(length, dtype=torch.uint8, device=self.device)
+        if self.leads:
+            tensor.copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
+        self.broadcast("agreeing on the learner id", tensor)
+        return bytes(tensor.cpu().tolist()).decode()
 
     def announce(self, words: Sequence[int]) -> list[int]:
         """Rank 0's ``words`` (int64) on every rank; the others pass as many placeholders."""
         tensor = torch.tensor(list(words), dtype=torch.int64, device=self.device)
-        self.collective("rank 0's word", lambda: self._dist.broadcast(tensor, group=self.group, group_src=0))
+        self.broadcast("rank 0's word", tensor)
         return tensor.tolist()
+
+    def broadcast(self, what: str, tensor: Tensor) -> None:
+        """Rank 0's ``tensor`` into every rank's (``keep`` says why it is started async)."""
+        self.collective(
+            what, lambda: keep(self._dist.broadcast(tensor, group=self.group, group_src=0, async_op=True)).wait()
+        )
 
     def start(
         self, samples: int, status: int, fragments: Iterable[int], count: int, stop: int = NOTHING, every: int = 0
@@ -234,7 +262,7 @@ class GroupSync:
             words[4 + index] = 1
         tensor = torch.tensor(words, dtype=torch.int64, device=self.device)
         work = self.collective(
-            "the step's word", lambda: self._dist.all_reduce(tensor, group=self.group, async_op=True)
+            "the step's word", lambda: keep(self._dist.all_reduce(tensor, group=self.group, async_op=True))
         )
         return PendingStep(self, work, tensor)
 
@@ -246,9 +274,7 @@ class GroupSync:
             for name, value in values.items():
                 buffer = value if self.leads else value.detach().clone()
                 buffer = buffer if buffer.is_contiguous() else buffer.contiguous()
-                self.collective(
-                    "broadcasting a merge", lambda b=buffer: self._dist.broadcast(b, group=self.group, group_src=0)
-                )
+                self.broadcast("broadcasting a merge", buffer)
                 received[name] = buffer
             if not self.leads:
                 fragment.load_into(model, received)

@@ -39,7 +39,7 @@ from gradientmail.session.fragments import (
     float_state,
     plain_module,
 )
-from gradientmail.session.group import NOTHING, GroupSync, StepWord
+from gradientmail.session.group import NOTHING, GroupSync, StepWord, keep
 
 __all__ = [
     "AheadFragments",
@@ -194,7 +194,7 @@ class ShardSync:
     def least(self, *values: int) -> list[int]:
         """Each of ``values``, the smallest any rank passed."""
         tensor = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self.sync.group)
+        keep(self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self.sync.group, async_op=True)).wait()
         return tensor.tolist()
 
     def all_ok(self, ok: bool) -> bool:
@@ -278,7 +278,7 @@ class ShardProgress:
         words = [samples, every] + [0] * self.size
         words[2 + self.rank] = min(self._held)
         tensor = torch.tensor(words, dtype=torch.int64, device=self.group.device)
-        work = self._dist.all_reduce(tensor, group=self.group.group, async_op=True)
+        work = keep(self._dist.all_reduce(tensor, group=self.group.group, async_op=True))
         return PendingShardStep(work, tensor, step)
 
     def stepped(self, step: int, mark: int, units: tuple[Any, ...]) -> None:

@@ -9,6 +9,7 @@ can abort the process.) One process forms a gloo group of one: the collectives r
 from __future__ import annotations
 
 import gc
+import subprocess
 import weakref
 
 import pytest
@@ -61,3 +62,23 @@ def test_a_group_destroyed_under_a_session_is_named_as_such(tmp_path):
     gc.collect()
     with pytest.raises(GroupError, match="process group was destroyed while a Session or queue of it"):
         sync.announce([0])
+
+
+@pytest.mark.slow  # two processes, many groups
+def test_a_group_learner_exits_when_its_ddp_model_outlives_the_process_group(tmp_path):
+    """Gloo's worker thread lets go of a finished collective just after the waiting rank moves
+    on; a DDP model freed after ``destroy_process_group()`` joins that thread holding the GIL.
+    Were the thread's reference the last one to a collective of the Session's, it would need the
+    GIL to free its tensors and both would wait forever (without the fix, most runs of these
+    rounds hang within the first few dozen)."""
+    from process_harness import ROOT, failures_of, outputs_of, start_script
+
+    rounds = 40
+    script = ROOT / "tests" / "helpers" / "teardown_nodes.py"
+    processes = [start_script(script, str(rank), str(tmp_path), str(rounds)) for rank in range(2)]
+    try:
+        outputs = outputs_of(processes, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank still ran after 120 s: a group learner hung at teardown ({rounds} rounds)")
+    assert not failures_of(["rank 0", "rank 1"], processes, outputs)
+    assert all(f"done {rounds}" in output for output in outputs), outputs
