@@ -73,7 +73,7 @@ def test_a_group_learner_exits_when_its_ddp_model_outlives_the_process_group(tmp
     rounds hang within the first few dozen)."""
     from process_harness import ROOT, failures_of, outputs_of, start_script
 
-    rounds = 40
+    rounds = 30
     script = ROOT / "tests" / "helpers" / "teardown_nodes.py"
     processes = [start_script(script, str(rank), str(tmp_path), str(rounds)) for rank in range(2)]
     try:
