@@ -87,7 +87,7 @@ from gradientmail.layout import MEMBERS_PREFIX, parse_state_key, pending_prefix,
 from gradientmail.mailbox import Mailbox
 from gradientmail.session import consensus, exchange
 from gradientmail.session.chain import FragmentChain
-from gradientmail.session.exchange import FOLD_LANES, Exchanger, Merge
+from gradientmail.session.exchange import Exchanger, FoldLanes, Merge
 from gradientmail.session.fragments import FragmentPlan, accumulation_dtype, auto_fragments, float_state
 from gradientmail.session.mail import Ledger
 from gradientmail.session.members import Members
@@ -222,6 +222,7 @@ class Learner:
     positions: dict[int, int] = field(default_factory=dict)
     """A simulated fragment's index in the cut -> its index in ``plan``."""
     durations: FoldDurations | None = None
+    lanes: FoldLanes = field(default_factory=FoldLanes)  # its folds at once, by their virtual durations
 
     def start_schedule(self, phase_seed: int | None) -> None:
         """A random phase, as ``Session`` starts one on entering: its own ``Schedule``, on the
@@ -258,22 +259,27 @@ class Learner:
         ]
         taken, totals = time.monotonic(), (self.steps, self.samples)
         progress = self.progress(finished=final) if final or self.count - 1 in indices else None
-        exchanger, durations = self.exchanger, self.durations
+        exchanger, durations, lanes = self.exchanger, self.durations, self.lanes
         assert durations is not None
+        assert self.schedule is not None
+        width = lanes.for_job(len(snapshots), self.schedule.slot_s)
 
         def fold(item: tuple[int, int | None, dict[str, torch.Tensor] | None]) -> None:
             index, position, snapshot = item
             if position is None or snapshot is None:
-                clock.sleep(durations.draw())
+                drawn = durations.draw()
+                clock.sleep(drawn)
+                lanes.folded(drawn)
                 self.stood_in[index] = totals[1]
                 self.landed.append(None)
                 return
             began = clock.now
             self.landed.append(exchanger.exchange(position, snapshot, totals, final, taken))
             durations.record(clock.now - began)
+            lanes.folded(clock.now - began)
 
         def job() -> None:
-            parallel(fold, snapshots, lanes=FOLD_LANES)  # as Session's job: folds overlapped
+            parallel(fold, snapshots, lanes=width)  # as Session's job: as many folds at once
             if final:
                 exchanger.leave()
             if progress is not None:

@@ -28,7 +28,7 @@ from gradientmail.mailbox.base import Mailbox, describe
 from gradientmail.mailbox.keys import validate_key
 from gradientmail.meeting_point import meeting_point
 from gradientmail.presence import SESSION, PresenceShare
-from gradientmail.session.exchange import FOLD_LANES, Exchanger, Job, Merge, Worker, surface
+from gradientmail.session.exchange import Exchanger, FoldLanes, Job, Merge, Worker, surface
 from gradientmail.session.fragments import MAX_FRAGMENTS, FragmentPlan, accumulation_dtype, float_state
 from gradientmail.session.group import (
     APPLY,
@@ -203,6 +203,8 @@ class Session:
         self._presence: PresenceShare | NoPresence | None = None  # this process registers the learner, once entered
         self._stuck = False
         self._schedule: Schedule | None = None  # when to exchange which fragment, once entered
+        self._lanes = FoldLanes()  # how many folds of a job run at once
+        self._paced: tuple[float, int] | None = None  # (clock, steps) at the previous job: the step pace
         self._last_weights: dict[str, int] = {}
         self._buffers: list[dict[str, Tensor]] = []  # per fragment, the snapshot, reused
         self._marks = MarksWriter(mailbox, learner_id)  # used on the exchange thread only
@@ -844,6 +846,8 @@ class Session:
         progress = self._progress(finished=final) if self._registers and (final or len(plan) - 1 in indices) else None
 
         watched = threading.Lock()  # the queue's guard and link see one fold at a time
+        lanes = self._lanes
+        width = lanes.for_job(len(snapshots), self._slot_s(taken))
 
         def before_write(listed: float) -> None:
             with watched:
@@ -858,9 +862,11 @@ class Session:
                 i, snapshot = item
                 with watched:
                     guard.fold_started(since)  # frozen since the last step, units taken over? stop
+                began = time.monotonic()
                 merge = exchanger.exchange(
                     i, snapshot, totals, final, taken, inline, marks, marked, before_create=before_write
                 )
+                lanes.folded(time.monotonic() - began)
                 with self._landed_lock:  # applied at the next step even if another fold fails
                     self._landed.append(merge)
                 with watched:
@@ -868,13 +874,23 @@ class Session:
                         shards.landed(i, totals[0])
                     link.landed(i, mark)
 
-            parallel(fold, snapshots, lanes=FOLD_LANES)  # the first error raised once all ended
+            parallel(fold, snapshots, lanes=width)  # the first error raised once all ended
             if final:
                 exchanger.leave()
             if progress is not None:
                 exchanger.put_progress(progress)
 
         return job
+
+    def _slot_s(self, now: float) -> float:
+        """Seconds between two fragments' folds: a slot of ``every``, or with ``every_steps`` the
+        slot's steps at the pace stepped since the previous job (inf until one is known)."""
+        schedule, paced = self._schedule, self._paced
+        assert schedule is not None
+        self._paced = (now, self._steps)
+        if math.isfinite(schedule.slot_s) or paced is None or self._steps <= paced[1]:
+            return schedule.slot_s
+        return schedule.slot_steps * (now - paced[0]) / (self._steps - paced[1])
 
     def _apply(self, job: Job, what: str) -> None:
         """Apply what ``job``'s folds brought, then raise its error if it failed.

@@ -8,6 +8,7 @@ imports this module, never the reverse.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -132,15 +133,48 @@ class Merge:
 
 
 FOLD_LANES = 4
-"""Fragments one job folds at once. A fold waits mostly on round trips (a claim, a listing, a
-read, a create): one after another, the folds of many fragments on a far store outlast the
-interval (256 fragments of 0.26 s each take 67 s, past ``every=60 s``); four at a time they
-take a quarter of it. A fold's own state is its fragment's; what the folds share is locked."""
+"""The most fragments one job folds at once (``FoldLanes`` says how many it does). A fold waits
+mostly on round trips (a claim, a listing, a read, a create): one after another, the folds of
+many fragments on a far store outlast the interval (256 fragments of 0.26 s each take 67 s, past
+``every=60 s``); four at a time they take a quarter of it. A fold's own state is its fragment's;
+what the folds share is locked."""
+
+
+class FoldLanes:
+    """How many folds of a job run at once: enough that each lane is busy half the time at most.
+
+    A learner folds one fragment per slot (``every / fragments``). Folds longer than half a slot
+    (a large model on a far store, thousands of fragments) fall behind one after another, so up
+    to ``FOLD_LANES`` overlap. Folds far shorter than a slot (a small model, a near store) gain
+    nothing from overlapping: on a busy CPU they only lengthen each other, and with them the
+    claims that peers run into (more contributions left pending, more bytes read), so they run
+    one at a time. The fold time is this learner's own, smoothed; until one is measured, one lane.
+    """
+
+    SMOOTHING = 0.25
+
+    def __init__(self, limit: int = FOLD_LANES) -> None:
+        self.limit = limit
+        self._fold_s: float | None = None
+        self._lock = threading.Lock()  # folds of one job end on several threads
+
+    def folded(self, seconds: float) -> None:
+        """A fold lasted ``seconds``."""
+        with self._lock:
+            old = self._fold_s
+            self._fold_s = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+
+    def for_job(self, folds: int, slot_s: float) -> int:
+        """Lanes for a job of ``folds`` folds, one of which is due every ``slot_s`` seconds."""
+        fold_s = self._fold_s
+        if fold_s is None or not math.isfinite(slot_s) or slot_s <= 0:
+            return 1
+        return max(1, min(self.limit, folds, math.ceil(2 * fold_s / slot_s)))
 
 
 class Exchanger:
     """One learner's exchanges with the run's state; its methods run on the worker thread, the
-    folds of one job on up to ``FOLD_LANES`` threads at once (each its own fragment).
+    folds of one job on up to ``FOLD_LANES`` threads at once (each its own fragment: ``FoldLanes``).
 
     Args:
         mailbox: the run's store.

@@ -547,13 +547,20 @@ def test_a_learner_lists_the_members_at_its_first_fold_then_once_per_round_with_
     box.clear()
 
 
-def test_a_job_folds_its_fragments_concurrently_and_exactly_once():
-    """The fragments of one job fold on up to ``FOLD_LANES`` threads at once: two of its folds'
-    creates wait for each other here, which folds one after another would never do."""
+def test_a_job_folds_its_fragments_concurrently_and_exactly_once(monkeypatch):
+    """The fragments of one job fold on as many threads at once as ``FoldLanes`` says: two of
+    its folds' creates wait for each other here, which folds one after another would never do."""
     from gradientmail.mailbox.wrappers import MailboxWrapper
-    from gradientmail.session.exchange import FOLD_LANES
+    from gradientmail.session.exchange import FOLD_LANES, FoldLanes
 
     assert FOLD_LANES >= 2
+    slots: list[float] = []
+
+    def all_lanes(self, folds: int, slot_s: float) -> int:
+        slots.append(slot_s)
+        return min(FOLD_LANES, folds)
+
+    monkeypatch.setattr(FoldLanes, "for_job", all_lanes)
 
     class MeetingCreates(MailboxWrapper):
         def __init__(self, inner) -> None:
@@ -583,4 +590,26 @@ def test_a_job_folds_its_fragments_concurrently_and_exactly_once():
     assert meeting.met >= 2  # two creates of one job were in flight together
     assert consensus(box, vector(8)) == {"a": 2}
     assert values(model) == [2.0] * 8  # each fragment's progress once
+    # By steps, a slot's seconds come from the pace stepped since the previous job.
+    assert slots[0] == float("inf") and 0 < slots[1] < float("inf"), slots
     box.clear()
+
+
+def test_folds_overlap_only_when_one_at_a_time_they_would_fall_behind():
+    """A job folds one fragment at a time while folds take under half a slot, and up to
+    ``FOLD_LANES`` at once as they grow past it (never more than it has folds)."""
+    from gradientmail.session.exchange import FOLD_LANES, FoldLanes
+
+    lanes = FoldLanes()
+    assert lanes.for_job(16, 0.1) == 1  # nothing measured yet
+    lanes.folded(0.01)
+    assert lanes.for_job(16, 0.1) == 1  # a near store: a fifth of a slot
+    assert lanes.for_job(16, float("inf")) == 1  # no pace to keep
+    lanes = FoldLanes()
+    lanes.folded(0.06)
+    assert lanes.for_job(16, 0.1) == 2
+    assert lanes.for_job(1, 0.1) == 1
+    lanes = FoldLanes()
+    lanes.folded(0.178)  # 1B in bfloat16 over 512 fragments on S3, every 60 s: a slot of 117 ms
+    assert lanes.for_job(16, 60 / 512) == FOLD_LANES == 4
+    assert lanes.for_job(3, 60 / 512) == 3
