@@ -15,12 +15,13 @@ decide who trains what. Every loop here is bounded: by the units, by a deadline,
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import json
 import statistics
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -333,6 +334,33 @@ def fixed_split(config: NodeConfig) -> dict[str, Any]:
     return {"start": start, **run_fixed(config, model, data, start)}
 
 
+def in_process_group(
+    config: NodeConfig, store: str, rank: int, world: int, run: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """``run()`` inside a gloo group of ``world`` ranks (``store`` in the run folder), torn down after.
+
+    What ``run`` built (its DDP model) is freed before ``destroy_process_group()``: a DDP model
+    freed after it drops the group's last reference while holding the GIL and joins gloo's
+    threads, one of which may need the GIL to let go of a collective's tensors (torch), and the
+    process hangs at exit.
+    """
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(config.run_dir) / store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        result = run()
+        gc.collect()  # a DDP model in a reference cycle goes now, while the group lives
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
 def ddp(config: NodeConfig) -> dict[str, Any]:
     """One rank of ``DistributedDataParallel`` over gloo: gradients all-reduced every step.
 
@@ -340,24 +368,21 @@ def ddp(config: NodeConfig) -> dict[str, Any]:
     for the slowest rank, so every step takes the slowest rank's time (its communication hides
     inside that rank's pad, which flatters DDP on this machine).
     """
+    return in_process_group(config, "ddp-store", config.rank, config.world, lambda: _ddp_rank(config))
+
+
+def _ddp_rank(config: NodeConfig) -> dict[str, Any]:
     import torch.distributed as dist
 
-    store = Path(config.run_dir) / "ddp-store"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=config.rank, world_size=config.world, timeout=timedelta(seconds=120)
-    )
-    try:
-        model, data = make_model(), TrainingData(config.data_dir, config.plan)
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        if config.rank != 0:  # every rank holds the same model: rank 0 checkpoints it
-            config = replace(config, checkpoints=False)
-        dist.barrier()
-        start = time.time()
-        result = run_fixed(config, model, data, start, net=wrapped)
-        dist.barrier()
-        return {"start": start, **result}
-    finally:
-        dist.destroy_process_group()
+    model, data = make_model(), TrainingData(config.data_dir, config.plan)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    if config.rank != 0:  # every rank holds the same model: rank 0 checkpoints it
+        config = replace(config, checkpoints=False)
+    dist.barrier()
+    start = time.time()
+    result = run_fixed(config, model, data, start, net=wrapped)
+    dist.barrier()
+    return {"start": start, **result}
 
 
 def session_options(outer: str | None) -> dict[str, Any]:
@@ -469,69 +494,67 @@ def groups(config: NodeConfig) -> dict[str, Any]:
     """One rank of a group (a "machine"): DDP over its gloo group, ``Session(group=)`` and
     ``shared_queue(group=)``; each rank trains a whole batch of ``BATCH`` contexts per step at its
     own pad, as a one-process learner does, so a group of K does K batches per step."""
+    group, member = divmod(config.rank, config.group_size)
+    return in_process_group(config, f"group-{group}-store", member, config.group_size, lambda: _group_rank(config))
+
+
+def _group_rank(config: NodeConfig) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gradientmail import LocalMailbox, Session
     from gradientmail.patterns.shared_queue import shared_queue
 
-    group, member = divmod(config.rank, config.group_size)
-    store = Path(config.run_dir) / f"group-{group}-store"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=member, world_size=config.group_size, timeout=timedelta(seconds=120)
+    group = config.rank // config.group_size
+    if config.plan.every_s is None:
+        raise ValueError("plan.every_s is None: benchmarks.training derives it before starting nodes")
+    box = LocalMailbox(Path(config.run_dir) / "mailbox")
+    counting = CountingMailbox(box)
+    data = TrainingData(config.data_dir, config.plan)
+    model = make_model()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = adam(model)
+    learner = f"machine-{group}"
+    session = Session(
+        wrapped,
+        mailbox=counting,
+        learner_id=learner,
+        every=timedelta(seconds=config.plan.every_s),
+        group=dist.group.WORLD,
+        **session_options(config.outer),
     )
-    try:
-        if config.plan.every_s is None:
-            raise ValueError("plan.every_s is None: benchmarks.training derives it before starting nodes")
-        box = LocalMailbox(Path(config.run_dir) / "mailbox")
-        counting = CountingMailbox(box)
-        data = TrainingData(config.data_dir, config.plan)
-        model = make_model()
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = adam(model)
-        learner = f"machine-{group}"
-        session = Session(
-            wrapped,
-            mailbox=counting,
+    load = functools.partial(group_batches, data, config.group_size)
+    start = start_line(Path(config.run_dir), config.rank, config.world)
+    batches = 0
+    with (
+        session,
+        shared_queue(
+            unit_table(config.plan, 1),
+            mailbox=box,
             learner_id=learner,
-            every=timedelta(seconds=config.plan.every_s),
+            load=load,
+            workers=0,
+            shutdown_timeout=60.0,
             group=dist.group.WORLD,
-            **session_options(config.outer),
-        )
-        load = functools.partial(group_batches, data, config.group_size)
-        start = start_line(Path(config.run_dir), config.rank, config.world)
-        batches = 0
-        with (
-            session,
-            shared_queue(
-                unit_table(config.plan, 1),
-                mailbox=box,
-                learner_id=learner,
-                load=load,
-                workers=0,
-                shutdown_timeout=60.0,
-                group=dist.group.WORLD,
-            ) as queue,
-        ):
-            for _, batch in queue:
-                began = time.monotonic()
-                train_step(wrapped, optimizer, batch)
-                session.step(samples=len(batch))
-                batches += 1
-                pad(began, config.sleep_s)
-        end = time.time()
-        result = {
-            "start": start,
-            "end": end,
-            "batches": batches,
-            "merges": session.merges,
-            "fragments": session.fragments,
-            "exchanges": session.exchanges,
-            **traffic(counting, model, session),
-        }
-        dist.barrier()  # neither rank tears its connections down while the other still uses them
-        return result
-    finally:
-        dist.destroy_process_group()
+        ) as queue,
+    ):
+        for _, batch in queue:
+            began = time.monotonic()
+            train_step(wrapped, optimizer, batch)
+            session.step(samples=len(batch))
+            batches += 1
+            pad(began, config.sleep_s)
+    end = time.time()
+    result = {
+        "start": start,
+        "end": end,
+        "batches": batches,
+        "merges": session.merges,
+        "fragments": session.fragments,
+        "exchanges": session.exchanges,
+        **traffic(counting, model, session),
+    }
+    dist.barrier()  # neither rank tears its connections down while the other still uses them
+    return result
 
 
 METHODS = {"single": single, "ddp": ddp, "fixed_split": fixed_split, "gradientmail": gradientmail, "groups": groups}
