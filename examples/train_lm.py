@@ -197,8 +197,10 @@ def main() -> None:
     if leads:
         print(f"[{learner}] done: {batches} batches in {time.time() - started:.1f}s", flush=True)
     if group is not None:
-        # Tear the group down only once nothing of it is in flight on either rank: gloo aborts a
-        # process whose group goes away under a collective's thread.
+        # Tear the group down only once nothing of it is in flight on either rank (gloo aborts a
+        # process whose group goes away under a collective's thread), and free the DDP wrapper
+        # first: freed after, it destroys the group holding the GIL, which can hang with gloo.
+        del trained
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
